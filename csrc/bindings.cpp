@@ -1,0 +1,20 @@
+// The one extension module, offload._C. Each native feature binds itself into
+// its own submodule; this file only lists them.
+#include <pybind11/pybind11.h>
+
+#include "common/cpu_features.h"
+
+namespace py = pybind11;
+
+namespace offload {
+void bind_adam(py::module_& m);
+}  // namespace offload
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "offload native kernels";
+  m.def("detected_simd_level",
+        [] { return std::string(offload::simd_level_name(offload::detected_simd_level())); },
+        "Highest SIMD level this CPU and OS support: scalar, avx2 or avx512.");
+  auto adam = m.def_submodule("adam", "Fused CPU Adam");
+  offload::bind_adam(adam);
+}

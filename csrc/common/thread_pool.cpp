@@ -1,0 +1,97 @@
+#include "thread_pool.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+
+namespace offload {
+
+ThreadPool& ThreadPool::instance() {
+  // A forked child inherits the pool object but not its threads; leak the old
+  // one (its mutexes may be held by threads that no longer exist) and build anew.
+  static pid_t owner_pid = getpid();
+  static ThreadPool* pool = new ThreadPool();
+  if (getpid() != owner_pid) {
+    owner_pid = getpid();
+    pool = new ThreadPool();
+  }
+  return *pool;
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  work_cv_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void ThreadPool::ensure_workers(int count) {
+  while (static_cast<int>(workers_.size()) < count) {
+    const int index = static_cast<int>(workers_.size());
+    workers_.emplace_back([this, index] { worker_loop(index); });
+  }
+}
+
+void ThreadPool::worker_loop(int index) {
+  unsigned long seen = 0;
+  for (;;) {
+    std::pair<size_t, size_t> range;
+    const std::function<void(size_t, size_t)>* job;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      // Worker i runs range i + 1; range 0 belongs to the caller.
+      work_cv_.wait(lock, [&] {
+        return stopping_ || (generation_ != seen &&
+                             static_cast<size_t>(index + 1) < ranges_.size());
+      });
+      if (stopping_) return;
+      seen = generation_;
+      range = ranges_[index + 1];
+      job = job_;
+    }
+    (*job)(range.first, range.second);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--pending_ == 0) done_cv_.notify_one();
+    }
+  }
+}
+
+void ThreadPool::parallel_for(size_t n, size_t align, int num_threads,
+                              const std::function<void(size_t, size_t)>& fn) {
+  if (n == 0) return;
+  align = std::max<size_t>(align, 1);
+  const size_t units = (n + align - 1) / align;
+  const int threads = static_cast<int>(std::min<size_t>(std::max(num_threads, 1), units));
+  std::unique_lock<std::mutex> call_lock(call_mutex_, std::try_to_lock);
+  if (threads == 1 || !call_lock.owns_lock()) {
+    fn(0, n);
+    return;
+  }
+  std::vector<std::pair<size_t, size_t>> ranges;
+  const size_t per = units / threads, extra = units % threads;
+  size_t begin = 0;
+  for (int t = 0; t < threads; ++t) {
+    const size_t count = (per + (static_cast<size_t>(t) < extra ? 1 : 0)) * align;
+    const size_t end = std::min(n, begin + count);
+    ranges.emplace_back(begin, end);
+    begin = end;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ensure_workers(threads - 1);
+    ranges_ = std::move(ranges);
+    job_ = &fn;
+    pending_ = threads - 1;
+    ++generation_;
+  }
+  work_cv_.notify_all();
+  fn(ranges_[0].first, ranges_[0].second);
+  std::unique_lock<std::mutex> lock(mutex_);
+  done_cv_.wait(lock, [&] { return pending_ == 0; });
+  job_ = nullptr;
+}
+
+}  // namespace offload

@@ -1,0 +1,55 @@
+"""The `offload` command (also `python -m offload`).
+
+  offload report            versions, native extension, SIMD, threads, I/O backends
+  offload bench adam ...    CPU Adam benchmark (offload/bench/cpu_adam.py)
+  offload bench io ...      NVMe path benchmark (offload/bench/io.py)
+
+Each benchmark module owns its arguments: it exposes add_arguments(parser)
+and run(args) -> int, and is imported only when its subcommand runs.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+BENCHMARKS = {
+    "adam": ("offload.bench.cpu_adam", "CPU Adam: ours vs torch and DeepSpeed, fp32 and offload cases"),
+    "io": ("offload.bench.io", "NVMe path: our async I/O backends vs fio and DeepSpeed aio"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="offload", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    report = sub.add_parser("report", help="print the environment and what offload will use")
+    report.add_argument("--json", action="store_true", help="print JSON instead of text")
+    bench = sub.add_parser("bench", help="run a benchmark (prints JSON, writes a PNG)")
+    bench_sub = bench.add_subparsers(dest="benchmark", required=True)
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        p = bench_sub.add_parser(name, help=help_text)
+        p.set_defaults(bench_module=module_name)
+        try:
+            importlib.import_module(module_name).add_arguments(p)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            p.set_defaults(bench_missing=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "report":
+        from offload import report
+
+        return report.main(as_json=args.json)
+    if getattr(args, "bench_missing", False):
+        print(f"offload bench {args.benchmark}: not available in this version", file=sys.stderr)
+        return 2
+    return importlib.import_module(args.bench_module).run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
