@@ -8,6 +8,7 @@ namespace py = pybind11;
 
 namespace offload {
 void bind_adam(py::module_& m);
+void bind_aio(py::module_& m);
 }  // namespace offload
 
 PYBIND11_MODULE(_C, m) {
@@ -17,4 +18,6 @@ PYBIND11_MODULE(_C, m) {
         "Highest SIMD level this CPU and OS support: scalar, avx2 or avx512.");
   auto adam = m.def_submodule("adam", "Fused CPU Adam");
   offload::bind_adam(adam);
+  auto aio = m.def_submodule("aio", "Native async file I/O (Linux AIO, O_DIRECT) and CRC-32C");
+  offload::bind_aio(aio);
 }

@@ -30,35 +30,31 @@ OFFLOAD_AVX2 inline __m256 load_grad8(const AdamBuffers& b, size_t i) {
   }
 }
 
-// fp32 -> bf16 with torch's rounding (round half to even; NaN -> 0x7FC0).
+// fp32 -> bf16 as torch rounds (half to even; NaN -> 0xFFFF, see float_convert.h).
 OFFLOAD_AVX2 inline __m128i to_bf16x8(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   const __m256i rounded = _mm256_srli_epi32(
       _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
   const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  const __m256i r = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), is_nan);
+  const __m256i r = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0xFFFF), is_nan);
   // Pack 8 x u32 (all <= 0xFFFF) into 8 x u16 across the two 128-bit halves.
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
   return _mm256_castsi256_si128(packed);
 }
 
-// fp32 -> fp16, IEEE round to nearest even; NaN canonicalised (sign | 0x7E00)
-// as torch's software conversion does, whatever the payload.
+// fp32 -> fp16, IEEE round to nearest even (F16C handles NaN as torch does).
 OFFLOAD_AVX2 inline __m128i to_f16x8(__m256 x) {
-  const __m256 is_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  const __m256 sign = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x80000000u)));
-  const __m256 qnan = _mm256_or_ps(sign, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)));
-  return _mm256_cvtps_ph(_mm256_blendv_ps(x, qnan, is_nan), _MM_FROUND_TO_NEAREST_INT);
+  return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
 }
 
 struct Consts {
-  __m256 beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias2_sqrt, decay;
+  __m256 beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias2_sqrt, decay;
 };
 
 OFFLOAD_AVX2 inline Consts make_consts(const AdamParams& a) {
-  return Consts{_mm256_set1_ps(a.beta1),        _mm256_set1_ps(a.beta2),
-                _mm256_set1_ps(1.0f - a.beta1), _mm256_set1_ps(1.0f - a.beta2),
+  return Consts{_mm256_set1_ps(a.beta2),
+                _mm256_set1_ps(a.one_minus_beta1), _mm256_set1_ps(a.one_minus_beta2),
                 _mm256_set1_ps(a.eps),          _mm256_set1_ps(a.step_size),
                 _mm256_set1_ps(a.bias2_sqrt),   _mm256_set1_ps(a.decay)};
 }
@@ -71,10 +67,10 @@ OFFLOAD_AVX2 inline void update8(const AdamParams& a, const Consts& c, const Ada
     if (a.adamw_mode) p = _mm256_mul_ps(p, c.decay);
     else g = _mm256_fmadd_ps(c.decay, p, g);
   }
-  const __m256 m = _mm256_fmadd_ps(c.beta1, _mm256_loadu_ps(b.exp_avg + i),
-                                   _mm256_mul_ps(c.one_minus_beta1, g));
-  const __m256 v = _mm256_fmadd_ps(c.beta2, _mm256_loadu_ps(b.exp_avg_sq + i),
-                                   _mm256_mul_ps(c.one_minus_beta2, _mm256_mul_ps(g, g)));
+  const __m256 m0 = _mm256_loadu_ps(b.exp_avg + i);
+  const __m256 m = _mm256_fmadd_ps(c.one_minus_beta1, _mm256_sub_ps(g, m0), m0);
+  const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(c.one_minus_beta2, g), g,
+                                   _mm256_mul_ps(c.beta2, _mm256_loadu_ps(b.exp_avg_sq + i)));
   const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bias2_sqrt), c.eps);
   p = _mm256_fnmadd_ps(c.step_size, _mm256_div_ps(m, denom), p);
   _mm256_storeu_ps(b.exp_avg + i, m);

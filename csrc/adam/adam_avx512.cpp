@@ -37,33 +37,29 @@ OFFLOAD_AVX512 inline __m512 load_grad16(const AdamBuffers& b, size_t i) {
   }
 }
 
-// fp32 -> bf16 with torch's rounding (round half to even; NaN -> 0x7FC0).
+// fp32 -> bf16 as torch rounds (half to even; NaN -> 0xFFFF, see float_convert.h).
 OFFLOAD_AVX512 inline __m256i to_bf16x16(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(
       _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, is_nan, _mm512_set1_epi32(0x7FC0));
+  r = _mm512_mask_mov_epi32(r, is_nan, _mm512_set1_epi32(0xFFFF));
   return _mm512_cvtepi32_epi16(r);
 }
 
-// fp32 -> fp16, IEEE round to nearest even; NaN canonicalised (sign | 0x7E00).
+// fp32 -> fp16, IEEE round to nearest even (VCVTPS2PH handles NaN as torch does).
 OFFLOAD_AVX512 inline __m256i to_f16x16(__m512 x) {
-  const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x80000000u));
-  const __m512i qnan = _mm512_or_si512(sign, _mm512_set1_epi32(0x7FC00000));
-  const __m512 clean = _mm512_mask_mov_ps(x, is_nan, _mm512_castsi512_ps(qnan));
-  return _mm512_cvtps_ph(clean, _MM_FROUND_TO_NEAREST_INT);
+  return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
 }
 
 struct Consts {
-  __m512 beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias2_sqrt, decay;
+  __m512 beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias2_sqrt, decay;
 };
 
 OFFLOAD_AVX512 inline Consts make_consts(const AdamParams& a) {
-  return Consts{_mm512_set1_ps(a.beta1),        _mm512_set1_ps(a.beta2),
-                _mm512_set1_ps(1.0f - a.beta1), _mm512_set1_ps(1.0f - a.beta2),
+  return Consts{_mm512_set1_ps(a.beta2),
+                _mm512_set1_ps(a.one_minus_beta1), _mm512_set1_ps(a.one_minus_beta2),
                 _mm512_set1_ps(a.eps),          _mm512_set1_ps(a.step_size),
                 _mm512_set1_ps(a.bias2_sqrt),   _mm512_set1_ps(a.decay)};
 }
@@ -76,10 +72,10 @@ OFFLOAD_AVX512 inline void update16(const AdamParams& a, const Consts& c, const 
     if (a.adamw_mode) p = _mm512_mul_ps(p, c.decay);
     else g = _mm512_fmadd_ps(c.decay, p, g);
   }
-  const __m512 m = _mm512_fmadd_ps(c.beta1, _mm512_loadu_ps(b.exp_avg + i),
-                                   _mm512_mul_ps(c.one_minus_beta1, g));
-  const __m512 v = _mm512_fmadd_ps(c.beta2, _mm512_loadu_ps(b.exp_avg_sq + i),
-                                   _mm512_mul_ps(c.one_minus_beta2, _mm512_mul_ps(g, g)));
+  const __m512 m0 = _mm512_loadu_ps(b.exp_avg + i);
+  const __m512 m = _mm512_fmadd_ps(c.one_minus_beta1, _mm512_sub_ps(g, m0), m0);
+  const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(c.one_minus_beta2, g), g,
+                                   _mm512_mul_ps(c.beta2, _mm512_loadu_ps(b.exp_avg_sq + i)));
   const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c.bias2_sqrt), c.eps);
   p = _mm512_fnmadd_ps(c.step_size, _mm512_div_ps(m, denom), p);
   _mm512_storeu_ps(b.exp_avg + i, m);

@@ -10,8 +10,10 @@
 // The arithmetic mirrors torch.optim.Adam/AdamW (single-tensor path):
 //   adam  (L2):      g <- g + wd * p
 //   adamw (decoupled): p <- p * (1 - lr * wd)
-//   m <- beta1 * m + (1 - beta1) * g
-//   v <- beta2 * v + (1 - beta2) * g * g
+//   m <- lerp(m, g, 1 - beta1) = m + (1 - beta1) * (g - m)
+//   v <- beta2 * v + ((1 - beta2) * g) * g
+// (lerp as torch evaluates it, so an inf gradient turns m into NaN on the
+// next step exactly as in torch, rather than staying inf)
 //   p <- p - step_size * m / (sqrt(v) / bias2_sqrt + eps)
 // with step_size = lr / (1 - beta1^t) and bias2_sqrt = sqrt(1 - beta2^t)
 // (both 1 without bias correction), computed once in double by the caller.
@@ -30,7 +32,9 @@ enum class ElementType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 const char* element_type_name(ElementType t);
 
 struct AdamParams {
-  float beta1, beta2, eps;
+  // 1 - beta is passed in, computed in double: 1.0f - 0.999f is off from
+  // 0.001 by 1.3e-5 relative, which torch (computing it in double) is not.
+  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps;
   float step_size;    // lr / bias_correction1
   float bias2_sqrt;   // sqrt(bias_correction2)
   float decay;        // adamw: 1 - lr * wd (multiplies p); adam: wd (scales p into g)

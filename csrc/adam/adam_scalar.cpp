@@ -29,8 +29,8 @@ inline float load_grad(const AdamBuffers& b, size_t i) {
 }  // namespace
 
 void adam_kernel_scalar(const AdamParams& a, const AdamBuffers& b, size_t begin, size_t end) {
-  const float one_minus_beta1 = 1.0f - a.beta1;
-  const float one_minus_beta2 = 1.0f - a.beta2;
+  const float one_minus_beta1 = a.one_minus_beta1;
+  const float one_minus_beta2 = a.one_minus_beta2;
   uint16_t* out16 = static_cast<uint16_t*>(b.out);
   for (size_t i = begin; i < end; ++i) {
     float g = load_grad(b, i);
@@ -39,8 +39,8 @@ void adam_kernel_scalar(const AdamParams& a, const AdamBuffers& b, size_t begin,
       if (a.adamw_mode) p = p * a.decay;
       else g = g + a.decay * p;
     }
-    const float m = a.beta1 * b.exp_avg[i] + one_minus_beta1 * g;
-    const float v = a.beta2 * b.exp_avg_sq[i] + one_minus_beta2 * (g * g);
+    const float m = b.exp_avg[i] + one_minus_beta1 * (g - b.exp_avg[i]);
+    const float v = a.beta2 * b.exp_avg_sq[i] + (one_minus_beta2 * g) * g;
     const float denom = std::sqrt(v) / a.bias2_sqrt + a.eps;
     p = p - a.step_size * (m / denom);
     b.exp_avg[i] = m;

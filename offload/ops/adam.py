@@ -106,7 +106,7 @@ def adam_step(
         master.data_ptr(), grad.data_ptr(), _DTYPE_NAMES[grad.dtype],
         exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
         0 if out is None else out.data_ptr(), _DTYPE_NAMES[out.dtype] if out is not None else "",
-        n, step_size, bias2_sqrt, beta1, beta2, eps, decay,
+        n, step_size, bias2_sqrt, beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps, decay,
         bool(adamw_mode), weight_decay != 0.0, simd.selected_level(), threads,
     )
 
@@ -122,7 +122,7 @@ def _adam_step_torch(master, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, step_
             master.mul_(decay)
         else:
             g = g.add(master, alpha=weight_decay)
-    exp_avg.mul_(beta1).add_(g, alpha=1.0 - beta1)
+    exp_avg.lerp_(g, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
     denom = exp_avg_sq.sqrt().div_(bias2_sqrt).add_(eps)
     master.addcdiv_(exp_avg, denom, value=-step_size)

@@ -1,0 +1,333 @@
+"""offload.ops.adam_step against torch.optim.Adam/AdamW, element by element.
+
+Every test that exercises the kernel runs once per SIMD path this CPU has
+(the simd_level fixture forces each with OFFLOAD_SIMD). Sizes straddle the
+vector widths (8, 16) and the thread split so tails and chunk edges are hit.
+"""
+import math
+import struct
+import threading
+
+import pytest
+import torch
+
+from offload import _native, simd
+from offload.ops import adam_step
+
+SIZES = [1, 7, 15, 16, 17, 1023, 1_000_003]
+HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
+
+
+def _torch_reference(p0, grads, *, adamw_mode, weight_decay, lr=HP["lr"]):
+    p = p0.clone().requires_grad_(True)
+    cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    opt = cls([p], lr=lr, betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+              weight_decay=weight_decay, foreach=False)
+    for g in grads:
+        p.grad = g.float().clone()
+        opt.step()
+    st = opt.state[p]
+    return p.detach(), st["exp_avg"], st["exp_avg_sq"]
+
+
+def _run_ours(p0, grads, *, adamw_mode, weight_decay, out=None, lr=HP["lr"], **kw):
+    p = p0.clone()
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    for step, g in enumerate(grads, start=1):
+        adam_step(p, g, m, v, step=step, lr=lr, beta1=HP["beta1"], beta2=HP["beta2"],
+                  eps=HP["eps"], weight_decay=weight_decay, adamw_mode=adamw_mode, out=out, **kw)
+    return p, m, v
+
+
+def _grads(n, steps=10, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    # Varying scale per step so moments see growth and decay.
+    return [(torch.randn(n, generator=gen) * (0.1 + step)).to(dtype) for step in range(steps)]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "adam"])
+def test_parity_with_torch(simd_level, n, weight_decay, adamw_mode):
+    p0 = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    grads = _grads(n)
+    ref = _torch_reference(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay)
+    ours = _run_ours(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay)
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), ours, ref):
+        torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 17, 4099])
+def test_low_precision_grad_is_widened_exactly(simd_level, grad_dtype, n):
+    p0 = torch.randn(n)
+    grads = _grads(n, dtype=grad_dtype)
+    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.01)
+    ours = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.01)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b)
+
+
+def _bits(t):
+    return t.view(torch.int16)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 7, 16, 17, 1023, 100_003])
+def test_fused_out_equals_torch_rounding(simd_level, out_dtype, n):
+    p0 = torch.randn(n) * 3
+    out = torch.empty(n, dtype=out_dtype)
+    grads = _grads(n, steps=3)
+    p, _, _ = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.01, out=out)
+    assert torch.equal(_bits(out), _bits(p.to(out_dtype)))
+
+
+def _f32(bits):
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+SPECIAL_BITS = [
+    0x00000000, 0x80000000,            # +-0
+    0x00000001, 0x807FFFFF, 0x00400000,  # fp32 denormals (bf16 keeps them)
+    0x3F808000, 0x3F818000,            # bf16 ties: round to even down, then up
+    0x3F808001, 0x3F807FFF,            # just above / below a bf16 tie
+    0x7F7FFFFF, 0xFF7FFFFF,            # fp32 max: rounds to bf16 inf
+    0x477FF000, 0x477FEFFF,            # fp16 overflow boundary (65520 rounds to inf)
+    0x33000000, 0x33000001,            # fp16 smallest-denormal tie
+    0x7F800000, 0xFF800000,            # +-inf
+    0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FFFFFFF,  # NaNs, signalling and payloads
+]
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("offset", [0, 5, 16])
+def test_fused_out_special_values_bit_exact(simd_level, out_dtype, offset):
+    """lr=0 and a zero gradient leave the master as is; out must be its rounding."""
+    values = torch.tensor([_f32(b) for b in SPECIAL_BITS], dtype=torch.float32)
+    # Placed at an offset so special values land in vector bodies and tails.
+    master = torch.cat([torch.ones(offset), values, torch.ones(3)])
+    n = master.numel()
+    out = torch.empty(n, dtype=out_dtype)
+    m, v = torch.zeros(n), torch.zeros(n)
+    adam_step(master, torch.zeros(n), m, v, step=1, lr=0.0, beta1=0.9, beta2=0.999,
+              eps=1e-8, weight_decay=0.0, out=out)
+    expected = master.to(out_dtype)
+    mismatch = (_bits(out) != _bits(expected)).nonzero().flatten().tolist()
+    assert not mismatch, [
+        (hex(struct.unpack("<I", struct.pack("<f", master[i].item()))[0]),
+         hex(_bits(out)[i].item() & 0xFFFF), hex(_bits(expected)[i].item() & 0xFFFF))
+        for i in mismatch
+    ]
+
+
+@pytest.mark.parametrize("n", [5, 40])
+def test_nan_and_inf_gradients_propagate_as_in_torch(simd_level, n):
+    p0 = torch.randn(n)
+    grads = _grads(n, steps=4)
+    grads[1][0] = float("nan")
+    grads[2][n - 1] = float("inf")
+    grads[3][n // 2] = -float("inf")
+    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.1)
+    ours = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.1)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, equal_nan=True)
+    assert ours[0].isnan().sum() >= 3  # the poisoned elements really are NaN
+
+
+@pytest.mark.parametrize("n", [1, 33, 70_001])
+def test_without_bias_correction_matches_closed_form(simd_level, n):
+    p0 = torch.randn(n, dtype=torch.float64)
+    grads = _grads(n, steps=5)
+    p, m, v = p0.clone(), torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    for g in grads:
+        g = g.double()
+        p = p * (1 - HP["lr"] * 0.05)
+        m = HP["beta1"] * m + (1 - HP["beta1"]) * g
+        v = HP["beta2"] * v + (1 - HP["beta2"]) * g * g
+        p = p - HP["lr"] * m / (v.sqrt() + HP["eps"])
+    ours = _run_ours(p0.float(), grads, adamw_mode=True, weight_decay=0.05, bias_correction=False)
+    torch.testing.assert_close(ours[0], p.float())
+    torch.testing.assert_close(ours[1], m.float())
+    torch.testing.assert_close(ours[2], v.float())
+
+
+@pytest.mark.parametrize("level", [lvl for lvl in simd.available_levels() if lvl != "scalar"])
+def test_simd_kernel_agrees_with_scalar_reference(level, monkeypatch):
+    n = 100_003
+    p0 = torch.randn(n)
+    grads = _grads(n, steps=5, dtype=torch.bfloat16)
+    out_s, out_v = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    monkeypatch.setenv(simd.ENV_VAR, "scalar")
+    scalar = _run_ours(p0, grads, adamw_mode=False, weight_decay=0.1, out=out_s)
+    monkeypatch.setenv(simd.ENV_VAR, level)
+    vector = _run_ours(p0, grads, adamw_mode=False, weight_decay=0.1, out=out_v)
+    for a, b in zip(vector, scalar):
+        torch.testing.assert_close(a, b)
+    # The roundings may differ only where the masters themselves differ.
+    same = vector[0] == scalar[0]
+    assert torch.equal(out_v[same], out_s[same])
+
+
+def test_thread_count_does_not_change_results(simd_level):
+    n = 1_000_003
+    p0 = torch.randn(n)
+    grads = _grads(n, steps=3)
+    results = [_run_ours(p0, grads, adamw_mode=True, weight_decay=0.1, num_threads=t)
+               for t in (1, 2, 3, 7)]
+    for other in results[1:]:
+        for a, b in zip(other, results[0]):
+            assert torch.equal(a, b)
+
+
+def test_concurrent_callers_each_get_correct_results():
+    """Two Python threads share the native pool; neither may corrupt the other."""
+    n = 300_017
+    inputs = [torch.randn(n, generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
+    grads = [_grads(n, steps=5, seed=s) for s in (0, 1)]
+    expected = [_run_ours(p, g, adamw_mode=True, weight_decay=0.1) for p, g in zip(inputs, grads)]
+    results = [None, None]
+
+    def work(i):
+        results[i] = _run_ours(inputs[i], grads[i], adamw_mode=True, weight_decay=0.1)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, want in zip(results, expected):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
+def test_pure_pytorch_fallback_matches_torch(monkeypatch):
+    monkeypatch.setattr(_native, "native", None)
+    monkeypatch.setattr(_native, "_warned", set())
+    n = 1031
+    p0 = torch.randn(n)
+    grads = _grads(n, steps=6)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="pure-PyTorch fallback"):
+        ours = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.1, out=out)
+    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.1)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b)
+    assert torch.equal(out, ours[0].to(torch.bfloat16))
+
+
+def test_empty_tensors_are_a_no_op():
+    e = torch.empty(0)
+    adam_step(e, e.clone(), e.clone(), e.clone(), step=1, weight_decay=0.0, **HP)
+
+
+# ---- bad input: each names the argument and what was expected ------------
+
+def _args(n=8):
+    return [torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(n)]
+
+
+def _call(args, **overrides):
+    kw = dict(step=1, weight_decay=0.0, **HP)
+    kw.update(overrides)
+    adam_step(*args, **kw)
+
+
+@pytest.mark.parametrize("index,name", [(0, "master"), (1, "grad"), (2, "exp_avg"), (3, "exp_avg_sq")])
+def test_rejects_non_tensor(index, name):
+    args = _args()
+    args[index] = [0.0] * 8
+    with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got list"):
+        _call(args)
+
+
+@pytest.mark.parametrize("index,name,dtype", [
+    (0, "master", torch.float16), (1, "grad", torch.float64), (1, "grad", torch.int32),
+    (2, "exp_avg", torch.bfloat16), (3, "exp_avg_sq", torch.float64),
+])
+def test_rejects_wrong_dtype(index, name, dtype):
+    args = _args()
+    args[index] = args[index].to(dtype)
+    with pytest.raises(TypeError, match=f"{name} must have dtype .*got {str(dtype)[6:]}"):
+        _call(args)
+
+
+def test_rejects_non_cpu_tensor():
+    args = _args()
+    args[1] = torch.zeros(8, device="meta")
+    with pytest.raises(ValueError, match="grad must be a CPU tensor, got device meta"):
+        _call(args)
+
+
+def test_rejects_non_contiguous():
+    args = _args()
+    args[2] = torch.zeros(16)[::2]
+    with pytest.raises(ValueError, match="exp_avg must be contiguous"):
+        _call(args)
+
+
+def test_rejects_size_mismatch():
+    args = _args()
+    args[3] = torch.zeros(9)
+    with pytest.raises(ValueError, match="exp_avg_sq has 9 elements but master has 8"):
+        _call(args)
+
+
+def test_rejects_bad_out():
+    with pytest.raises(TypeError, match="out must have dtype bfloat16 or float16, got float32"):
+        _call(_args(), out=torch.zeros(8))
+    with pytest.raises(ValueError, match="out has 7 elements"):
+        _call(_args(), out=torch.zeros(7, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("overrides,pattern", [
+    (dict(step=0), "step must be an int >= 1"),
+    (dict(step=1.5), "step must be an int >= 1"),
+    (dict(lr=-1.0), r"lr must be in \[0.0, inf\)"),
+    (dict(lr=float("nan")), "lr must be in"),
+    (dict(beta1=1.0), r"beta1 must be in \[0.0, 1.0\)"),
+    (dict(beta2=-0.1), "beta2 must be in"),
+    (dict(eps=-1e-8), "eps must be in"),
+    (dict(weight_decay=-0.1), "weight_decay must be in"),
+    (dict(lr="0.1"), "lr must be a real number, got str"),
+])
+def test_rejects_bad_hyperparameters(overrides, pattern):
+    args = _args()
+    before = [a.clone() for a in args]
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        _call(args, **overrides)
+    for a, b in zip(args, before):  # nothing was touched
+        assert torch.equal(a, b)
+
+
+def test_bad_simd_override_is_an_error(monkeypatch):
+    monkeypatch.setenv(simd.ENV_VAR, "sse9")
+    with pytest.raises(ValueError, match="OFFLOAD_SIMD='sse9' is not a SIMD level"):
+        _call(_args())
+
+
+def test_simd_override_above_the_cpu_is_an_error(monkeypatch):
+    monkeypatch.setattr(simd, "detected_level", lambda: "avx2")
+    monkeypatch.setenv(simd.ENV_VAR, "avx512")
+    with pytest.raises(ValueError, match="supports at most 'avx2'"):
+        _call(_args())
+
+
+def test_num_threads_must_be_positive():
+    with pytest.raises(ValueError, match="num_threads must be a positive int"):
+        _call(_args(), num_threads=0)
+
+
+def test_native_kernel_refuses_unknown_names():
+    if _native.native is None:
+        pytest.skip("native extension not built")
+    with pytest.raises(ValueError, match="unknown SIMD level 'avx1024'"):
+        _native.native.adam.update(0, 0, "float32", 0, 0, 0, "", 0, 1.0, 1.0, 0.9, 0.999, 0.1,
+                                   0.001, 1e-8, 0.0, True, False, "avx1024", 1)
+    with pytest.raises(ValueError, match="unsupported element type 'int8'"):
+        _native.native.adam.update(0, 0, "int8", 0, 0, 0, "", 0, 1.0, 1.0, 0.9, 0.999, 0.1,
+                                   0.001, 1e-8, 0.0, True, False, "scalar", 1)
+
+
+def test_detected_level_is_reported():
+    assert simd.detected_level() in simd.LEVELS
+    assert math.isfinite(len(simd.available_levels()))
