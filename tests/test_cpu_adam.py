@@ -1,0 +1,202 @@
+"""offload.optim.CPUAdam as a torch.optim.Optimizer: parity with torch on a
+real model, schedulers, state_dict round trips, low-precision parameters, and
+clear errors for what it cannot update."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from offload.optim import CPUAdam
+
+
+class OddMLP(nn.Module):
+    """Shapes off every vector width: 1-wide layer, odd fans, a bias-free layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(13, 33)
+        self.b = nn.Linear(33, 1)
+        self.c = nn.Linear(1, 17, bias=False)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.relu(self.a(x))))) * self.scale
+
+
+def _train(model, opt, steps, scheduler=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(5, 13, generator=gen)
+        y = torch.randn(5, 17, generator=gen)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "adam"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+def test_matches_torch_on_a_model(simd_level, adamw_mode, weight_decay):
+    torch.manual_seed(0)
+    ours = OddMLP()
+    ref = copy.deepcopy(ours)
+    kw = dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-7, weight_decay=weight_decay)
+    torch_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    losses = _train(ours, CPUAdam(ours.parameters(), adamw_mode=adamw_mode, **kw), 12)
+    ref_losses = _train(ref, torch_cls(ref.parameters(), foreach=False, **kw), 12)
+    torch.testing.assert_close(losses, ref_losses)
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda m: f"{name}: {m}")
+
+
+def test_lr_scheduler_and_param_groups(simd_level):
+    torch.manual_seed(1)
+    ours = OddMLP()
+    ref = copy.deepcopy(ours)
+
+    def groups(m):
+        return [{"params": [m.a.weight, m.a.bias], "lr": 1e-2},
+                {"params": [m.b.weight, m.b.bias, m.c.weight, m.scale], "weight_decay": 0.1}]
+
+    opt = CPUAdam(groups(ours), lr=2e-3)
+    ref_opt = torch.optim.AdamW(groups(ref), lr=2e-3, weight_decay=0.0, foreach=False)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=3, gamma=0.5)
+    torch.testing.assert_close(_train(ours, opt, 10, sched), _train(ref, ref_opt, 10, ref_sched))
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+
+
+def test_state_dict_round_trip_resumes_bit_exactly():
+    torch.manual_seed(2)
+    straight = OddMLP()
+    resumed = copy.deepcopy(straight)
+    opt = CPUAdam(straight.parameters(), lr=1e-2, weight_decay=0.01)
+    _train(straight, opt, 3, seed=5)
+    _train(straight, opt, 3, seed=6)
+
+    first = CPUAdam(resumed.parameters(), lr=1e-2, weight_decay=0.01)
+    _train(resumed, first, 3, seed=5)
+    saved = copy.deepcopy(first.state_dict())
+    second = CPUAdam(resumed.parameters(), lr=1e-2, weight_decay=0.01)
+    second.load_state_dict(saved)
+    _train(resumed, second, 3, seed=6)
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_params_keep_an_fp32_master(simd_level, dtype):
+    torch.manual_seed(3)
+    p32 = nn.Parameter(torch.randn(37))
+    p16 = nn.Parameter(p32.detach().to(dtype))
+    ref = torch.optim.AdamW([p32], lr=1e-2, weight_decay=0.0, foreach=False)
+    opt = CPUAdam([p16], lr=1e-2)
+    for step in range(5):
+        g = torch.randn(37).to(dtype)
+        p32.grad, p16.grad = g.float(), g
+        ref.step()
+        opt.step()
+    master = opt.state[p16]["master"]
+    assert master.dtype == torch.float32
+    assert torch.equal(p16.detach(), master.to(dtype))
+    # Moments and master survive a state_dict round trip at full precision.
+    sd = copy.deepcopy(opt.state_dict())
+    other = CPUAdam([nn.Parameter(p16.detach().clone())], lr=1e-2)
+    other.load_state_dict(sd)
+    st = other.state[other.param_groups[0]["params"][0]]
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        assert st[key].dtype == torch.float32
+        assert torch.equal(st[key], opt.state[p16][key])
+
+
+def test_low_precision_master_tracks_torch_fp32_run(simd_level):
+    """bf16 parameter + fp32 master follows the fp32 torch run to fp32 tolerance."""
+    torch.manual_seed(4)
+    start = torch.randn(101).to(torch.bfloat16)
+    p32 = nn.Parameter(start.float())
+    p16 = nn.Parameter(start.clone())
+    ref = torch.optim.AdamW([p32], lr=1e-2, weight_decay=0.0, foreach=False)
+    opt = CPUAdam([p16], lr=1e-2)
+    for _ in range(6):
+        g = torch.randn(101).to(torch.bfloat16)
+        p32.grad, p16.grad = g.float(), g.clone()
+        ref.step()
+        opt.step()
+    torch.testing.assert_close(opt.state[p16]["master"], p32.detach())
+
+
+def test_non_contiguous_parameter(simd_level):
+    base = torch.randn(6, 9)
+    p = nn.Parameter(base.t())  # a strided view
+    q = nn.Parameter(base.t().clone())
+    assert not p.is_contiguous()
+    opt, ref = CPUAdam([p], lr=1e-2), torch.optim.AdamW([q], lr=1e-2, weight_decay=0.0, foreach=False)
+    for _ in range(4):
+        g = torch.randn(9, 6)
+        p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(p, q)
+
+
+def test_closure_and_params_without_grad():
+    w = nn.Parameter(torch.ones(3))
+    frozen = nn.Parameter(torch.ones(3))
+    opt = CPUAdam([w, frozen], lr=0.1)
+
+    def closure():
+        opt.zero_grad()
+        loss = (w * 2).sum()
+        loss.backward()
+        return loss
+
+    assert opt.step(closure).item() == 6.0
+    assert torch.all(w < 1) and torch.equal(frozen.detach(), torch.ones(3))
+    assert frozen not in opt.state
+
+
+@pytest.mark.parametrize("kwargs,pattern", [
+    (dict(lr=-1.0), "lr must be >= 0"),
+    (dict(betas=(1.0, 0.9)), r"betas\[0\] must be in \[0, 1\)"),
+    (dict(betas=(0.9,)), "betas must be a pair"),
+    (dict(eps=-1.0), "eps must be >= 0"),
+    (dict(weight_decay=-1.0), "weight_decay must be >= 0"),
+])
+def test_rejects_bad_hyperparameters(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        CPUAdam([nn.Parameter(torch.ones(2))], **kwargs)
+
+
+def test_rejects_parameters_it_cannot_update():
+    with pytest.raises(ValueError, match="CPUAdam updates CPU tensors.*on meta"):
+        CPUAdam([nn.Parameter(torch.ones(2, device="meta"))])
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16; got torch.float64"):
+        CPUAdam([nn.Parameter(torch.ones(2, dtype=torch.float64))])
+    opt = CPUAdam([nn.Parameter(torch.ones(2))])
+    with pytest.raises(ValueError, match="on meta"):
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(2, device="meta"))]})
+
+
+def test_rejects_sparse_and_mismatched_state():
+    emb = nn.Embedding(10, 3, sparse=True)
+    opt = CPUAdam(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        opt.step()
+
+    p = nn.Parameter(torch.ones(4))
+    opt = CPUAdam([p])
+    p.grad = torch.ones(4)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["exp_avg"] = torch.zeros(5)
+    with pytest.raises(ValueError, match="'exp_avg' has 5 elements but the parameter it maps to has 4"):
+        CPUAdam([nn.Parameter(torch.ones(4))]).load_state_dict(sd)
