@@ -1,0 +1,512 @@
+"""Tensors by key in files under `nvme_path/rank{r}/`, moved asynchronously.
+
+    store = SwapStore(SwapConfig.for_tensors("/nvme", sizes, in_flight=2))
+    h = store.swap_out("layer3.w", tensor)    # tensor may be reused at once
+    ...
+    t = store.swap_in("layer3.w").wait()
+
+Note [swap file format]
+One file per key, `<quoted key>.swp`: a 4096-byte header, then the tensor's
+bytes padded to a multiple of 4096, so every transfer is aligned and O_DIRECT
+needs no staging copy. The header holds a magic, the byte count, dtype,
+shape, key, the data checksum (CRC-32C, or none) and a CRC of the header
+itself. A write goes to `.<name>.tmp` and is renamed over the final name only
+after every byte landed (and, with `durable`, after fsync), so a file under
+its final name is never half written; a truncated file fails the read with
+TruncatedFileError and a damaged one with CorruptFileError.
+
+The store is driven by one thread. Transfers finish in submission order
+(FIFO): a handle's wait() also finishes the transfers queued before it.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import struct
+import time
+import urllib.parse
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from offload.aio import AioConfig, AsyncIO
+from offload.aio._memory import ALIGN, byte_view, round_up
+from offload.aio.buffer_pool import BufferPool
+from offload.aio.checksum import ChecksumKind, checksum, default_kind
+from offload.aio.errors import AioError, CorruptFileError, SwapStoreError
+
+HEADER_BYTES = ALIGN
+_MAGIC = b"OFFLSWP1"
+_FIXED = struct.Struct("<8sIIQII16sII")  # magic, version, header crc, nbytes, kind, crc, dtype, ndim, key len
+_VERSION = 1
+
+
+def file_bytes(nbytes: int) -> int:
+    """Size on disk of a tensor of `nbytes` (header + padded data)."""
+    return HEADER_BYTES + round_up(nbytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwapConfig:
+    """nvme_path: directory (created if missing); files go to nvme_path/rank{rank}/.
+    capacity_bytes: disk bytes the store will hold (checked against free space).
+    buffer_bytes: host staging budget (pinned when CUDA exists).
+    checksum: CRC-32C of each tensor, verified on swap_in (on for checkpoints).
+    durable: fsync before the rename that publishes a file (for checkpoints).
+    """
+
+    nvme_path: str
+    capacity_bytes: int
+    buffer_bytes: int
+    rank: int = 0
+    checksum: bool = False
+    durable: bool = False
+    aio: AioConfig = field(default_factory=AioConfig)
+
+    def __post_init__(self):
+        object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
+        for name in ("capacity_bytes", "buffer_bytes", "rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"swap.{name}: must be a non-negative integer, got {value!r}")
+        if self.buffer_bytes < 2 * ALIGN:
+            raise ValueError(f"swap.buffer_bytes: must be at least {2 * ALIGN}, got {self.buffer_bytes}")
+
+    @classmethod
+    def for_tensors(cls, nvme_path, tensor_bytes: Iterable[int], in_flight: int = 2, **kwargs) -> "SwapConfig":
+        """Sized from what the caller will hold: every tensor on disk (plus room
+        to rewrite the largest, since a rewrite lands beside the old file), and
+        `in_flight` of the largest in host buffers at once."""
+        sizes = [file_bytes(n) for n in tensor_bytes] or [file_bytes(0)]
+        return cls(nvme_path=nvme_path, capacity_bytes=sum(sizes) + max(sizes),
+                   buffer_bytes=max(in_flight, 1) * max(sizes), **kwargs)
+
+
+@dataclass
+class SwapStats:
+    """Payload bytes moved, busy time per direction, and the time callers spent blocked."""
+
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+    waited_seconds: float = 0.0
+    swap_outs: int = 0
+    swap_ins: int = 0
+    buffer_peak_bytes: int = 0
+
+    @property
+    def write_gbps(self) -> float:
+        return self.bytes_written / self.write_seconds / 1e9 if self.write_seconds else 0.0
+
+    @property
+    def read_gbps(self) -> float:
+        return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds else 0.0
+
+
+@dataclass
+class _Meta:
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class _Piece:
+    """One transfer in flight: the request, its pool buffer, and what to do after."""
+
+    handle: "SwapHandle"
+    request: object
+    buffer: torch.Tensor
+    after: Callable[[], None] | None
+
+
+class SwapHandle:
+    """An asynchronous swap_out or swap_in. wait() returns None for swap_out
+    and the tensor for swap_in, and raises the transfer's error, if any."""
+
+    def __init__(self, store: "SwapStore", op: str, key: str, path: Path):
+        self.op, self.key, self.path = op, key, path
+        self._store = store
+        self._pieces_left = 0
+        self._open = True  # pieces still being added; not complete even at zero left
+        self._error: BaseException | None = None
+        self._result = None
+        self._finished = False
+        self._finish: Callable[[], object] | None = None
+        self._t0 = time.perf_counter()
+
+    def done(self) -> bool:
+        return self._finished or all(p.request.done() for p in self._store._queue if p.handle is self)
+
+    def wait(self):
+        if not self._finished:
+            self._store._finish_through(self)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def _quote(key: str) -> str:
+    name = urllib.parse.quote(key, safe="") or "%00"
+    if len(name) > 180:  # NAME_MAX is 255; the key itself is in the header
+        name = name[:100] + "-" + hashlib.sha1(key.encode()).hexdigest()
+    return name
+
+
+class SwapStore:
+    def __init__(self, config: SwapConfig):
+        self.config = config
+        self.directory = _preflight(config)
+        self._io = AsyncIO(config=config.aio)
+        self._pool = BufferPool(config.buffer_bytes)
+        self._kind = default_kind() if config.checksum else ChecksumKind.NONE
+        self._index: dict[str, _Meta] = {}
+        self._queue: deque[_Piece] = deque()
+        self._busy_since = {"swap_out": 0.0, "swap_in": 0.0}  # Note: busy = any transfer of that kind open
+        self._busy_count = {"swap_out": 0, "swap_in": 0}
+        self.stats = SwapStats()
+
+    # ---------------------------------------------------------------- paths
+
+    def path_of(self, key: str) -> Path:
+        return self.directory / (_quote(key) + ".swp")
+
+    def _tmp_of(self, key: str) -> Path:
+        return self.directory / ("." + _quote(key) + ".swp.tmp")
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._index or self.path_of(key).exists()
+
+    # ------------------------------------------------------------- swap_out
+
+    def swap_out(self, key: str, tensor: torch.Tensor) -> SwapHandle:
+        """Copies the tensor into staging buffers and starts writing it; the
+        caller may modify or free the tensor as soon as this returns."""
+        if tensor.device.type != "cpu":
+            raise ValueError(f"swap_out {key!r}: tensor must be on the CPU, got {tensor.device}")
+        src = byte_view(tensor.contiguous())
+        n = src.numel()
+        meta = _Meta(n, tensor.dtype, tuple(tensor.shape))
+        tmp = self._tmp_of(key)
+        handle = SwapHandle(self, "swap_out", key, self.path_of(key))
+        self._opened(handle)
+        crc = 0
+        if file_bytes(n) <= self._pool.budget_bytes:  # one aligned write: header + data
+            buf = self._acquire(file_bytes(n))
+            buf[HEADER_BYTES:HEADER_BYTES + n].copy_(src)
+            crc = checksum(self._kind, buf[HEADER_BYTES:HEADER_BYTES + n])
+            _write_header(buf[:HEADER_BYTES], key, meta, self._kind, crc)
+            self._start(handle, "pwrite", buf, file_bytes(n), tmp, 0, None)
+        else:  # larger than the budget: stream it through in pieces, header last
+            chunk = max(ALIGN, self._pool.budget_bytes // 2 // ALIGN * ALIGN)
+            for start in range(0, n, chunk):
+                length = min(chunk, n - start)
+                buf = self._acquire(round_up(length))
+                buf[:length].copy_(src[start:start + length])
+                crc = checksum(self._kind, buf[:length], crc)
+                self._start(handle, "pwrite", buf, round_up(length), tmp, HEADER_BYTES + start, None)
+            buf = self._acquire(HEADER_BYTES)
+            _write_header(buf, key, meta, self._kind, crc)
+            self._start(handle, "pwrite", buf, HEADER_BYTES, tmp, 0, None)
+
+        def publish():
+            if self.config.durable:
+                _fsync(tmp)
+            os.replace(tmp, handle.path)  # the file appears complete or not at all
+            if self.config.durable:
+                _fsync(self.directory)
+            self._index[key] = meta
+            self.stats.bytes_written += n
+            self.stats.swap_outs += 1
+
+        return self._sealed(handle, publish)
+
+    # -------------------------------------------------------------- swap_in
+
+    def swap_in(self, key: str, out: torch.Tensor | None = None) -> SwapHandle:
+        """Starts reading the tensor stored under `key`; wait() returns it (in
+        `out` when given, which must have the same number of bytes)."""
+        path = self.path_of(key)
+        meta = self._index.get(key) or self._read_meta(key, path)
+        if out is None:
+            out = torch.empty(meta.shape, dtype=meta.dtype)
+        dst = byte_view(out)
+        n = meta.nbytes
+        if dst.numel() != n or not out.is_contiguous():
+            raise ValueError(f"swap_in {key!r}: out must be contiguous with {n} bytes, got {dst.numel()}")
+        handle = SwapHandle(self, "swap_in", key, path)
+        self._opened(handle)
+        state = {"crc": 0, "header": None}
+
+        def take_header(buf):
+            state["header"] = _parse_header(buf[:HEADER_BYTES], path, key)
+
+        def take_data(buf, start, length):
+            dst[start:start + length].copy_(buf[:length])
+            state["crc"] = checksum(state["header"][1], buf[:length], state["crc"])
+
+        if file_bytes(n) <= self._pool.budget_bytes:
+            buf = self._acquire(file_bytes(n))
+            self._start(handle, "pread", buf, file_bytes(n), path, 0,
+                        lambda b=buf: (take_header(b), take_data(b[HEADER_BYTES:], 0, n)))
+        else:
+            buf = self._acquire(HEADER_BYTES)
+            self._start(handle, "pread", buf, HEADER_BYTES, path, 0, lambda b=buf: take_header(b))
+            chunk = max(ALIGN, self._pool.budget_bytes // 2 // ALIGN * ALIGN)
+            for start in range(0, n, chunk):
+                length = min(chunk, n - start)
+                buf = self._acquire(round_up(length))
+                self._start(handle, "pread", buf, round_up(length), path, HEADER_BYTES + start,
+                            lambda b=buf, s=start, k=length: take_data(b, s, k))
+
+        def verify():
+            stored_n, kind, stored_crc = state["header"]
+            if stored_n != n:
+                raise CorruptFileError(str(path), f"header says {stored_n} bytes, expected {n}")
+            if kind is not ChecksumKind.NONE and state["crc"] != stored_crc:
+                raise CorruptFileError(
+                    str(path), f"{kind.name} mismatch: stored {stored_crc:#010x}, data {state['crc']:#010x}")
+            self.stats.bytes_read += n
+            self.stats.swap_ins += 1
+            return out
+
+        return self._sealed(handle, verify)
+
+    def _read_meta(self, key: str, path: Path) -> _Meta:
+        """Metadata of a file written by an earlier store (not in the index)."""
+        if not path.exists():
+            raise KeyError(f"swap_in: no tensor stored under {key!r} ({path} does not exist)")
+        buf = self._acquire(HEADER_BYTES)
+        try:
+            self._io.sync_pread(buf[:HEADER_BYTES], path, 0)
+            return _parse_meta(buf, path, key)
+        finally:
+            self._pool.release(buf)
+
+    # ------------------------------------------------------------ machinery
+
+    def _acquire(self, nbytes: int) -> torch.Tensor:
+        """A whole pool buffer of at least `nbytes`; while the budget is in
+        use, finishes the oldest transfer to free one (never fails for want
+        of buffers)."""
+        while True:
+            buf = self._pool.try_acquire(nbytes)
+            if buf is not None:
+                self.stats.buffer_peak_bytes = self._pool.peak_in_use_bytes
+                return buf
+            self._finish_through(self._queue[0].handle, upto_piece=self._queue[0])
+
+    def _start(self, handle: SwapHandle, op: str, buf, nbytes: int, path: Path, offset: int,
+               after) -> None:
+        """Starts moving buf[:nbytes]; `buf` goes back to the pool when it is finished."""
+        handle._pieces_left += 1
+        try:
+            request = (self._io.pwrite if op == "pwrite" else self._io.pread)(buf[:nbytes], path, offset)
+        except AioError as exc:  # failed at submit (open): recorded like any completion error
+            request = _Failed(exc)
+        self._queue.append(_Piece(handle, request, buf, after))
+
+    def _finish_through(self, handle: SwapHandle, upto_piece: _Piece | None = None) -> None:
+        """Finishes queued pieces in order until `handle` (or just `upto_piece`) is done."""
+        t0 = time.perf_counter()
+        try:
+            while self._queue:
+                piece = self._queue.popleft()
+                self._finish_piece(piece)
+                if piece is upto_piece or (upto_piece is None and piece.handle is handle
+                                           and handle._finished):
+                    return
+        finally:
+            self.stats.waited_seconds += time.perf_counter() - t0
+
+    def _finish_piece(self, piece: _Piece) -> None:
+        h = piece.handle
+        try:
+            piece.request.wait()
+            if h._error is None and piece.after is not None:
+                piece.after()
+        except (OSError, ValueError) as exc:
+            if h._error is None:
+                h._error = exc
+        finally:
+            # The pool buffer is only its own again when the kernel is done with it.
+            self._pool.release(piece.buffer)
+        h._pieces_left -= 1
+        if h._pieces_left == 0 and not h._open:
+            self._complete(h)
+
+    def _opened(self, handle: SwapHandle) -> None:
+        op = handle.op
+        if self._busy_count[op] == 0:
+            self._busy_since[op] = time.perf_counter()
+        self._busy_count[op] += 1
+
+    def _sealed(self, handle: SwapHandle, finish: Callable[[], object]) -> SwapHandle:
+        """Every piece of `handle` is queued; complete it now if they are all done."""
+        handle._finish = finish
+        handle._open = False
+        if handle._pieces_left == 0:
+            self._complete(handle)
+        return handle
+
+    def _complete(self, h: SwapHandle) -> None:
+        self._busy_count[h.op] -= 1
+        if self._busy_count[h.op] == 0:
+            elapsed = time.perf_counter() - self._busy_since[h.op]
+            if h.op == "swap_out":
+                self.stats.write_seconds += elapsed
+            else:
+                self.stats.read_seconds += elapsed
+        try:
+            if h._error is None:
+                h._result = h._finish()
+        except (OSError, ValueError) as exc:
+            h._error = exc
+        if h._error is not None:
+            h._error.add_note(f"while {h.op} of key {h.key!r}")
+            if h.op == "swap_out":
+                _unlink_quietly(self._tmp_of(h.key))  # never leave a half-written file behind
+        h._finished = True
+
+    def wait_all(self) -> None:
+        """Finishes every transfer; raises the first error among them."""
+        handles = []
+        while self._queue:
+            piece = self._queue.popleft()
+            handles.append(piece.handle)
+            self._finish_piece(piece)
+        for h in handles:
+            if h._error is not None:
+                raise h._error
+
+    def remove(self, key: str) -> None:
+        self._index.pop(key, None)
+        _unlink_quietly(self.path_of(key))
+
+    def close(self) -> None:
+        while self._queue:
+            self._finish_piece(self._queue.popleft())
+        self._io.close()
+        self._pool.clear()
+
+    def __enter__(self) -> "SwapStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Failed:
+    """A request that failed when submitted; behaves like a completed one."""
+
+    def __init__(self, exc: AioError):
+        self._exc = exc
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        raise self._exc
+
+
+# ------------------------------------------------------------ header format
+
+
+def _write_header(buf: torch.Tensor, key: str, meta: _Meta, kind: ChecksumKind, crc: int) -> None:
+    key_bytes = key.encode()
+    dtype = str(meta.dtype).removeprefix("torch.").encode()
+    body = _FIXED.pack(_MAGIC, _VERSION, 0, meta.nbytes, int(kind), crc, dtype, len(meta.shape),
+                       len(key_bytes))
+    body += struct.pack(f"<{len(meta.shape)}Q", *meta.shape) + key_bytes
+    if len(body) > HEADER_BYTES:
+        raise ValueError(f"key {key!r} and shape {meta.shape} do not fit the {HEADER_BYTES}-byte header")
+    page = bytearray(HEADER_BYTES)
+    page[:len(body)] = body
+    struct.pack_into("<I", page, 12, zlib.crc32(page[16:]))
+    buf[:HEADER_BYTES].copy_(torch.frombuffer(page, dtype=torch.uint8))
+
+
+def _parse_header(buf: torch.Tensor, path, key: str) -> tuple[int, ChecksumKind, int]:
+    page = bytes(buf[:HEADER_BYTES].numpy())
+    magic, version, header_crc, nbytes, kind, crc, _, _, _ = _FIXED.unpack_from(page)
+    if magic != _MAGIC:
+        raise CorruptFileError(str(path), f"not an offload swap file (magic {magic!r})")
+    if version != _VERSION:
+        raise CorruptFileError(str(path), f"format version {version}, this build reads {_VERSION}")
+    if zlib.crc32(page[16:]) != header_crc:
+        raise CorruptFileError(str(path), "header checksum mismatch")
+    try:
+        return nbytes, ChecksumKind(kind), crc
+    except ValueError:
+        raise CorruptFileError(str(path), f"unknown checksum kind {kind}") from None
+
+
+def _parse_meta(buf: torch.Tensor, path, key: str) -> _Meta:
+    nbytes, _, _ = _parse_header(buf, path, key)
+    page = bytes(buf[:HEADER_BYTES].numpy())
+    fields = _FIXED.unpack_from(page)
+    dtype, ndim, key_len = fields[6].rstrip(b"\0").decode(), fields[7], fields[8]
+    shape = struct.unpack_from(f"<{ndim}Q", page, _FIXED.size)
+    return _Meta(nbytes, getattr(torch, dtype), tuple(shape))
+
+
+# -------------------------------------------------------------- preflight
+
+
+def _preflight(config: SwapConfig) -> Path:
+    """Creates nvme_path/rank{r}/ and checks it is a writable directory with
+    room for capacity_bytes, so a bad path fails here, not mid-step."""
+    root = Path(config.nvme_path)
+    if root.exists() and not root.is_dir():
+        raise SwapStoreError(errno.ENOTDIR, f"nvme_path {root} exists and is not a directory")
+    directory = root / f"rank{config.rank}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SwapStoreError(exc.errno, f"cannot create swap directory {directory}: {exc.strerror}") from exc
+    if not directory.is_dir():
+        raise SwapStoreError(errno.ENOTDIR, f"swap directory {directory} exists and is not a directory")
+    probe = directory / f".probe-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, b"\0" * ALIGN)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise SwapStoreError(exc.errno, f"nvme_path {directory} is not writable: {exc.strerror}") from exc
+    finally:
+        _unlink_quietly(probe)
+    free = shutil.disk_usage(directory).free
+    reusable = sum(p.stat().st_size for p in directory.glob("*.swp"))  # replaced as keys are rewritten
+    if free + reusable < config.capacity_bytes:
+        gib = 2 ** 30
+        raise SwapStoreError(
+            errno.ENOSPC,
+            f"nvme_path {directory} is too small: the store needs {config.capacity_bytes} bytes "
+            f"({config.capacity_bytes / gib:.2f} GiB) but {free} bytes ({free / gib:.2f} GiB) are free "
+            f"and {reusable} bytes are held by files it would replace",
+        )
+    return directory
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
