@@ -49,14 +49,14 @@ OFFLOAD_AVX2 inline __m128i to_f16x8(__m256 x) {
 }
 
 struct Consts {
-  __m256 beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias2_sqrt, decay;
+  __m256 beta2, one_minus_beta1, one_minus_beta2, eps, step_size, inv_bias2_sqrt, decay;
 };
 
 OFFLOAD_AVX2 inline Consts make_consts(const AdamParams& a) {
   return Consts{_mm256_set1_ps(a.beta2),
                 _mm256_set1_ps(a.one_minus_beta1), _mm256_set1_ps(a.one_minus_beta2),
                 _mm256_set1_ps(a.eps),          _mm256_set1_ps(a.step_size),
-                _mm256_set1_ps(a.bias2_sqrt),   _mm256_set1_ps(a.decay)};
+                _mm256_set1_ps(a.inv_bias2_sqrt),   _mm256_set1_ps(a.decay)};
 }
 
 OFFLOAD_AVX2 inline void update8(const AdamParams& a, const Consts& c, const AdamBuffers& b,
@@ -71,7 +71,7 @@ OFFLOAD_AVX2 inline void update8(const AdamParams& a, const Consts& c, const Ada
   const __m256 m = _mm256_fmadd_ps(c.one_minus_beta1, _mm256_sub_ps(g, m0), m0);
   const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(c.one_minus_beta2, g), g,
                                    _mm256_mul_ps(c.beta2, _mm256_loadu_ps(b.exp_avg_sq + i)));
-  const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bias2_sqrt), c.eps);
+  const __m256 denom = _mm256_fmadd_ps(_mm256_sqrt_ps(v), c.inv_bias2_sqrt, c.eps);
   p = _mm256_fnmadd_ps(c.step_size, _mm256_div_ps(m, denom), p);
   _mm256_storeu_ps(b.exp_avg + i, m);
   _mm256_storeu_ps(b.exp_avg_sq + i, v);

@@ -54,14 +54,14 @@ OFFLOAD_AVX512 inline __m256i to_f16x16(__m512 x) {
 }
 
 struct Consts {
-  __m512 beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias2_sqrt, decay;
+  __m512 beta2, one_minus_beta1, one_minus_beta2, eps, step_size, inv_bias2_sqrt, decay;
 };
 
 OFFLOAD_AVX512 inline Consts make_consts(const AdamParams& a) {
   return Consts{_mm512_set1_ps(a.beta2),
                 _mm512_set1_ps(a.one_minus_beta1), _mm512_set1_ps(a.one_minus_beta2),
                 _mm512_set1_ps(a.eps),          _mm512_set1_ps(a.step_size),
-                _mm512_set1_ps(a.bias2_sqrt),   _mm512_set1_ps(a.decay)};
+                _mm512_set1_ps(a.inv_bias2_sqrt),   _mm512_set1_ps(a.decay)};
 }
 
 OFFLOAD_AVX512 inline void update16(const AdamParams& a, const Consts& c, const AdamBuffers& b,
@@ -76,7 +76,7 @@ OFFLOAD_AVX512 inline void update16(const AdamParams& a, const Consts& c, const 
   const __m512 m = _mm512_fmadd_ps(c.one_minus_beta1, _mm512_sub_ps(g, m0), m0);
   const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(c.one_minus_beta2, g), g,
                                    _mm512_mul_ps(c.beta2, _mm512_loadu_ps(b.exp_avg_sq + i)));
-  const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c.bias2_sqrt), c.eps);
+  const __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), c.inv_bias2_sqrt, c.eps);
   p = _mm512_fnmadd_ps(c.step_size, _mm512_div_ps(m, denom), p);
   _mm512_storeu_ps(b.exp_avg + i, m);
   _mm512_storeu_ps(b.exp_avg_sq + i, v);

@@ -41,7 +41,7 @@ void adam_kernel_scalar(const AdamParams& a, const AdamBuffers& b, size_t begin,
     }
     const float m = b.exp_avg[i] + one_minus_beta1 * (g - b.exp_avg[i]);
     const float v = a.beta2 * b.exp_avg_sq[i] + (one_minus_beta2 * g) * g;
-    const float denom = std::sqrt(v) / a.bias2_sqrt + a.eps;
+    const float denom = std::sqrt(v) * a.inv_bias2_sqrt + a.eps;
     p = p - a.step_size * (m / denom);
     b.exp_avg[i] = m;
     b.exp_avg_sq[i] = v;

@@ -94,26 +94,26 @@ def adam_step(
     bias1 = 1.0 - beta1**step if bias_correction else 1.0
     bias2 = 1.0 - beta2**step if bias_correction else 1.0
     step_size = lr / bias1
-    bias2_sqrt = math.sqrt(bias2)
+    inv_bias2_sqrt = 1.0 / math.sqrt(bias2)
     decay = 1.0 - lr * weight_decay if adamw_mode else weight_decay
 
     if _native.native is None:
         _native.warn_fallback("CPU Adam")
         _adam_step_torch(master, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, step_size,
-                         bias2_sqrt, weight_decay, decay, adamw_mode, out)
+                         inv_bias2_sqrt, weight_decay, decay, adamw_mode, out)
         return
     _native.native.adam.update(
         master.data_ptr(), grad.data_ptr(), _DTYPE_NAMES[grad.dtype],
         exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
         0 if out is None else out.data_ptr(), _DTYPE_NAMES[out.dtype] if out is not None else "",
-        n, step_size, bias2_sqrt, beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps, decay,
+        n, step_size, inv_bias2_sqrt, beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps, decay,
         bool(adamw_mode), weight_decay != 0.0, simd.selected_level(), threads,
     )
 
 
 @torch.no_grad()
 def _adam_step_torch(master, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, step_size,
-                     bias2_sqrt, weight_decay, decay, adamw_mode, out) -> None:
+                     inv_bias2_sqrt, weight_decay, decay, adamw_mode, out) -> None:
     """Pure-PyTorch path with the kernel's arithmetic, for hosts without the extension."""
     master, exp_avg, exp_avg_sq = master.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
     g = grad.reshape(-1).float()
@@ -124,7 +124,7 @@ def _adam_step_torch(master, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, step_
             g = g.add(master, alpha=weight_decay)
     exp_avg.lerp_(g, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    denom = exp_avg_sq.sqrt().div_(bias2_sqrt).add_(eps)
+    denom = exp_avg_sq.sqrt().mul_(inv_bias2_sqrt).add_(eps)
     master.addcdiv_(exp_avg, denom, value=-step_size)
     if out is not None:
         out.view(-1).copy_(master)
