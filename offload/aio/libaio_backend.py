@@ -161,6 +161,8 @@ class LibaioBackend:
         if request.done():
             return request
         request.start(len(units))
+        if not units:
+            return request
         # Contiguous runs of units, one per worker, as the native engine splits.
         n = min(len(self._workers), len(units))
         per = -(-len(units) // n)

@@ -508,5 +508,5 @@ def _fsync(path: Path) -> None:
 def _unlink_quietly(path: Path) -> None:
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, OSError):  # gone already, or a read-only probe that never existed
         pass
