@@ -1,0 +1,1026 @@
+"""The offload configuration: DeepSpeed's JSON where the concept is the same.
+
+    cfg = Config.load("ds_config.json")      # or a dict, or a Config
+    cfg = cfg.resolve_auto(hidden_size=4096, num_params=7e9, world_size=8)
+
+Each section is a frozen, keyword-only dataclass validated once, when it is
+built (from a dict or directly). Every error is a `ConfigError` naming the
+full dotted key, the value and what is accepted. An unknown key is an error
+with the closest accepted key; a DeepSpeed key offload does not implement is
+an error saying why. Nothing is silently ignored. docs/CONFIG.md lists every
+key, which DeepSpeed keys are accepted or refused, and our own keys.
+
+Note [strict values]: bool is not an int and "3" is not an int. A float with
+no fractional part is accepted where an int is expected, because DeepSpeed
+configs write sizes as `1e9` and JSON reads that as a float.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Mapping
+
+from offload.aio.config import Backend
+
+__all__ = [
+    "AUTO", "AioConfig", "BF16Config", "Config", "ConfigError", "FP16Config", "MemoryConfig",
+    "OffloadDevice", "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig",
+    "OptimizerType", "Precision", "SchedulerConfig", "SchedulerType", "WarmupCosineLRParams",
+    "WarmupDecayLRParams", "WarmupLRParams", "WarmupType", "ZeroConfig", "parse_bytes",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value or key that offload does not accept."""
+
+
+class _Auto:
+    """The `"auto"` sentinel: a value resolved from the model by `Config.resolve_auto`."""
+
+    _instance: ClassVar["_Auto | None"] = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "auto"
+
+    def __reduce__(self):
+        return (_Auto, ())
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+AUTO = _Auto()
+
+# Mentioned in errors for "auto" where offload cannot resolve it from the model.
+_HF_AUTO = ("'auto' here is filled in by the Hugging Face Trainer integration, not derived from "
+            "the model; give a value")
+
+
+# --------------------------------------------------------------------------- enums
+
+class OffloadDevice(enum.Enum):
+    """Where a state lives when it is not computing: the device, host memory, or NVMe."""
+
+    NONE = "none"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class Precision(enum.Enum):
+    """Compute dtype of the parameter copy the model runs with (masters are always fp32)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self is Precision.FP32 else 2
+
+    @property
+    def dtype(self):
+        import torch
+
+        return {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16,
+                Precision.FP16: torch.float16}[self]
+
+
+class OptimizerType(enum.Enum):
+    """DeepSpeed's spelling is the value; parsing is case-insensitive ("adamw" works)."""
+
+    ADAM = "Adam"
+    ADAMW = "AdamW"
+
+
+class SchedulerType(enum.Enum):
+    WARMUP_LR = "WarmupLR"
+    WARMUP_DECAY_LR = "WarmupDecayLR"
+    WARMUP_COSINE_LR = "WarmupCosineLR"
+
+
+class WarmupType(enum.Enum):
+    """How the warmup rises from its start to its end (DeepSpeed's default is LOG)."""
+
+    LOG = "log"
+    LINEAR = "linear"
+
+
+# --------------------------------------------------------------------------- value checks
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _fail(key: str, value: Any, accepted: str) -> ConfigError:
+    return ConfigError(f"{key}: {_show(value)} is not {accepted}")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, enum.Enum):
+        return repr(value.value)
+    if isinstance(value, Path):
+        return repr(str(value))
+    return repr(value)
+
+
+def _int(key: str, value: Any, *, lo: int | None = None, hi: int | None = None,
+         auto: bool = False, none: bool = False) -> Any:
+    """An int (or an integral float, see Note [strict values]) in [lo, hi]."""
+    if value is None and none:
+        return None
+    if value is AUTO or (isinstance(value, str) and value == "auto"):
+        if auto:
+            return AUTO
+        raise ConfigError(f"{key}: 'auto' is not accepted here; give an integer")
+    what = "an integer"
+    if lo is not None:
+        what += f" >= {lo}" if hi is None else f" in [{lo}, {hi}]"
+    if auto:
+        what += " or 'auto'"
+    if none:
+        what += " or null"
+    if isinstance(value, bool):
+        raise _fail(key, value, what)
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int):
+        raise _fail(key, value, what)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise _fail(key, value, what)
+    return value
+
+
+def _float(key: str, value: Any, *, lo: float | None = None, hi: float | None = None,
+           lo_open: bool = False, hi_open: bool = False, none: bool = False,
+           hf_auto: bool = False) -> Any:
+    if value is None and none:
+        return None
+    if isinstance(value, str) and value == "auto":
+        raise ConfigError(f"{key}: {_HF_AUTO}" if hf_auto else f"{key}: 'auto' is not accepted here")
+    lo_s = "" if lo is None else ("(" if lo_open else "[") + f"{lo:g}"
+    hi_s = "" if hi is None else f"{hi:g}" + (")" if hi_open else "]")
+    what = "a number"
+    if lo is not None and hi is not None:
+        what += f" in {lo_s}, {hi_s}"
+    elif lo is not None:
+        what += f" {'>' if lo_open else '>='} {lo:g}"
+    if none:
+        what += " or null"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(key, value, what)
+    value = float(value)
+    if not math.isfinite(value):
+        raise _fail(key, value, what)
+    if lo is not None and (value < lo or (lo_open and value == lo)):
+        raise _fail(key, value, what)
+    if hi is not None and (value > hi or (hi_open and value == hi)):
+        raise _fail(key, value, what)
+    return value
+
+
+def _bool(key: str, value: Any, *, hf_auto: bool = False) -> bool:
+    if isinstance(value, str) and value == "auto" and hf_auto:
+        raise ConfigError(f"{key}: {_HF_AUTO} (true or false)")
+    if not isinstance(value, bool):
+        raise _fail(key, value, "true or false")
+    return value
+
+
+def _enum(key: str, value: Any, cls: type[enum.Enum], *, casefold: bool = False):
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        for member in cls:
+            if value == member.value or (casefold and value.lower() == member.value.lower()):
+                return member
+    raise _fail(key, value, "one of " + ", ".join(m.value for m in cls))
+
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(value: Any, key: str = "size") -> int:
+    """Bytes from an int or a string like "8GiB", "512MB", "1.5 GB" (KB/MB = 1000, KiB/MiB = 1024)."""
+    if isinstance(value, str):
+        m = _BYTES_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _BYTE_UNITS:
+            raise ConfigError(f"{key}: {value!r} is not a byte size (an integer, or a number with a unit: "
+                              "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+        number = float(m.group(1)) * _BYTE_UNITS[unit]
+        if not number.is_integer():
+            raise ConfigError(f"{key}: {value!r} is not a whole number of bytes")
+        value = int(number)
+    return _int(key, value, lo=0)
+
+
+def _check_keys(path: str, d: Mapping, accepted: list[str], refused: Mapping[str, str] = {}) -> None:
+    """Unknown keys are errors naming the closest accepted key; refused ones say why."""
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{path or 'config'}: {d!r} is not a JSON object")
+    for key in d:
+        if not isinstance(key, str):
+            raise ConfigError(f"{path or 'config'}: key {key!r} is not a string")
+        if key in accepted:
+            continue
+        full = _join(path, key)
+        if key in refused:
+            raise ConfigError(f"'{full}' is a DeepSpeed key offload does not support: {refused[key]}")
+        close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
+        if close:
+            raise ConfigError(f"unknown key '{full}' (did you mean '{close[0]}'?)")
+        raise ConfigError(f"unknown key '{full}' (accepted: {', '.join(accepted)})")
+
+
+class _Section:
+    """Shared by every section: SECTION is its dotted place in the config, for errors."""
+
+    SECTION: ClassVar[str] = ""
+
+    def _key(self, name: str) -> str:
+        return _join(self.SECTION, name)
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+    @classmethod
+    def _accepted(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, d: Mapping | None):
+        if d is None:
+            return cls()
+        _check_keys(cls.SECTION, d, cls._accepted(), getattr(cls, "REFUSED", {}))
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in dataclasses.fields(self):
+            v = _to_json(getattr(self, f.name))
+            if v is not None:
+                out[f.name] = v
+        return out
+
+
+def _to_json(v: Any) -> Any:
+    if v is AUTO:
+        return "auto"
+    if isinstance(v, enum.Enum):
+        return v.value
+    if isinstance(v, Path):
+        return str(v)
+    if isinstance(v, tuple):
+        return list(v)
+    if isinstance(v, _Section):
+        return v.to_dict()
+    return v
+
+
+# --------------------------------------------------------------------------- precision
+
+_BF16_REFUSED = {
+    "immediate_grad_update": "gradients always go to the optimizer's fp32 accumulation buffer as they "
+                             "are produced; there is no deferred variant to choose",
+    "check_grad_overflow": "bf16 training does not check for overflow (no loss scaling)",
+    "bf16_master_weights_and_grads": "master weights and gradient accumulation are always fp32",
+    "bf16_optimizer_states": "optimizer moments are always fp32",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class BF16Config(_Section):
+    """`bf16`: compute in bfloat16, with fp32 master weights and moments."""
+
+    SECTION: ClassVar[str] = "bf16"
+    REFUSED: ClassVar[dict] = _BF16_REFUSED
+    enabled: bool = False
+
+    def __post_init__(self):
+        _bool(self._key("enabled"), self.enabled, hf_auto=True)
+
+
+_FP16_REFUSED = {
+    "auto_cast": "offload does not autocast inputs; the model runs in the compute dtype",
+    "consecutive_hysteresis": "not implemented; hysteresis counts overflows as DeepSpeed's default does",
+    "fp16_master_weights_and_grads": "master weights and gradient accumulation are always fp32",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP16Config(_Section):
+    """`fp16`: compute in float16 with a loss scaler (DeepSpeed's keys and defaults).
+
+    loss_scale: 0 means dynamic scaling starting at 2**initial_scale_power, halved on an
+    overflow once `hysteresis` overflows have been seen, doubled after `loss_scale_window`
+    steps without one, never below `min_loss_scale`. A positive value is a static scale.
+    """
+
+    SECTION: ClassVar[str] = "fp16"
+    REFUSED: ClassVar[dict] = _FP16_REFUSED
+    enabled: bool = False
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+    def __post_init__(self):
+        k = self._key
+        _bool(k("enabled"), self.enabled, hf_auto=True)
+        self._set("loss_scale", _float(k("loss_scale"), self.loss_scale, lo=0.0))
+        self._set("initial_scale_power", _int(k("initial_scale_power"), self.initial_scale_power, lo=0, hi=127))
+        self._set("loss_scale_window", _int(k("loss_scale_window"), self.loss_scale_window, lo=1))
+        self._set("hysteresis", _int(k("hysteresis"), self.hysteresis, lo=1))
+        self._set("min_loss_scale", _float(k("min_loss_scale"), self.min_loss_scale, lo=0.0, lo_open=True))
+
+    @property
+    def dynamic(self) -> bool:
+        return self.loss_scale == 0.0
+
+
+# --------------------------------------------------------------------------- optimizer
+
+_OPTIMIZER_PARAMS_REFUSED = {
+    "torch_adam": "the optimizer is always offload's fused Adam (CPUAdam on the host, torch's on the device)",
+    "fp32_optimizer_states": "optimizer states are always fp32",
+    "amsgrad": "AMSGrad is not implemented",
+    "bias_correction": "bias correction is always applied, as in torch.optim.Adam",
+    "max_grad_norm": "use the top-level 'gradient_clipping' key",
+    "foreach": "a torch implementation switch; the optimizer is offload's own",
+    "fused": "a torch implementation switch; the optimizer is offload's own",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig(_Section):
+    """`optimizer`: {"type": "Adam" | "AdamW", "params": {lr, betas, eps, weight_decay, adam_w_mode}}.
+
+    DeepSpeed semantics for weight decay: type "AdamW" always decays decoupled
+    (AdamW); type "Adam" does too unless `adam_w_mode` is false, because
+    DeepSpeed's `adam_w_mode` defaults to true. So {"type": "Adam"} with a
+    weight decay is AdamW, as in DeepSpeed. `decoupled_weight_decay` and
+    `effective_type` give the result; the engine uses them, not `type`.
+    """
+
+    SECTION: ClassVar[str] = "optimizer"
+    PARAMS: ClassVar[tuple] = ("lr", "betas", "eps", "weight_decay", "adam_w_mode")
+    type: OptimizerType
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    adam_w_mode: bool = True
+
+    def __post_init__(self):
+        k = lambda name: _join("optimizer.params", name)  # noqa: E731
+        self._set("type", _enum("optimizer.type", self.type, OptimizerType, casefold=True))
+        self._set("lr", _float(k("lr"), self.lr, lo=0.0, hf_auto=True))
+        betas = self.betas
+        if isinstance(betas, str) and betas == "auto":
+            raise ConfigError(f"{k('betas')}: {_HF_AUTO}")
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise _fail(k("betas"), betas, "a list of two numbers in [0, 1)")
+        self._set("betas", tuple(_float(f"{k('betas')}[{i}]", b, lo=0.0, hi=1.0, hi_open=True)
+                                 for i, b in enumerate(betas)))
+        self._set("eps", _float(k("eps"), self.eps, lo=0.0, lo_open=True, hf_auto=True))
+        self._set("weight_decay", _float(k("weight_decay"), self.weight_decay, lo=0.0, hf_auto=True))
+        _bool(k("adam_w_mode"), self.adam_w_mode)
+        if self.type is OptimizerType.ADAMW and not self.adam_w_mode:
+            raise ConfigError(
+                "optimizer.params.adam_w_mode: false contradicts type 'AdamW' (DeepSpeed would silently "
+                "use AdamW); for L2 weight decay use type 'Adam' with adam_w_mode false")
+
+    @property
+    def decoupled_weight_decay(self) -> bool:
+        return self.type is OptimizerType.ADAMW or self.adam_w_mode
+
+    @property
+    def effective_type(self) -> OptimizerType:
+        return OptimizerType.ADAMW if self.decoupled_weight_decay else OptimizerType.ADAM
+
+    @classmethod
+    def from_dict(cls, d: Mapping | None):
+        if d is None:
+            return None
+        _check_keys("optimizer", d, ["type", "params"])
+        if "type" not in d:
+            raise ConfigError("optimizer.type: missing (accepted: Adam, AdamW)")
+        kind = d["type"]
+        if not (isinstance(kind, str) and kind.lower() in ("adam", "adamw")):
+            raise ConfigError(f"optimizer.type: {kind!r} is not one of Adam, AdamW (offload's engine "
+                              "runs Adam/AdamW only)")
+        params = d.get("params") or {}
+        _check_keys("optimizer.params", params, list(cls.PARAMS), _OPTIMIZER_PARAMS_REFUSED)
+        return cls(type=kind, **params)
+
+    def to_dict(self) -> dict:
+        return {"type": self.type.value,
+                "params": {"lr": self.lr, "betas": list(self.betas), "eps": self.eps,
+                           "weight_decay": self.weight_decay, "adam_w_mode": self.adam_w_mode}}
+
+
+# --------------------------------------------------------------------------- scheduler
+
+def _check_warmup(obj, path: str) -> None:
+    k = lambda name: _join(path, name)  # noqa: E731
+    obj._set("warmup_num_steps", _int(k("warmup_num_steps"), obj.warmup_num_steps, lo=1))
+    obj._set("warmup_type", _enum(k("warmup_type"), obj.warmup_type, WarmupType))
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarmupLRParams(_Section):
+    """WarmupLR: from warmup_min_lr to warmup_max_lr over warmup_num_steps, then constant.
+
+    warmup_max_lr None means the optimizer's lr (DeepSpeed 0.19.8 does the same).
+    """
+
+    SECTION: ClassVar[str] = "scheduler.params"
+    warmup_min_lr: float = 0.0
+    warmup_max_lr: float | None = None
+    warmup_num_steps: int = 1000
+    warmup_type: WarmupType = WarmupType.LOG
+
+    def __post_init__(self):
+        k = self._key
+        self._set("warmup_min_lr", _float(k("warmup_min_lr"), self.warmup_min_lr, lo=0.0, hf_auto=True))
+        self._set("warmup_max_lr", _float(k("warmup_max_lr"), self.warmup_max_lr, lo=0.0, none=True,
+                                          hf_auto=True))
+        _check_warmup(self, self.SECTION)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarmupDecayLRParams(_Section):
+    """WarmupDecayLR: WarmupLR, then linear decay to 0 at total_num_steps."""
+
+    SECTION: ClassVar[str] = "scheduler.params"
+    total_num_steps: int
+    warmup_min_lr: float = 0.0
+    warmup_max_lr: float = 0.001
+    warmup_num_steps: int = 1000
+    warmup_type: WarmupType = WarmupType.LOG
+
+    def __post_init__(self):
+        k = self._key
+        self._set("total_num_steps", _int(k("total_num_steps"), self.total_num_steps, lo=1))
+        self._set("warmup_min_lr", _float(k("warmup_min_lr"), self.warmup_min_lr, lo=0.0, hf_auto=True))
+        self._set("warmup_max_lr", _float(k("warmup_max_lr"), self.warmup_max_lr, lo=0.0, hf_auto=True))
+        _check_warmup(self, self.SECTION)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarmupCosineLRParams(_Section):
+    """WarmupCosineLR: a ratio of the optimizer's lr, from warmup_min_ratio to 1 over
+    warmup_num_steps, then a cosine down to cos_min_ratio at total_num_steps."""
+
+    SECTION: ClassVar[str] = "scheduler.params"
+    total_num_steps: int
+    warmup_min_ratio: float = 0.0
+    warmup_num_steps: int = 1000
+    cos_min_ratio: float = 0.0001
+    warmup_type: WarmupType = WarmupType.LOG
+
+    def __post_init__(self):
+        k = self._key
+        self._set("total_num_steps", _int(k("total_num_steps"), self.total_num_steps, lo=1))
+        self._set("warmup_min_ratio", _float(k("warmup_min_ratio"), self.warmup_min_ratio, lo=0.0, hi=1.0))
+        self._set("cos_min_ratio", _float(k("cos_min_ratio"), self.cos_min_ratio, lo=0.0, hi=1.0))
+        _check_warmup(self, self.SECTION)
+
+
+_SCHEDULER_PARAMS = {
+    SchedulerType.WARMUP_LR: WarmupLRParams,
+    SchedulerType.WARMUP_DECAY_LR: WarmupDecayLRParams,
+    SchedulerType.WARMUP_COSINE_LR: WarmupCosineLRParams,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig(_Section):
+    """`scheduler`: {"type": ..., "params": {...}}; params checked for the type."""
+
+    SECTION: ClassVar[str] = "scheduler"
+    type: SchedulerType
+    params: WarmupLRParams | WarmupDecayLRParams | WarmupCosineLRParams | None = None
+
+    def __post_init__(self):
+        kind = _enum("scheduler.type", self.type, SchedulerType)
+        self._set("type", kind)
+        cls = _SCHEDULER_PARAMS[kind]
+        params = self.params
+        if params is None or isinstance(params, Mapping):
+            params = dict(params or {})
+            _check_keys("scheduler.params", params, cls._accepted())
+            required = [f.name for f in dataclasses.fields(cls)
+                        if f.default is dataclasses.MISSING and f.name not in params]
+            if required:
+                raise ConfigError(f"scheduler.params.{required[0]}: missing (required by {kind.value})")
+            params = cls(**params)
+        if not isinstance(params, cls):
+            raise ConfigError(f"scheduler.params: a {type(params).__name__} does not go with type {kind.value}")
+        self._set("params", params)
+
+    @classmethod
+    def from_dict(cls, d: Mapping | None):
+        if d is None:
+            return None
+        _check_keys("scheduler", d, ["type", "params"])
+        if "type" not in d:
+            raise ConfigError("scheduler.type: missing (accepted: " + ", ".join(t.value for t in SchedulerType) + ")")
+        return cls(type=d["type"], params=d.get("params"))
+
+
+# --------------------------------------------------------------------------- zero
+
+_OFFLOAD_PARAM_REFUSED: dict[str, str] = {}
+_OFFLOAD_OPTIMIZER_REFUSED = {
+    "pipeline_read": "NVMe reads of optimizer state are always pipelined",
+    "pipeline_write": "NVMe writes of optimizer state are always pipelined",
+    "pipeline": "NVMe reads and writes of optimizer state are always pipelined",
+    "fast_init": "not implemented",
+    "ratio": "partial optimizer offload (ZeRO-Offload++) is not implemented",
+    "super_offload": "not implemented",
+    "cpuadam_cores_perc": "CPU Adam threads are set by the native thread pool",
+}
+
+
+def _check_offload(obj, device_only: dict[str, Any]) -> None:
+    """device, nvme_path, and the keys that only mean something for one device."""
+    k = obj._key
+    obj._set("device", _enum(k("device"), obj.device, OffloadDevice))
+    if obj.nvme_path is not None:
+        if not isinstance(obj.nvme_path, (str, os.PathLike)) or str(obj.nvme_path) == "":
+            raise _fail(k("nvme_path"), obj.nvme_path, "a directory path")
+        obj._set("nvme_path", Path(obj.nvme_path))
+    _bool(k("pin_memory"), obj.pin_memory)
+    if obj.device is OffloadDevice.NVME and obj.nvme_path is None:
+        raise ConfigError(f"{k('nvme_path')}: required when {k('device')} is 'nvme'")
+    for name, needs in device_only.items():
+        value = getattr(obj, name)
+        unused = value is not None and value is not False
+        if unused and obj.device not in needs:
+            need = " or ".join(repr(d.value) for d in needs)
+            raise ConfigError(f"{k(name)}: {_show(value)} is only used when {k('device')} is {need} "
+                              f"(it is {obj.device.value!r}); remove it")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadParamConfig(_Section):
+    """`zero_optimization.offload_param`: where the compute-precision parameter shards live.
+
+    buffer_count, buffer_size (elements) and max_in_cpu (elements) are optional: by
+    default the engine sizes them from the model and the prefetch depth.
+    """
+
+    SECTION: ClassVar[str] = "zero_optimization.offload_param"
+    REFUSED: ClassVar[dict] = _OFFLOAD_PARAM_REFUSED
+    device: OffloadDevice = OffloadDevice.NONE
+    nvme_path: Path | None = None
+    pin_memory: bool = False
+    buffer_count: int | None = None
+    buffer_size: int | None = None
+    max_in_cpu: int | None = None
+
+    def __post_init__(self):
+        k = self._key
+        self._set("buffer_count", _int(k("buffer_count"), self.buffer_count, lo=1, none=True))
+        self._set("buffer_size", _int(k("buffer_size"), self.buffer_size, lo=1, none=True))
+        self._set("max_in_cpu", _int(k("max_in_cpu"), self.max_in_cpu, lo=0, none=True))
+        nvme, host = {OffloadDevice.NVME}, {OffloadDevice.CPU, OffloadDevice.NVME}
+        _check_offload(self, {"nvme_path": nvme, "buffer_count": nvme, "buffer_size": nvme,
+                              "max_in_cpu": nvme, "pin_memory": host})
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadOptimizerConfig(_Section):
+    """`zero_optimization.offload_optimizer`: where fp32 masters and Adam moments live."""
+
+    SECTION: ClassVar[str] = "zero_optimization.offload_optimizer"
+    REFUSED: ClassVar[dict] = _OFFLOAD_OPTIMIZER_REFUSED
+    device: OffloadDevice = OffloadDevice.NONE
+    nvme_path: Path | None = None
+    pin_memory: bool = False
+    buffer_count: int | None = None
+
+    def __post_init__(self):
+        self._set("buffer_count", _int(self._key("buffer_count"), self.buffer_count, lo=1, none=True))
+        nvme, host = {OffloadDevice.NVME}, {OffloadDevice.CPU, OffloadDevice.NVME}
+        _check_offload(self, {"nvme_path": nvme, "buffer_count": nvme, "pin_memory": host})
+
+
+_STAGE12 = "a ZeRO stage 1/2 option; offload runs ZeRO stage 3 only (DeepSpeed ignores it at stage 3)"
+_ZERO_REFUSED = {
+    "round_robin_gradients": _STAGE12,
+    "allgather_partitions": _STAGE12,
+    "allgather_bucket_size": _STAGE12,
+    "reduce_scatter": "gradients are always reduce-scattered",
+    "use_multi_rank_bucket_allreduce": _STAGE12,
+    "ignore_unused_parameters": _STAGE12,
+    "elastic_checkpoint": _STAGE12,
+    "legacy_stage1": _STAGE12,
+    "compute_grad_norm": _STAGE12,
+    "load_from_fp32_weights": "checkpoints always restore the fp32 master weights (bit-exact resume)",
+    "cpu_offload": "deprecated in DeepSpeed; use 'offload_optimizer': {'device': 'cpu'}",
+    "cpu_offload_param": "deprecated in DeepSpeed; use 'offload_param': {'device': 'cpu'}",
+    "cpu_offload_use_pin_memory": "deprecated in DeepSpeed; use 'pin_memory' in offload_param/offload_optimizer",
+    "stage3_gather_fp16_weights_on_model_save":
+        "deprecated in DeepSpeed; use 'stage3_gather_16bit_weights_on_model_save'",
+    "gather_16bit_weights_on_model_save": "write it 'stage3_gather_16bit_weights_on_model_save'",
+    "stage3_model_persistence_threshold": "not implemented; persistence is per parameter "
+                                          "('stage3_param_persistence_threshold')",
+    "stage3_module_granularity_threshold": "not implemented; parameters are fetched per module",
+    "stage3_use_all_reduce_for_fetch_params": "not implemented; parameters are all-gathered",
+    "stage3_allgather_sequential": "not implemented",
+    "zero_hpz_partition_size": "ZeRO++ hierarchical partitioning is not implemented",
+    "zero_quantized_weights": "ZeRO++ quantized weights are not implemented",
+    "zero_quantized_nontrainable_weights": "ZeRO++ quantized weights are not implemented",
+    "zero_quantized_gradients": "ZeRO++ quantized gradients are not implemented",
+    "mics_shard_size": "MiCS is not implemented",
+    "mics_hierarchical_params_gather": "MiCS is not implemented",
+    "memory_efficient_linear": "offload does not replace torch functions (no monkeypatching)",
+    "override_module_apply": "offload does not patch nn.Module.apply",
+    "log_trace_cache_warnings": "there is no trace cache to warn about: a changed module order "
+                                "costs prefetch speed, never an error",
+    "enable_sanity_checks": "not implemented",
+    "pipeline_loading_checkpoint": "not implemented",
+    "leaf_module": "not implemented; parameters are fetched per module",
+    "zenflow": "not implemented",
+    "offload_states": "not implemented",
+    "save_muon_momentum_buffer_in_memory": "Muon is not supported",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig(_Section):
+    """`zero_optimization`: ZeRO stage 3, with parameter and optimizer offload.
+
+    Sizes are in elements, as in DeepSpeed. `AUTO` ones are resolved by
+    `Config.resolve_auto` (see docs/CONFIG.md).
+    """
+
+    SECTION: ClassVar[str] = "zero_optimization"
+    REFUSED: ClassVar[dict] = _ZERO_REFUSED
+    stage: int = 3
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    stage3_prefetch_bucket_size: Any = 50_000_000
+    stage3_max_live_parameters: Any = 1_000_000_000
+    stage3_max_reuse_distance: Any = 1_000_000_000
+    stage3_param_persistence_threshold: Any = 100_000
+    sub_group_size: Any = 1_000_000_000
+    reduce_bucket_size: Any = 500_000_000
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    stage3_gather_16bit_weights_on_model_save: bool = False
+
+    SIZES: ClassVar[tuple] = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+                              "stage3_max_reuse_distance", "stage3_param_persistence_threshold",
+                              "sub_group_size", "reduce_bucket_size")
+
+    def __post_init__(self):
+        k = self._key
+        stage = self.stage
+        if isinstance(stage, float) and stage.is_integer():
+            stage = int(stage)
+        if isinstance(stage, bool) or stage != 3:
+            raise ConfigError(f"zero_optimization.stage: {stage!r} is not 3 (offload implements ZeRO stage 3 "
+                              "only: parameters, gradients and optimizer states partitioned and offloadable)")
+        self._set("stage", 3)
+        for name, cls in (("offload_param", OffloadParamConfig), ("offload_optimizer", OffloadOptimizerConfig)):
+            v = getattr(self, name)
+            if v is None or isinstance(v, Mapping):
+                self._set(name, cls.from_dict(v))
+            elif not isinstance(v, cls):
+                raise _fail(k(name), v, f"a JSON object or {cls.__name__}")
+        for name in self.SIZES:
+            lo = 1 if name in ("sub_group_size", "reduce_bucket_size") else 0
+            self._set(name, _int(k(name), getattr(self, name), lo=lo, auto=True))
+        _bool(k("overlap_comm"), self.overlap_comm)
+        _bool(k("stage3_gather_16bit_weights_on_model_save"), self.stage3_gather_16bit_weights_on_model_save)
+        if _bool(k("contiguous_gradients"), self.contiguous_gradients) is False:
+            raise ConfigError("zero_optimization.contiguous_gradients: false is not supported: offload always "
+                              "writes gradients into contiguous per-shard buffers (true is the only behaviour)")
+
+
+# --------------------------------------------------------------------------- aio
+
+@dataclass(frozen=True, kw_only=True)
+class AioConfig(_Section):
+    """`aio`: the NVMe I/O layer (DeepSpeed's keys, plus our `backend`).
+
+    single_submit and overlap_events are accepted for DeepSpeed configs, with the one
+    value offload implements (batched submission, overlapped completion); the other
+    value is an error. `io_kwargs()` gives the arguments of offload.aio.AsyncIO.
+    """
+
+    SECTION: ClassVar[str] = "aio"
+    REFUSED: ClassVar[dict] = {
+        "thread_count": "DeepSpeed documents it but reads 'intra_op_parallelism'; write 'intra_op_parallelism'",
+        "use_gds": "GPUDirect Storage is not supported",
+    }
+    block_size: int = 1 << 20
+    queue_depth: int = 32
+    intra_op_parallelism: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+    backend: Backend = Backend.AUTO
+
+    def __post_init__(self):
+        k = self._key
+        bs = _int(k("block_size"), self.block_size, lo=4096)
+        if bs % 4096:
+            raise _fail(k("block_size"), bs, "a positive multiple of 4096")
+        self._set("block_size", bs)
+        self._set("queue_depth", _int(k("queue_depth"), self.queue_depth, lo=1, hi=1024))
+        self._set("intra_op_parallelism", _int(k("intra_op_parallelism"), self.intra_op_parallelism, lo=1, hi=64))
+        self._set("backend", _enum(k("backend"), self.backend, Backend))
+        if _bool(k("single_submit"), self.single_submit):
+            raise ConfigError("aio.single_submit: true is not supported: requests are always submitted in "
+                              "batches (false is the only behaviour)")
+        if not _bool(k("overlap_events"), self.overlap_events):
+            raise ConfigError("aio.overlap_events: false is not supported: submission and completion always "
+                              "overlap (true is the only behaviour)")
+
+    def io_kwargs(self) -> dict:
+        return {"block_size": self.block_size, "queue_depth": self.queue_depth,
+                "intra_op_parallelism": self.intra_op_parallelism, "backend": self.backend}
+
+
+# --------------------------------------------------------------------------- memory (ours)
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig(_Section):
+    """`memory` (offload's own): byte budgets per tier; ints or strings like "8GiB".
+
+    device_budget: bytes the device tier may hold (on a CPU-only host, the budget of the
+      plain memory that stands in for the device); None = the GPU's memory, or unlimited.
+    host_budget: bytes of host memory the engine may hold, pinned included; None = no limit.
+    pinned_budget: bytes of page-locked host memory (a part of host_budget); None = the engine
+      picks (bounded by host_budget).
+    """
+
+    SECTION: ClassVar[str] = "memory"
+    device_budget: int | None = None
+    host_budget: int | None = None
+    pinned_budget: int | None = None
+
+    def __post_init__(self):
+        for name in ("device_budget", "host_budget", "pinned_budget"):
+            v = getattr(self, name)
+            if v is not None:
+                self._set(name, parse_bytes(v, self._key(name)))
+        if self.pinned_budget is not None and self.host_budget is not None and self.pinned_budget > self.host_budget:
+            raise ConfigError(f"memory.pinned_budget: {self.pinned_budget} is more than memory.host_budget "
+                              f"({self.host_budget}); pinned memory is part of the host budget")
+
+
+# --------------------------------------------------------------------------- top level
+
+_TOP_REFUSED = {
+    "bfloat16": "deprecated DeepSpeed spelling; write 'bf16'",
+    "amp": "NVIDIA apex AMP is not supported; use 'bf16' or 'fp16'",
+    "zero_allow_untested_optimizer": "the optimizer is always offload's Adam/AdamW",
+    "zero_force_ds_cpu_optimizer": "the optimizer is always offload's Adam/AdamW",
+    "prescale_gradients": "not implemented; gradients are averaged after the reduce-scatter",
+    "gradient_predivide_factor": "not implemented; gradients are averaged after the reduce-scatter",
+    "communication_data_type": "not implemented; gradients are reduced in the compute dtype",
+    "activation_checkpointing": "use torch.utils.checkpoint in the model",
+    "flops_profiler": "not implemented",
+    "tensorboard": "not implemented; log from the training script",
+    "wandb": "not implemented; log from the training script",
+    "csv_monitor": "not implemented; log from the training script",
+    "comet": "not implemented; log from the training script",
+    "comms_logger": "not implemented",
+    "checkpoint": "checkpoints are always complete-or-absent and resumable; no options",
+    "data_types": "gradient accumulation is always fp32",
+    "elasticity": "not implemented",
+    "pipeline": "pipeline parallelism is not implemented",
+    "sparse_attention": "not implemented",
+    "data_efficiency": "not implemented",
+    "compression_training": "not implemented",
+    "autotuning": "not implemented",
+    "dump_state": "not implemented",
+    "memory_breakdown": "use 'offload estimate' and the engine's memory report",
+    "sparse_gradients": "not implemented",
+    "disable_allgather": "not implemented",
+    "fp32_reduce_scatter": "not implemented",
+    "seq_parallel_communication_data_type": "sequence parallelism is not implemented",
+    "tensor_parallel": "tensor parallelism is not implemented",
+    "compile": "compile the model with torch.compile before handing it over",
+}
+
+_SECTIONS = {"bf16": BF16Config, "fp16": FP16Config, "zero_optimization": ZeroConfig,
+             "aio": AioConfig, "memory": MemoryConfig}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config(_Section):
+    """The whole configuration. Build with `Config.load(...)`; see docs/CONFIG.md."""
+
+    SECTION: ClassVar[str] = ""
+    REFUSED: ClassVar[dict] = _TOP_REFUSED
+    train_batch_size: Any = None
+    train_micro_batch_size_per_gpu: Any = None
+    gradient_accumulation_steps: Any = 1
+    gradient_clipping: float = 0.0
+    steps_per_print: int | None = None
+    wall_clock_breakdown: bool = False
+    bf16: BF16Config = field(default_factory=BF16Config)
+    fp16: FP16Config = field(default_factory=FP16Config)
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    aio: AioConfig = field(default_factory=AioConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+    def __post_init__(self):
+        self._set("train_batch_size", _int("train_batch_size", self.train_batch_size, lo=1, auto=True, none=True))
+        self._set("train_micro_batch_size_per_gpu",
+                  _int("train_micro_batch_size_per_gpu", self.train_micro_batch_size_per_gpu,
+                       lo=1, auto=True, none=True))
+        self._set("gradient_accumulation_steps",
+                  _int("gradient_accumulation_steps", self.gradient_accumulation_steps, lo=1, auto=True))
+        self._set("gradient_clipping", _float("gradient_clipping", self.gradient_clipping, lo=0.0, hf_auto=True))
+        self._set("steps_per_print", _int("steps_per_print", self.steps_per_print, lo=1, none=True))
+        _bool("wall_clock_breakdown", self.wall_clock_breakdown)
+        for name, cls in _SECTIONS.items():
+            v = getattr(self, name)
+            if v is None or isinstance(v, Mapping):
+                self._set(name, cls.from_dict(v))
+            elif not isinstance(v, cls):
+                raise _fail(name, v, f"a JSON object or {cls.__name__}")
+        for name, cls in (("optimizer", OptimizerConfig), ("scheduler", SchedulerConfig)):
+            v = getattr(self, name)
+            if isinstance(v, Mapping):
+                self._set(name, cls.from_dict(v))
+            elif v is not None and not isinstance(v, cls):
+                raise _fail(name, v, f"a JSON object, null or {cls.__name__}")
+        if self.bf16.enabled and self.fp16.enabled:
+            raise ConfigError("bf16.enabled and fp16.enabled are both true; enable at most one")
+
+    # ---- construction
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Config":
+        """From a DeepSpeed-style dict. Absent gradient_accumulation_steps with both batch sizes
+        given is derived as DeepSpeed does (it becomes AUTO until `resolve_auto`)."""
+        _check_keys("", d, cls._accepted(), _TOP_REFUSED)
+        d = dict(d)
+        if ("gradient_accumulation_steps" not in d and isinstance(d.get("train_batch_size"), (int, float))
+                and isinstance(d.get("train_micro_batch_size_per_gpu"), (int, float))):
+            d["gradient_accumulation_steps"] = AUTO
+        return cls(**d)
+
+    @classmethod
+    def load(cls, source: "Mapping | str | os.PathLike | Config") -> "Config":
+        """A Config (returned as is), a dict, or the path of a JSON file."""
+        if isinstance(source, Config):
+            return source
+        if isinstance(source, Mapping):
+            return cls.from_dict(source)
+        if isinstance(source, (str, os.PathLike)):
+            path = Path(source)
+            try:
+                text = path.read_text()
+            except OSError as exc:
+                raise ConfigError(f"config file {str(path)!r}: {exc.strerror or exc}") from None
+            try:
+                d = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"config file {str(path)!r}: invalid JSON at line {exc.lineno} "
+                                  f"column {exc.colno}: {exc.msg}") from None
+            if not isinstance(d, dict):
+                raise ConfigError(f"config file {str(path)!r}: the top level is not a JSON object")
+            try:
+                return cls.from_dict(d)
+            except ConfigError as exc:
+                raise ConfigError(f"config file {str(path)!r}: {exc}") from None
+        raise ConfigError(f"config: {type(source).__name__} is not a dict, a JSON file path or a Config")
+
+    def to_dict(self) -> dict:
+        """A DeepSpeed-style dict; `Config.from_dict(c.to_dict()) == c`."""
+        out = super().to_dict()
+        out["gradient_accumulation_steps"] = _to_json(self.gradient_accumulation_steps)
+        return out
+
+    def replace(self, **changes) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    # ---- derived
+
+    @property
+    def precision(self) -> Precision:
+        if self.bf16.enabled and self.fp16.enabled:
+            raise ConfigError("bf16.enabled and fp16.enabled are both true; enable at most one")
+        if self.bf16.enabled:
+            return Precision.BF16
+        if self.fp16.enabled:
+            return Precision.FP16
+        return Precision.FP32
+
+    def has_auto(self) -> bool:
+        z = self.zero_optimization
+        return any(v is AUTO for v in (self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                                        self.gradient_accumulation_steps,
+                                        *(getattr(z, n) for n in z.SIZES)))
+
+    def resolve_auto(self, hidden_size: int | None, num_params: int, *, world_size: int = 1) -> "Config":
+        """A copy with every AUTO replaced; see docs/CONFIG.md "auto values".
+
+        From the model (DeepSpeed / HF semantics): reduce_bucket_size = hidden^2,
+        stage3_prefetch_bucket_size = int(0.9 * hidden^2), stage3_param_persistence_threshold =
+        10 * hidden; with hidden_size None, DeepSpeed's defaults. stage3_max_live_parameters,
+        stage3_max_reuse_distance: DeepSpeed's defaults (1e9); sub_group_size: min(1e9, num_params).
+        Batch sizes: DeepSpeed's rule train_batch_size = micro * accumulation * world_size
+        derives the unknown one; a micro batch of 'auto' needs train_batch_size.
+        """
+        hidden_size = _int("resolve_auto: hidden_size", hidden_size, lo=1, none=True)
+        num_params = _int("resolve_auto: num_params", num_params, lo=1)
+        world_size = _int("resolve_auto: world_size", world_size, lo=1)
+        z = self.zero_optimization
+        if hidden_size is None:
+            from_model = {"reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+                          "stage3_param_persistence_threshold": 100_000}
+        else:
+            from_model = {"reduce_bucket_size": hidden_size * hidden_size,
+                          "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+                          "stage3_param_persistence_threshold": 10 * hidden_size}
+        from_model.update(stage3_max_live_parameters=1_000_000_000, stage3_max_reuse_distance=1_000_000_000,
+                          sub_group_size=min(1_000_000_000, num_params))
+        zero_changes = {n: from_model[n] for n in z.SIZES if getattr(z, n) is AUTO}
+        tb, mb, gas = self._resolve_batch(world_size)
+        return dataclasses.replace(self, train_batch_size=tb, train_micro_batch_size_per_gpu=mb,
+                                   gradient_accumulation_steps=gas,
+                                   zero_optimization=dataclasses.replace(z, **zero_changes))
+
+    def _resolve_batch(self, world_size: int):
+        def known(v):
+            return v if isinstance(v, int) else None
+
+        tb, mb, gas = (known(self.train_batch_size), known(self.train_micro_batch_size_per_gpu),
+                       known(self.gradient_accumulation_steps))
+        if self.train_micro_batch_size_per_gpu is AUTO and tb is None:
+            raise ConfigError("train_micro_batch_size_per_gpu: 'auto' needs train_batch_size to derive it "
+                              "(train_batch_size = micro batch * gradient_accumulation_steps * world size)")
+        if tb is not None and mb is not None and gas is not None:
+            pass
+        elif tb is not None and mb is not None:
+            gas = self._divide("gradient_accumulation_steps", tb, mb * world_size, tb, mb, world_size)
+        elif tb is not None and gas is not None:
+            mb = self._divide("train_micro_batch_size_per_gpu", tb, gas * world_size, tb, gas, world_size)
+        elif mb is not None and gas is not None:
+            tb = mb * gas * world_size
+        elif tb is not None:
+            gas = 1
+            mb = self._divide("train_micro_batch_size_per_gpu", tb, world_size, tb, 1, world_size)
+        elif mb is not None:
+            gas = 1
+            tb = mb * world_size
+        else:
+            gas = gas if gas is not None else 1
+        self._check_batch(tb, mb, gas, world_size)
+        return tb, mb, gas
+
+    @staticmethod
+    def _divide(name, num, den, tb, other, world_size):
+        if num % den:
+            raise ConfigError(f"{name}: cannot be derived: train_batch_size {tb} is not divisible by "
+                              f"{other} * world size {world_size}")
+        return num // den
+
+    @staticmethod
+    def _check_batch(tb, mb, gas, world_size):
+        if tb is not None and mb is not None and gas is not None and tb != mb * gas * world_size:
+            raise ConfigError(
+                f"train_batch_size: {tb} != train_micro_batch_size_per_gpu {mb} * gradient_accumulation_steps "
+                f"{gas} * world size {world_size} (= {mb * gas * world_size})")
+
+    def check_batch(self, world_size: int) -> None:
+        """DeepSpeed's rule: train_batch_size == micro * accumulation * world_size, where all are given."""
+        world_size = _int("check_batch: world_size", world_size, lo=1)
+
+        def known(v):
+            return v if isinstance(v, int) else None
+
+        self._check_batch(known(self.train_batch_size), known(self.train_micro_batch_size_per_gpu),
+                          known(self.gradient_accumulation_steps), world_size)
