@@ -721,6 +721,21 @@ class ZeroConfig(_Section):
             raise ConfigError("zero_optimization.contiguous_gradients: false is not supported: offload always "
                               "writes gradients into contiguous per-shard buffers (true is the only behaviour)")
 
+    def resolve_auto(self, hidden_size: int | None, num_params: int) -> "ZeroConfig":
+        """A copy with AUTO sizes replaced (rules in `Config.resolve_auto`)."""
+        hidden_size = _int("resolve_auto: hidden_size", hidden_size, lo=1, none=True)
+        num_params = _int("resolve_auto: num_params", num_params, lo=1)
+        if hidden_size is None:
+            from_model = {"reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+                          "stage3_param_persistence_threshold": 100_000}
+        else:
+            from_model = {"reduce_bucket_size": hidden_size * hidden_size,
+                          "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+                          "stage3_param_persistence_threshold": 10 * hidden_size}
+        from_model.update(stage3_max_live_parameters=1_000_000_000, stage3_max_reuse_distance=1_000_000_000,
+                          sub_group_size=min(1_000_000_000, num_params))
+        return dataclasses.replace(self, **{n: from_model[n] for n in self.SIZES if getattr(self, n) is AUTO})
+
 
 # --------------------------------------------------------------------------- aio
 
@@ -957,21 +972,10 @@ class Config(_Section):
         hidden_size = _int("resolve_auto: hidden_size", hidden_size, lo=1, none=True)
         num_params = _int("resolve_auto: num_params", num_params, lo=1)
         world_size = _int("resolve_auto: world_size", world_size, lo=1)
-        z = self.zero_optimization
-        if hidden_size is None:
-            from_model = {"reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
-                          "stage3_param_persistence_threshold": 100_000}
-        else:
-            from_model = {"reduce_bucket_size": hidden_size * hidden_size,
-                          "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-                          "stage3_param_persistence_threshold": 10 * hidden_size}
-        from_model.update(stage3_max_live_parameters=1_000_000_000, stage3_max_reuse_distance=1_000_000_000,
-                          sub_group_size=min(1_000_000_000, num_params))
-        zero_changes = {n: from_model[n] for n in z.SIZES if getattr(z, n) is AUTO}
         tb, mb, gas = self._resolve_batch(world_size)
         return dataclasses.replace(self, train_batch_size=tb, train_micro_batch_size_per_gpu=mb,
                                    gradient_accumulation_steps=gas,
-                                   zero_optimization=dataclasses.replace(z, **zero_changes))
+                                   zero_optimization=self.zero_optimization.resolve_auto(hidden_size, num_params))
 
     def _resolve_batch(self, world_size: int):
         def known(v):
