@@ -183,13 +183,13 @@ def _float(key: str, value: Any, *, lo: float | None = None, hi: float | None = 
         what += " or null"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(key, value, what)
-    value = float(value)
+    given, value = value, float(value)
     if not math.isfinite(value):
-        raise _fail(key, value, what)
+        raise _fail(key, given, what)
     if lo is not None and (value < lo or (lo_open and value == lo)):
-        raise _fail(key, value, what)
+        raise _fail(key, given, what)
     if hi is not None and (value > hi or (hi_open and value == hi)):
-        raise _fail(key, value, what)
+        raise _fail(key, given, what)
     return value
 
 
@@ -579,7 +579,7 @@ def _check_offload(obj, device_only: dict[str, Any]) -> None:
         value = getattr(obj, name)
         unused = value is not None and value is not False
         if unused and obj.device not in needs:
-            need = " or ".join(repr(d.value) for d in needs)
+            need = " or ".join(repr(d.value) for d in OffloadDevice if d in needs)
             raise ConfigError(f"{k(name)}: {_show(value)} is only used when {k('device')} is {need} "
                               f"(it is {obj.device.value!r}); remove it")
 

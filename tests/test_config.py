@@ -1,0 +1,369 @@
+"""offload.config: DeepSpeed configs load unchanged; every refusal names its key."""
+import copy
+import json
+
+import pytest
+
+from offload.aio.config import Backend
+from offload.config import (
+    AUTO,
+    AioConfig,
+    Config,
+    ConfigError,
+    MemoryConfig,
+    OffloadDevice,
+    OffloadParamConfig,
+    OptimizerType,
+    Precision,
+    SchedulerType,
+    WarmupType,
+    ZeroConfig,
+    parse_bytes,
+)
+
+# A ZeRO-Infinity config as DeepSpeed's docs and tutorials write them.
+DS_ZERO_INFINITY = {
+    "train_batch_size": 64,
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": 4,
+    "gradient_clipping": 1.0,
+    "steps_per_print": 100,
+    "wall_clock_breakdown": False,
+    "bf16": {"enabled": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-5,
+                                                     "warmup_num_steps": 500, "total_num_steps": 10000}},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True,
+                          "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9},
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True,
+                              "buffer_count": 4},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "aio": {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1,
+            "single_submit": False, "overlap_events": True},
+}
+
+
+def with_(path: str, value, base=DS_ZERO_INFINITY):
+    """A copy of `base` with the dotted key set (value DELETE removes it)."""
+    d = copy.deepcopy(base)
+    *parents, last = path.split(".")
+    node = d
+    for p in parents:
+        node = node.setdefault(p, {})
+    if value is DELETE:
+        del node[last]
+    else:
+        node[last] = value
+    return d
+
+
+DELETE = object()
+
+
+def test_ds_zero_infinity_config_loads_unchanged():
+    before = copy.deepcopy(DS_ZERO_INFINITY)
+    c = Config.load(DS_ZERO_INFINITY)
+    assert DS_ZERO_INFINITY == before  # the input is not mutated
+    assert c.precision is Precision.BF16
+    assert c.train_micro_batch_size_per_gpu is AUTO
+    z = c.zero_optimization
+    assert z.offload_param.device is OffloadDevice.NVME and str(z.offload_param.nvme_path) == "/local_nvme"
+    assert z.offload_param.buffer_size == 100_000_000 and isinstance(z.offload_param.buffer_size, int)
+    assert z.sub_group_size == 1_000_000_000 and isinstance(z.sub_group_size, int)
+    assert z.reduce_bucket_size is AUTO and z.stage3_prefetch_bucket_size is AUTO
+    assert z.stage3_gather_16bit_weights_on_model_save is True
+    assert c.optimizer.type is OptimizerType.ADAMW and c.optimizer.betas == (0.9, 0.95)
+    assert c.scheduler.type is SchedulerType.WARMUP_DECAY_LR
+    assert c.scheduler.params.total_num_steps == 10000
+    assert c.scheduler.params.warmup_type is WarmupType.LOG
+    assert c.aio.queue_depth == 8 and c.aio.backend is Backend.AUTO
+
+
+def test_defaults():
+    c = Config.load({})
+    assert c.precision is Precision.FP32
+    assert c.gradient_accumulation_steps == 1 and c.gradient_clipping == 0.0
+    assert c.optimizer is None and c.scheduler is None
+    z = c.zero_optimization
+    assert z.stage == 3 and z.offload_param.device is OffloadDevice.NONE
+    assert (z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters, z.stage3_max_reuse_distance,
+            z.stage3_param_persistence_threshold, z.sub_group_size, z.reduce_bucket_size) == (
+        50_000_000, 1_000_000_000, 1_000_000_000, 100_000, 1_000_000_000, 500_000_000)
+    assert z.offload_param.buffer_count is None and z.offload_param.buffer_size is None
+    assert c.aio == AioConfig() and c.aio.block_size == 1 << 20 and c.aio.queue_depth == 32
+    assert c.fp16.initial_scale_power == 16 and c.fp16.loss_scale == 0.0 and c.fp16.dynamic
+    assert c.memory == MemoryConfig()
+
+
+def test_round_trip():
+    c = Config.load(DS_ZERO_INFINITY)
+    d = c.to_dict()
+    json.dumps(d)  # plain JSON
+    assert Config.from_dict(d) == c
+    assert Config.load(Config.load({}).to_dict()) == Config.load({})
+    r = c.resolve_auto(4096, 7_000_000_000, world_size=2)
+    assert Config.from_dict(r.to_dict()) == r
+
+
+def test_load_config_returns_it_and_json_path(tmp_path):
+    c = Config.load(DS_ZERO_INFINITY)
+    assert Config.load(c) is c
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(DS_ZERO_INFINITY))
+    assert Config.load(path) == c and Config.load(str(path)) == c
+
+
+def test_bad_json_file_names_the_file(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text('{"bf16": {"enabled": true},}')
+    with pytest.raises(ConfigError, match=r"broken\.json.*invalid JSON at line 1"):
+        Config.load(path)
+    with pytest.raises(ConfigError, match=r"missing\.json"):
+        Config.load(tmp_path / "missing.json")
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"broken\.json.*not a JSON object"):
+        Config.load(path)
+    path.write_text('{"zero_optimization": {"stage": 2}}')
+    with pytest.raises(ConfigError, match=r"broken\.json.*zero_optimization\.stage"):
+        Config.load(path)
+
+
+def test_unknown_key_names_closest():
+    with pytest.raises(ConfigError, match=r"^unknown key 'zero_optimization\.stage3_prefetch_bucket_sz' "
+                                          r"\(did you mean 'stage3_prefetch_bucket_size'\?\)$"):
+        Config.load(with_("zero_optimization.stage3_prefetch_bucket_sz", 5))
+    with pytest.raises(ConfigError, match=r"unknown key 'train_micro_batch_size' \(did you mean "
+                                          r"'train_micro_batch_size_per_gpu'\?\)"):
+        Config.load({"train_micro_batch_size": 4})
+    with pytest.raises(ConfigError, match=r"unknown key 'zzz' \(accepted: train_batch_size, "):
+        Config.load({"zzz": 1})
+    with pytest.raises(ConfigError, match=r"unknown key 'memory\.host_budgett' \(did you mean 'host_budget'"):
+        Config.load({"memory": {"host_budgett": 1}})
+    with pytest.raises(ConfigError, match=r"unknown key 'scheduler\.params\.warmup_max' \(did you mean "
+                                          r"'warmup_max_lr'"):
+        Config.load({"scheduler": {"type": "WarmupLR", "params": {"warmup_max": 1}}})
+
+
+@pytest.mark.parametrize("path", [
+    "zero_optimization.round_robin_gradients", "zero_optimization.allgather_bucket_size",
+    "zero_optimization.cpu_offload", "zero_optimization.stage3_gather_fp16_weights_on_model_save",
+    "zero_optimization.zero_quantized_weights", "zero_optimization.offload_optimizer.pipeline_read",
+    "zero_optimization.offload_optimizer.ratio", "aio.use_gds", "fp16.auto_cast",
+    "bf16.bf16_master_weights_and_grads", "optimizer.params.torch_adam", "optimizer.params.amsgrad",
+    "activation_checkpointing", "bfloat16", "zero_allow_untested_optimizer",
+])
+def test_refused_deepspeed_keys_name_key_and_reason(path):
+    with pytest.raises(ConfigError, match=rf"^'{path.replace('.', r'.')}' is a DeepSpeed key offload does "
+                                          r"not support: \S"):
+        Config.load(with_(path, True))
+
+
+def test_thread_count_points_to_intra_op_parallelism():
+    with pytest.raises(ConfigError, match=r"'aio\.thread_count' is a DeepSpeed key .*'intra_op_parallelism'"):
+        Config.load(with_("aio.thread_count", 4))
+
+
+def test_max_grad_norm_points_to_gradient_clipping():
+    with pytest.raises(ConfigError, match=r"'optimizer\.params\.max_grad_norm'.*'gradient_clipping'"):
+        Config.load(with_("optimizer.params.max_grad_norm", 1.0))
+
+
+@pytest.mark.parametrize("path, value, message", [
+    ("zero_optimization.offload_param.device", "gpu",
+     r"^zero_optimization\.offload_param\.device: 'gpu' is not one of none, cpu, nvme$"),
+    ("zero_optimization.offload_optimizer.device", "CPU", r"offload_optimizer\.device: 'CPU' is not one of"),
+    ("zero_optimization.stage", 2, r"^zero_optimization\.stage: 2 is not 3 \(offload implements ZeRO stage 3"),
+    ("zero_optimization.stage", 0, r"zero_optimization\.stage: 0 is not 3"),
+    ("zero_optimization.stage", True, r"zero_optimization\.stage: True is not 3"),
+    ("zero_optimization.sub_group_size", "1e9", r"zero_optimization\.sub_group_size: '1e9' is not an integer"),
+    ("zero_optimization.sub_group_size", 0, r"zero_optimization\.sub_group_size: 0 is not an integer >= 1"),
+    ("zero_optimization.stage3_max_live_parameters", 1.5,
+     r"zero_optimization\.stage3_max_live_parameters: 1\.5 is not an integer"),
+    ("zero_optimization.reduce_bucket_size", True, r"zero_optimization\.reduce_bucket_size: True is not"),
+    ("zero_optimization.overlap_comm", 1, r"zero_optimization\.overlap_comm: 1 is not true or false"),
+    ("zero_optimization.contiguous_gradients", False,
+     r"zero_optimization\.contiguous_gradients: false is not supported"),
+    ("zero_optimization.offload_param.buffer_count", 0,
+     r"zero_optimization\.offload_param\.buffer_count: 0 is not an integer >= 1"),
+    ("zero_optimization.offload_param.buffer_size", "3", r"offload_param\.buffer_size: '3' is not an integer"),
+    ("zero_optimization.offload_param.pin_memory", "yes",
+     r"zero_optimization\.offload_param\.pin_memory: 'yes' is not true or false"),
+    ("zero_optimization.offload_param.nvme_path", DELETE,
+     r"zero_optimization\.offload_param\.nvme_path: required when zero_optimization\.offload_param\.device "
+     r"is 'nvme'"),
+    ("zero_optimization.offload_optimizer.nvme_path", DELETE,
+     r"zero_optimization\.offload_optimizer\.nvme_path: required when"),
+    ("zero_optimization.offload_param", "nvme", r"zero_optimization\.offload_param: 'nvme' is not a JSON object"),
+    ("train_batch_size", "64", r"^train_batch_size: '64' is not an integer >= 1"),
+    ("train_batch_size", 0, r"^train_batch_size: 0 is not an integer"),
+    ("gradient_accumulation_steps", 0, r"^gradient_accumulation_steps: 0 is not an integer >= 1"),
+    ("gradient_accumulation_steps", True, r"^gradient_accumulation_steps: True is not an integer"),
+    ("gradient_clipping", -1.0, r"^gradient_clipping: -1\.0 is not a number >= 0"),
+    ("gradient_clipping", "auto", r"^gradient_clipping: 'auto' here is filled in by the Hugging Face Trainer"),
+    ("steps_per_print", 0, r"^steps_per_print: 0 is not an integer >= 1"),
+    ("wall_clock_breakdown", "false", r"^wall_clock_breakdown: 'false' is not true or false"),
+    ("bf16.enabled", 1, r"^bf16\.enabled: 1 is not true or false"),
+    ("bf16.enabled", "auto", r"^bf16\.enabled: 'auto' here is filled in by the Hugging Face Trainer"),
+    ("fp16.loss_scale", -1, r"^fp16\.loss_scale: -1 is not a number >= 0"),
+    ("fp16.initial_scale_power", 16.5, r"^fp16\.initial_scale_power: 16\.5 is not an integer"),
+    ("fp16.loss_scale_window", 0, r"^fp16\.loss_scale_window: 0 is not an integer >= 1"),
+    ("fp16.hysteresis", 0, r"^fp16\.hysteresis: 0 is not an integer >= 1"),
+    ("fp16.min_loss_scale", 0, r"^fp16\.min_loss_scale: 0 is not a number > 0"),
+    ("optimizer.type", "Lamb", r"^optimizer\.type: 'Lamb' is not one of Adam, AdamW"),
+    ("optimizer.type", DELETE, r"^optimizer\.type: missing"),
+    ("optimizer.params.lr", "auto", r"^optimizer\.params\.lr: 'auto' here is filled in by the Hugging Face"),
+    ("optimizer.params.lr", -1e-3, r"^optimizer\.params\.lr: -0\.001 is not a number >= 0"),
+    ("optimizer.params.betas", [0.9, 1.0], r"^optimizer\.params\.betas\[1\]: 1\.0 is not a number in \[0, 1\)"),
+    ("optimizer.params.betas", [0.9], r"^optimizer\.params\.betas: \[0\.9\] is not a list of two numbers"),
+    ("optimizer.params.eps", 0, r"^optimizer\.params\.eps: 0 is not a number > 0"),
+    ("optimizer.params.weight_decay", -0.1, r"^optimizer\.params\.weight_decay: -0\.1 is not a number >= 0"),
+    ("optimizer.params.adam_w_mode", False, r"^optimizer\.params\.adam_w_mode: false contradicts type 'AdamW'"),
+    ("scheduler.type", "OneCycle", r"^scheduler\.type: 'OneCycle' is not one of WarmupLR, WarmupDecayLR, "
+                                   r"WarmupCosineLR$"),
+    ("scheduler.params.total_num_steps", DELETE,
+     r"^scheduler\.params\.total_num_steps: missing \(required by WarmupDecayLR\)"),
+    ("scheduler.params.warmup_num_steps", 0, r"^scheduler\.params\.warmup_num_steps: 0 is not an integer >= 1"),
+    ("scheduler.params.warmup_type", "cosine", r"^scheduler\.params\.warmup_type: 'cosine' is not one of log, "
+                                               r"linear"),
+    ("scheduler.params.warmup_max_lr", "auto", r"^scheduler\.params\.warmup_max_lr: 'auto' here is filled in"),
+    ("aio.block_size", 1000, r"^aio\.block_size: 1000 is not an integer >= 4096"),
+    ("aio.block_size", 4096 * 3 + 1, r"^aio\.block_size: 12289 is not a positive multiple of 4096"),
+    ("aio.queue_depth", 0, r"^aio\.queue_depth: 0 is not an integer in \[1, 1024\]"),
+    ("aio.intra_op_parallelism", 65, r"^aio\.intra_op_parallelism: 65 is not an integer in \[1, 64\]"),
+    ("aio.single_submit", True, r"^aio\.single_submit: true is not supported"),
+    ("aio.overlap_events", False, r"^aio\.overlap_events: false is not supported"),
+    ("aio.backend", "io_uring", r"^aio\.backend: 'io_uring' is not one of auto, native, libaio, threads"),
+    ("memory", {"host_budget": "8 gigs"}, r"^memory\.host_budget: '8 gigs' is not a byte size"),
+    ("memory", {"device_budget": -1}, r"^memory\.device_budget: -1 is not an integer >= 0"),
+    ("memory", {"host_budget": "1GiB", "pinned_budget": "2GiB"},
+     r"^memory\.pinned_budget: 2147483648 is more than memory\.host_budget"),
+    ("fp16", {"enabled": True}, r"^bf16\.enabled and fp16\.enabled are both true"),
+])
+def test_bad_values_name_the_key(path, value, message):
+    with pytest.raises(ConfigError, match=message):
+        Config.load(with_(path, value))
+
+
+@pytest.mark.parametrize("device", ["none", "cpu"])
+def test_nvme_only_keys_with_another_device_are_errors(device):
+    d = with_("zero_optimization.offload_param.device", device)
+    with pytest.raises(ConfigError, match=r"^zero_optimization\.offload_param\.nvme_path: '/local_nvme' is "
+                                          rf"only used when .*device is 'nvme' \(it is '{device}'\)"):
+        Config.load(d)
+    d = with_("zero_optimization.offload_optimizer", {"device": device, "buffer_count": 4})
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.buffer_count: 4 is only used when"):
+        Config.load(d)
+    with pytest.raises(ConfigError, match=r"offload_param\.pin_memory: True is only used when .*'cpu' or 'nvme'"):
+        OffloadParamConfig(pin_memory=True)
+    assert OffloadParamConfig(device="cpu", pin_memory=True).pin_memory
+
+
+def test_direct_construction_is_validated():
+    with pytest.raises(ConfigError, match=r"^zero_optimization\.stage: 1 is not 3"):
+        ZeroConfig(stage=1)
+    with pytest.raises(ConfigError, match=r"zero_optimization\.offload_param\.device: 'disk'"):
+        OffloadParamConfig(device="disk")
+    with pytest.raises(TypeError):
+        ZeroConfig(3)  # keyword-only
+    z = ZeroConfig(offload_param={"device": "cpu"})
+    assert z.offload_param == OffloadParamConfig(device=OffloadDevice.CPU)
+    with pytest.raises(dataclasses_frozen()):
+        z.stage = 3
+
+
+def dataclasses_frozen():
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError
+
+
+def test_optimizer_adam_w_mode_semantics_follow_deepspeed():
+    def opt(kind, **params):
+        return Config.load({"optimizer": {"type": kind, "params": params}}).optimizer
+
+    assert opt("Adam").type is OptimizerType.ADAM
+    assert opt("Adam").effective_type is OptimizerType.ADAMW  # DeepSpeed: adam_w_mode defaults to true
+    assert opt("adam", adam_w_mode=False).effective_type is OptimizerType.ADAM
+    assert not opt("Adam", adam_w_mode=False).decoupled_weight_decay
+    assert opt("adamw").type is OptimizerType.ADAMW and opt("ADAMW").decoupled_weight_decay
+    assert Config.load({"optimizer": {"type": "AdamW"}}).optimizer.lr == 1e-3
+
+
+def test_scheduler_params_defaults_per_type():
+    s = Config.load({"scheduler": {"type": "WarmupLR"}}).scheduler
+    assert s.params.warmup_max_lr is None and s.params.warmup_num_steps == 1000
+    s = Config.load({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 50}}}).scheduler
+    assert s.params.cos_min_ratio == 0.0001 and s.params.warmup_min_ratio == 0.0
+    with pytest.raises(ConfigError, match=r"unknown key 'scheduler\.params\.warmup_max_lr' \(did you mean "):
+        Config.load({"scheduler": {"type": "WarmupCosineLR",
+                                   "params": {"total_num_steps": 5, "warmup_max_lr": 1e-3}}})
+
+
+def test_byte_sizes():
+    assert parse_bytes("8GiB") == 8 << 30 and parse_bytes("512MB") == 512 * 10**6
+    assert parse_bytes("1.5 KiB") == 1536 and parse_bytes(4096) == 4096 and parse_bytes("100") == 100
+    m = Config.load({"memory": {"device_budget": "2GiB", "host_budget": 3 << 30, "pinned_budget": "1GB"}}).memory
+    assert (m.device_budget, m.host_budget, m.pinned_budget) == (2 << 30, 3 << 30, 10**9)
+    with pytest.raises(ConfigError, match=r"memory\.pinned_budget: '1\.0000000001 B' is not a whole number"):
+        Config.load({"memory": {"pinned_budget": "1.0000000001 B"}})
+    with pytest.raises(ConfigError, match=r"memory\.device_budget: True is not an integer"):
+        Config.load({"memory": {"device_budget": True}})
+
+
+def test_resolve_auto_from_model():
+    c = Config.load(DS_ZERO_INFINITY).resolve_auto(4096, 7_000_000_000, world_size=2)
+    z = c.zero_optimization
+    assert z.reduce_bucket_size == 4096 ** 2
+    assert z.stage3_prefetch_bucket_size == int(0.9 * 4096 ** 2)
+    assert z.stage3_param_persistence_threshold == 40960
+    assert z.sub_group_size == 1_000_000_000  # given, not auto
+    assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == (64, 8, 4)
+    assert not c.has_auto()
+    all_auto = {"zero_optimization": {n: "auto" for n in ZeroConfig.SIZES}}
+    z = Config.load(all_auto).resolve_auto(None, 1000)
+    assert (z.zero_optimization.reduce_bucket_size, z.zero_optimization.stage3_prefetch_bucket_size,
+            z.zero_optimization.stage3_param_persistence_threshold, z.zero_optimization.sub_group_size,
+            z.zero_optimization.stage3_max_live_parameters) == (500_000_000, 50_000_000, 100_000, 1000,
+                                                                1_000_000_000)
+    assert repr(AUTO) == "auto" and copy.deepcopy(AUTO) is AUTO
+
+
+def test_batch_rules_follow_deepspeed():
+    def resolved(ws, **d):
+        c = Config.load(d).resolve_auto(None, 10, world_size=ws)
+        return c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps
+
+    assert resolved(2, train_batch_size=32, train_micro_batch_size_per_gpu=4) == (32, 4, 4)  # gas derived
+    assert resolved(2, train_batch_size=32, gradient_accumulation_steps=4) == (32, 4, 4)
+    assert resolved(2, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=4) == (32, 4, 4)
+    assert resolved(4, train_batch_size=32) == (32, 8, 1)
+    assert resolved(4, train_micro_batch_size_per_gpu=2) == (8, 2, 1)
+    assert resolved(1) == (None, None, 1)
+    assert resolved(2, train_batch_size=32, train_micro_batch_size_per_gpu="auto",
+                    gradient_accumulation_steps="auto") == (32, 16, 1)
+    with pytest.raises(ConfigError, match=r"^train_micro_batch_size_per_gpu: 'auto' needs train_batch_size"):
+        resolved(1, train_micro_batch_size_per_gpu="auto")
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps: cannot be derived: train_batch_size 30"):
+        resolved(4, train_batch_size=30, train_micro_batch_size_per_gpu=4)
+
+
+def test_check_batch():
+    c = Config.load({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2})
+    c.check_batch(4)
+    with pytest.raises(ConfigError, match=r"^train_batch_size: 32 != train_micro_batch_size_per_gpu 4 \* "
+                                          r"gradient_accumulation_steps 2 \* world size 2 \(= 16\)"):
+        c.check_batch(2)
+    Config.load({"train_batch_size": 32}).check_batch(3)  # partial: nothing to check
+    with pytest.raises(ConfigError, match=r"check_batch: world_size: 0"):
+        c.check_batch(0)
