@@ -55,8 +55,15 @@ def _deepspeed(block: int, qd: int, par: int):
 
         lib = AsyncIOBuilder().load(verbose=False)
     handle = lib.aio_handle(block, qd, False, True, par)  # single_submit=False, overlap_events=True
-    return (lambda t, p: handle.sync_pwrite(t, str(p)), lambda t, p: handle.sync_pread(t, str(p)),
-            lambda: None)
+
+    def pwrite(t, p):
+        with stdout_to_stderr():  # it logs an SSD-endurance warning on fd 1 at each write
+            handle.sync_pwrite(t, str(p))
+
+    def pread(t, p):
+        handle.sync_pread(t, str(p))
+
+    return pwrite, pread, lambda: None
 
 
 def _fio(path: Path, size: int, block: int, qd: int, par: int, rw: str) -> float:
