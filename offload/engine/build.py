@@ -1,0 +1,119 @@
+"""Turns a model's parameters into shards at their home tiers, at initialize.
+
+Parameters are taken one at a time (their original fp32 values become the
+optimizer's masters, their compute-dtype copies go home), so building never
+holds a second copy of the whole model.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from offload.config import Config, OffloadDevice
+from offload.partition.accounting import Tier
+from offload.partition.shard import HomeKind, Shard, ShardContext
+
+
+@dataclass
+class Built:
+    shards: list[Shard]
+    param_store: object | None
+    state_store: object | None
+    _pending: dict[int, torch.nn.Parameter] = field(default_factory=dict)
+    _grad_device: torch.device = torch.device("cpu")
+    _grad_tier: Tier = Tier.HOST
+    _account: object = None
+
+    def initial_partition(self, shard: Shard) -> torch.Tensor:
+        """Moves the parameter home and returns this rank's fp32 partition of its value."""
+        value = shard.param.detach()
+        fp32 = value.reshape(-1).to(torch.float32)
+        part = shard.my_slice(fp32).clone()
+        shard.adopt(value)
+        self._account.charge(self._grad_tier, shard.part_numel * 4, f"gradient of {shard.name}")
+        shard.grad_part = torch.zeros(shard.part_numel, dtype=torch.float32, device=self._grad_device)
+        return part
+
+    def finish(self) -> None:
+        for store in {id(x): x for x in (self.param_store and self.param_store.store,
+                                          self.state_store) if x is not None}.values():
+            store.wait_all()
+
+
+def _check_dtype(name: str, p: torch.nn.Parameter) -> None:
+    if not p.is_floating_point():
+        raise TypeError(f"parameter {name} has dtype {p.dtype}; offload trains floating-point parameters")
+    if p.device.type == "meta":
+        raise ValueError(f"parameter {name} is on the meta device: load its values before "
+                         "offload.initialize (or build the model inside offload.init)")
+
+
+def build_shards(model: torch.nn.Module, config: Config, ctx: ShardContext, dtype: torch.dtype,
+                 param_tier: Tier, optim_tier: Tier, created_dirs: list[str]) -> Built:
+    zero = config.zero_optimization
+    threshold = zero.stage3_param_persistence_threshold
+    named = list(model.named_parameters(remove_duplicate=True))
+    shards = []
+    for index, (name, p) in enumerate(named):
+        _check_dtype(name, p)
+        if param_tier is Tier.DEVICE or p.numel() <= threshold:
+            home = HomeKind.DEVICE
+        elif param_tier is Tier.HOST:
+            home = HomeKind.HOST
+        else:
+            home = HomeKind.NVME
+        shards.append(Shard(index, name, p, compute_dtype=dtype, home=home, ctx=ctx))
+
+    for buf_name, buf in model.named_buffers():
+        target = dtype if buf.is_floating_point() else buf.dtype
+        buf.data = buf.data.to(ctx.device, target)
+
+    # NVMe stores: one per directory (parameters and optimizer state may share one).
+    wanted: dict[str, list[int]] = {}
+    nvme_shards = [s for s in shards if s.home is HomeKind.NVME]
+    if nvme_shards:
+        wanted.setdefault(os.fspath(zero.offload_param.nvme_path), []).extend(
+            s.part_numel * dtype.itemsize for s in nvme_shards)
+    if optim_tier is Tier.NVME:
+        wanted.setdefault(os.fspath(zero.offload_optimizer.nvme_path), []).extend(
+            3 * s.part_numel * 4 for s in shards)
+    stores = {path: _swap_store(path, sizes, config, ctx, created_dirs)
+              for path, sizes in wanted.items()}
+    param_store = state_store = None
+    if nvme_shards:
+        from offload.partition.nvme_home import ParamStore
+
+        param_store = ParamStore(stores[os.fspath(zero.offload_param.nvme_path)], ctx.pg)
+        ctx.param_store = param_store
+    if optim_tier is Tier.NVME:
+        state_store = stores[os.fspath(zero.offload_optimizer.nvme_path)]
+    grad_tier = Tier.DEVICE if optim_tier is Tier.DEVICE else Tier.HOST
+    grad_device = ctx.device if grad_tier is Tier.DEVICE else torch.device("cpu")
+    return Built(shards, param_store, state_store, _grad_device=grad_device,
+                 _grad_tier=grad_tier, _account=ctx.account)
+
+
+def _rank_dir(nvme_path, rank: int) -> str:
+    return os.path.join(os.fspath(nvme_path), f"rank{rank}")
+
+
+def _swap_store(nvme_path, sizes, config, ctx, created_dirs):
+    from offload.aio.swap_store import SwapConfig, SwapStore
+
+    rank_dir = _rank_dir(nvme_path, ctx.pg.rank)
+    if not os.path.exists(rank_dir):
+        created_dirs.append(rank_dir)
+    swap_config = SwapConfig.for_tensors(nvme_path, sizes, in_flight=2, rank=ctx.pg.rank,
+                                         aio=_aio_config(config))
+    return SwapStore(swap_config)
+
+
+def _aio_config(config: Config):
+    from offload.aio import AioConfig
+
+    a = config.aio
+    return AioConfig(block_size=a.block_size, queue_depth=a.queue_depth,
+                     intra_op_parallelism=a.intra_op_parallelism)

@@ -1,0 +1,228 @@
+"""The Engine: a user's model, its parameters spread over device, host and NVMe.
+
+How one training step flows (see docs/ARCHITECTURE.md for the whole picture):
+  engine(*inputs)       forward; ParameterManager gathers each module's
+                        parameters as it runs and releases them after
+                        (Note [when parameters are gathered])
+  engine.backward(loss) loss * (loss_scale / gradient_accumulation_steps)
+                        backward; each parameter's gradient, once complete,
+                        is averaged over ranks and added to its shard's fp32
+                        partition on the optimizer's tier, then freed
+  engine.step()         at an accumulation boundary: fp16 overflow check,
+                        clipping by the global norm, the ShardedAdam update
+                        (Note [optimizer state tiers]), LR schedule
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+
+import psutil
+import torch
+
+from offload.config import Config, OffloadDevice, OptimizerType, Precision
+from offload.engine.build import build_shards
+from offload.engine.loss_scaler import LossScaler
+from offload.optim.sharded_adam import ShardedAdam
+from offload.partition.accounting import MemoryAccount, Tier
+from offload.partition.collectives import ProcessGroupInfo
+from offload.partition.manager import ParameterManager
+from offload.partition.shard import ShardContext
+
+log = logging.getLogger("offload")
+
+_DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16,
+           Precision.FP16: torch.float16}
+_TIER_OF = {OffloadDevice.NONE: Tier.DEVICE, OffloadDevice.CPU: Tier.HOST,
+            OffloadDevice.NVME: Tier.NVME}
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, config: Config):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if config.optimizer is None:
+            raise ValueError("config has no 'optimizer' section: offload needs one "
+                             "(for example {'type': 'AdamW', 'params': {'lr': 1e-4}})")
+        self.config = config
+        self.module = model
+        self.pg = ProcessGroupInfo.current()
+        self.device = default_device()
+        self.compute_dtype = _DTYPES[config.precision]
+        zero = config.zero_optimization
+        self.param_tier = _TIER_OF[zero.offload_param.device]
+        self.optim_tier = _TIER_OF[zero.offload_optimizer.device]
+        mem = config.memory
+        self.account = MemoryAccount({Tier.DEVICE: mem.device_budget, Tier.HOST: mem.host_budget})
+        self._created_dirs: list[str] = []
+
+        ctx = ShardContext(device=self.device, pg=self.pg, account=self.account)
+        built = build_shards(model, config, ctx, self.compute_dtype, self.param_tier,
+                             self.optim_tier, self._created_dirs)
+        self.shards = built.shards
+        self._param_store = built.param_store
+        self._state_store = built.state_store
+        self.manager = ParameterManager(model, self.shards, on_grad=self._take_grad)
+
+        opt = config.optimizer
+        self.optimizer = ShardedAdam(
+            self.shards, built.initial_partition, lr=opt.lr, betas=opt.betas, eps=opt.eps,
+            weight_decay=opt.weight_decay, adamw_mode=opt.decoupled_weight_decay, tier=self.optim_tier,
+            device=self.device, account=self.account, state_store=self._state_store,
+            param_store=self._param_store)
+        built.finish()
+        self.lr_scheduler = None
+        if config.scheduler is not None:
+            from offload.schedulers import build_scheduler
+
+            self.lr_scheduler = build_scheduler(self.optimizer, config.scheduler)
+        self.loss_scaler = None
+        if config.precision is Precision.FP16:
+            fp16 = config.fp16
+            self.loss_scaler = LossScaler(
+                static_scale=fp16.loss_scale, initial_scale_power=fp16.initial_scale_power,
+                window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
+                min_scale=fp16.min_loss_scale)
+        self.gradient_accumulation_steps = config.gradient_accumulation_steps
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._pending_backward = False
+        self._closed = False
+        self._rss_baseline = psutil.Process().memory_info().rss
+
+    # ---- the training loop -------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        self._check_open()
+        with self.manager.forward_context():
+            return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._check_open()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError("engine.backward(loss) takes a scalar loss tensor")
+        if not self.module.training:
+            raise RuntimeError("engine.backward() after engine.eval(): call engine.train() first")
+        if not loss.requires_grad:
+            raise RuntimeError("loss does not require grad: was the forward run under "
+                               "torch.no_grad() or with every parameter frozen?")
+        scale = 1.0 / self.gradient_accumulation_steps
+        if self.loss_scaler is not None:
+            scale *= self.loss_scaler.scale
+        try:
+            (loss * scale).backward()
+        finally:
+            self.manager.end_backward()
+        self._pending_backward = True
+
+    def step(self) -> None:
+        self._check_open()
+        if not self._pending_backward:
+            raise RuntimeError("engine.step() called without engine.backward() since the last step")
+        self._pending_backward = False
+        self.micro_steps += 1
+        if self.micro_steps % self.gradient_accumulation_steps != 0:
+            return
+        if self.loss_scaler is not None:
+            overflow = self.pg.any_flag(not self._grads_finite(), self.device)
+            if overflow:
+                self.loss_scaler.update(True, self.global_steps + 1)
+                self.skipped_steps += 1
+                self._zero_grads()
+                return
+            for s in self.shards:  # unscale with the scale backward used
+                s.grad_part.div_(self.loss_scaler.scale)
+            self.loss_scaler.update(False, self.global_steps + 1)
+        if self.config.gradient_clipping > 0:
+            self._clip_grads(self.config.gradient_clipping)
+        self.optimizer.step()
+        self._zero_grads()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    # ---- gradients -----------------------------------------------------------
+    def _take_grad(self, shard, grad: torch.Tensor) -> None:
+        shard.take_grad(grad)
+
+    def _grads_finite(self) -> bool:
+        return all(bool(torch.isfinite(s.grad_part).all()) for s in self.shards)
+
+    def _clip_grads(self, max_norm: float) -> None:
+        # As torch.nn.utils.clip_grad_norm_: total 2-norm over every gradient,
+        # coefficient max_norm / (norm + 1e-6), applied only when below 1.
+        sq = torch.zeros(1, dtype=torch.float32, device=self.device)
+        for s in self.shards:
+            sq += s.grad_part.float().pow(2).sum().to(self.device)
+        total = math.sqrt(float(self.pg.sum_scalar(sq).item()))
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for s in self.shards:
+                s.grad_part.mul_(coef)
+
+    def _zero_grads(self) -> None:
+        for s in self.shards:
+            s.grad_part.zero_()
+
+    # ---- reporting and lifetime ---------------------------------------------
+    def memory_report(self) -> dict:
+        """Bytes per tier the engine holds (now, peak, budget), and the process RSS."""
+        report = self.account.report()
+        report["process_rss"] = psutil.Process().memory_info().rss
+        return report
+
+    def close(self) -> None:
+        """Removes hooks and the swap files this engine created. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.manager.release_all()
+        self.manager.remove_hooks()
+        stores = [self._param_store and self._param_store.store, self._state_store]
+        for store in {id(s): s for s in stores if s is not None}.values():
+            store.close()
+        for path in self._created_dirs:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine was closed")
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def initialize(model: torch.nn.Module, config) -> Engine:
+    """Wraps `model` for training with its state spread over device, host and NVMe.
+
+    config: a dict, a path to a JSON file, or an offload.Config (DeepSpeed's
+    keys where the concept is the same; see docs/CONFIG.md).
+    """
+    config = Config.load(config)
+    if config.has_auto():
+        hf_config = getattr(model, "config", None)
+        hidden = getattr(hf_config, "hidden_size", None) or getattr(hf_config, "n_embd", None)
+        num_params = sum(p.numel() for p in model.parameters())
+        config = config.resolve_auto(hidden, max(num_params, 1),
+                                     world_size=ProcessGroupInfo.current().world_size)
+    return Engine(model, config)

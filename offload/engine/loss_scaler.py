@@ -1,0 +1,58 @@
+"""Dynamic loss scaling for fp16 (DeepSpeed's `fp16` section semantics).
+
+The loss is multiplied by `scale` before backward so small fp16 gradients do
+not flush to zero. A step whose gradients hold an inf or NaN is skipped; the
+scale is halved once `hysteresis` overflows have been seen (never below
+`min_scale`), and doubled after `window` consecutive clean steps. A static
+scale (`loss_scale` > 0 in the config) never changes.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("offload")
+
+
+class LossScaler:
+    def __init__(self, *, static_scale: float = 0.0, initial_scale_power: int = 16,
+                 window: int = 1000, hysteresis: int = 2, min_scale: float = 1.0):
+        self.dynamic = static_scale == 0.0
+        self.scale = 2.0 ** initial_scale_power if self.dynamic else float(static_scale)
+        self.window = window
+        self.hysteresis = hysteresis
+        self.min_scale = min_scale
+        self._overflows_left = hysteresis
+        self._clean_steps = 0
+
+    def update(self, overflow: bool, step: int) -> None:
+        if not self.dynamic:
+            if overflow:
+                log.warning("step %d: fp16 gradient overflow with static loss scale %g; step skipped",
+                            step, self.scale)
+            return
+        if overflow:
+            self._clean_steps = 0
+            self._overflows_left -= 1
+            if self._overflows_left <= 0:
+                old = self.scale
+                self.scale = max(self.scale / 2.0, self.min_scale)
+                self._overflows_left = self.hysteresis
+                log.warning("step %d: fp16 gradient overflow; step skipped, loss scale %g -> %g",
+                            step, old, self.scale)
+            else:
+                log.warning("step %d: fp16 gradient overflow; step skipped, loss scale kept at %g "
+                            "(hysteresis)", step, self.scale)
+            return
+        self._clean_steps += 1
+        if self._clean_steps % self.window == 0:
+            self.scale *= 2.0
+            self._overflows_left = self.hysteresis
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "overflows_left": self._overflows_left,
+                "clean_steps": self._clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = state["scale"]
+        self._overflows_left = state["overflows_left"]
+        self._clean_steps = state["clean_steps"]

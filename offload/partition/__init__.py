@@ -1,0 +1,1 @@
+"""Partitioned parameter manager: shards, their residency, and the hooks that move them."""

@@ -1,0 +1,68 @@
+"""Bytes held per tier, now and at peak, as the engine itself allocates them.
+
+Every buffer the engine creates on a tier is charged here when allocated and
+credited when freed, so `Engine.memory_report()` and the budget checks read
+one source of truth. A charge that would pass the tier's budget raises
+TierBudgetError naming the tier, the request and what is held: the budget is
+a promise made at initialize, and breaking it mid-step is a bug to surface,
+not to hide.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass
+
+
+class Tier(enum.Enum):
+    DEVICE = "device"  # the GPU; on a CPU-only host, plain memory under a budget
+    HOST = "host"      # host memory (pinned when CUDA exists)
+    NVME = "nvme"      # files under nvme_path/rank{r}/
+
+
+class TierBudgetError(MemoryError):
+    pass
+
+
+@dataclass
+class TierUsage:
+    now: int = 0
+    peak: int = 0
+    budget: int | None = None
+
+
+class MemoryAccount:
+    def __init__(self, budgets: dict[Tier, int | None] | None = None):
+        budgets = budgets or {}
+        self._lock = threading.Lock()
+        self._usage = {tier: TierUsage(budget=budgets.get(tier)) for tier in Tier}
+
+    def charge(self, tier: Tier, nbytes: int, what: str) -> None:
+        with self._lock:
+            usage = self._usage[tier]
+            if usage.budget is not None and usage.now + nbytes > usage.budget:
+                raise TierBudgetError(
+                    f"{tier.value} tier budget exceeded allocating {nbytes} bytes for {what}: "
+                    f"{usage.now} of {usage.budget} bytes already held"
+                )
+            usage.now += nbytes
+            usage.peak = max(usage.peak, usage.now)
+
+    def credit(self, tier: Tier, nbytes: int) -> None:
+        with self._lock:
+            usage = self._usage[tier]
+            usage.now -= nbytes
+            assert usage.now >= 0, f"{tier.value} tier accounting went negative"
+
+    def usage(self, tier: Tier) -> TierUsage:
+        with self._lock:
+            u = self._usage[tier]
+            return TierUsage(now=u.now, peak=u.peak, budget=u.budget)
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            for u in self._usage.values():
+                u.peak = u.now
+
+    def report(self) -> dict[str, dict[str, int | None]]:
+        return {tier.value: vars(self.usage(tier)) for tier in Tier}

@@ -1,0 +1,50 @@
+"""The few collectives the parameter manager needs, over torch.distributed.
+
+World size 1 (or no process group) short-circuits to local copies, so the
+single-process path never touches torch.distributed. Gradients are summed
+with all_reduce and each rank keeps its slice: gloo (the CPU backend) has no
+reduce_scatter, and on NCCL all_reduce moves the same bytes per link.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ProcessGroupInfo:
+    rank: int = 0
+    world_size: int = 1
+    group: object | None = None
+
+    @staticmethod
+    def current() -> "ProcessGroupInfo":
+        if dist.is_available() and dist.is_initialized():
+            return ProcessGroupInfo(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+        return ProcessGroupInfo()
+
+    def all_gather(self, out_flat: torch.Tensor, part: torch.Tensor) -> None:
+        """out_flat (world * part.numel()) <- every rank's part, in rank order."""
+        if self.world_size == 1:
+            out_flat.copy_(part)
+            return
+        dist.all_gather_into_tensor(out_flat, part.to(out_flat.device), group=self.group)
+
+    def average_and_slice(self, full_flat: torch.Tensor, part_numel: int) -> torch.Tensor:
+        """Mean of full_flat over ranks, then this rank's slice (a view)."""
+        if self.world_size > 1:
+            dist.all_reduce(full_flat, group=self.group)
+            full_flat.div_(self.world_size)
+        start = self.rank * part_numel
+        return full_flat[start:start + part_numel]
+
+    def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(value, group=self.group)
+        return value
+
+    def any_flag(self, flag: bool, device: torch.device) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0], device=device)
+        return bool(self.sum_scalar(t).item() > 0)

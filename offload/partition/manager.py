@@ -1,0 +1,197 @@
+"""Gathers parameters just before they are used and releases them after.
+
+Note [when parameters are gathered]
+Forward: a module's forward pre-hook gathers the parameters it owns directly
+(recurse=False) and its forward hook releases them. A parameter used outside
+its owner's forward (a tied LM head reading the embedding's weight in the
+parent's forward, a parameter read directly by an ancestor) is caught by a
+TorchFunctionMode active during the engine's forward: any torch function
+given a released managed parameter gathers it first; those holds end with
+the root module's forward.
+Backward: autograd's saved-tensor hooks replace every saved tensor that is
+(a view of) a gathered parameter by a small record; unpacking the record
+during backward gathers the parameter again and rebuilds the view. So no
+parameter stays resident between forward and backward, whatever the module
+structure, and none is gathered in backward unless backward needs its value.
+A parameter's backward holds end in its post-accumulate-grad hook, which
+also moves the gradient into the shard's fp32 partition and frees it.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from offload.partition.shard import Residency, Shard
+
+
+@dataclass(frozen=True)
+class _SavedParamView:
+    shard: Shard
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _GatherOnUse(TorchFunctionMode):
+    def __init__(self, manager: "ParameterManager"):
+        super().__init__()
+        self.manager = manager
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        m = self.manager
+        if not m._internal:
+            for a in _tensor_args(args, kwargs):
+                shard = m.shard_of.get(id(a))
+                if shard is not None and shard.residency is not Residency.GATHERED:
+                    m.gather_on_use(shard)
+        return func(*args, **kwargs)
+
+
+def _tensor_args(args, kwargs):
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b
+
+
+class ParameterManager:
+    def __init__(self, module: torch.nn.Module, shards: list[Shard], on_grad):
+        """on_grad(shard, grad): called with each parameter's accumulated gradient."""
+        self.module = module
+        self.shards = shards
+        self.shard_of = {id(s.param): s for s in shards}
+        self._on_grad = on_grad
+        self._internal = False  # set while the manager itself touches parameters
+        self._on_demand: list[Shard] = []
+        self._backward_holds: dict[Shard, int] = {}
+        # Storage address of each gathered buffer -> its shard, to recognise
+        # saved tensors that are parameters (or views of them).
+        self._live: dict[int, Shard] = {}
+        for s in shards:
+            self._track(s)
+        self._handles = []
+        self._install_hooks()
+
+    # ---- holds -----------------------------------------------------------
+    def _track(self, shard: Shard) -> None:
+        ptr = shard.full_storage_ptr()  # reads param.data: callers hold _internal
+        if ptr is not None:
+            self._live[ptr] = shard
+        else:
+            for k in [k for k, v in self._live.items() if v is shard]:
+                del self._live[k]
+
+    def hold(self, shard: Shard) -> torch.Tensor:
+        self._internal = True
+        try:
+            data = shard.gather()
+            self._track(shard)
+        finally:
+            self._internal = False
+        return data
+
+    def drop(self, shard: Shard) -> None:
+        self._internal = True
+        try:
+            shard.release()
+            if not shard.held:
+                self._track(shard)
+        finally:
+            self._internal = False
+
+    # ---- hooks -----------------------------------------------------------
+    def _install_hooks(self) -> None:
+        for mod in self.module.modules():
+            own = [self.shard_of[id(p)] for p in mod.parameters(recurse=False) if id(p) in self.shard_of]
+            if not own:
+                continue
+            self._handles.append(mod.register_forward_pre_hook(self._make_pre_hook(own)))
+            self._handles.append(mod.register_forward_hook(self._make_post_hook(own), always_call=True))
+        for shard in self.shards:
+            if shard.param.requires_grad:
+                self._handles.append(
+                    shard.param.register_post_accumulate_grad_hook(self._make_grad_hook(shard)))
+
+    def _make_pre_hook(self, own: list[Shard]):
+        def pre_hook(module, args):
+            for shard in own:
+                self.hold(shard)
+        return pre_hook
+
+    def _make_post_hook(self, own: list[Shard]):
+        def post_hook(module, args, output):
+            for shard in own:
+                if shard.held:
+                    self.drop(shard)
+        return post_hook
+
+    def _make_grad_hook(self, shard: Shard):
+        def grad_hook(param):
+            grad = param.grad
+            param.grad = None
+            self._on_grad(shard, grad)
+            for _ in range(self._backward_holds.pop(shard, 0)):
+                self.drop(shard)
+        return grad_hook
+
+    def gather_on_use(self, shard: Shard) -> None:
+        self.hold(shard)
+        self._on_demand.append(shard)
+
+    # ---- saved tensors ---------------------------------------------------
+    def _pack(self, t: torch.Tensor):
+        if not self._live or t.layout != torch.strided or t.device.type == "meta":
+            return t
+        shard = self._live.get(t.untyped_storage().data_ptr())
+        if shard is None or t.dtype != shard.dtype or shard.home.value == "device":
+            return t
+        return _SavedParamView(shard, t.size(), t.stride(), t.storage_offset())
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _SavedParamView):
+            return saved
+        data = self.hold(saved.shard)
+        self._backward_holds[saved.shard] = self._backward_holds.get(saved.shard, 0) + 1
+        return data.as_strided(saved.size, saved.stride, saved.offset)
+
+    @contextlib.contextmanager
+    def forward_context(self):
+        """Active around the root forward: on-demand gathering and saved-tensor records."""
+        try:
+            with _GatherOnUse(self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            while self._on_demand:
+                shard = self._on_demand.pop()
+                if shard.held:
+                    self.drop(shard)
+
+    def end_backward(self) -> None:
+        """After backward: drop holds whose gradient hook never ran (frozen params)."""
+        for shard, count in list(self._backward_holds.items()):
+            for _ in range(count):
+                self.drop(shard)
+        self._backward_holds.clear()
+
+    def release_all(self) -> None:
+        self._internal = True
+        try:
+            for shard in self.shards:
+                shard.force_release()
+                self._track(shard)
+        finally:
+            self._internal = False
+        self._backward_holds.clear()
+        self._on_demand.clear()
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

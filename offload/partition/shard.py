@@ -1,0 +1,206 @@
+"""One parameter's partition and the single owner of its residency.
+
+Note [shard layout]
+A parameter of n elements is flattened and padded to world * part elements
+(part = ceil(n / world)); rank r owns elements [r * part, (r + 1) * part).
+The shard keeps this rank's partition at its home tier, in compute dtype:
+  HomeKind.DEVICE  the full parameter stays on the device (offload_param none,
+                   or below the persistence threshold); gather/release are no-ops
+  HomeKind.HOST    a flat host tensor of `part` elements
+  HomeKind.NVME    a file in the parameter swap store; nothing held in RAM
+Gathering builds the full parameter on the device tier (all-gathering the
+partitions across ranks) and points param.data at it; releasing points
+param.data back at a placeholder and frees the device bytes. Nothing else is
+attached to the nn.Parameter.
+
+The placeholder has the parameter's full shape but stride 0 over a single
+element: model code that reads `.shape` keeps working, and autograd's
+AccumulateGrad (which checks a gradient's layout against the parameter's
+current metadata) accepts the gradient of a parameter whose backward did not
+need its value (a bias), without the parameter being gathered for it.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+
+from offload.partition.accounting import MemoryAccount, Tier
+from offload.partition.collectives import ProcessGroupInfo
+
+
+class HomeKind(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+    NVME = "nvme"
+
+
+class Residency(enum.Enum):
+    """Where the full compute-dtype value is, and which bytes that costs.
+
+    RELEASED  only the home partition exists (device tier: 0 bytes)
+    FETCHING  an NVMe read into the device/staging buffer is in flight
+              (device tier: the full parameter, already charged)
+    GATHERED  the full value is on the device tier, param.data points at it
+              (device tier: padded numel * itemsize)
+    """
+
+    RELEASED = "released"
+    FETCHING = "fetching"
+    GATHERED = "gathered"
+
+
+@dataclass
+class ShardContext:
+    """What every shard of one engine shares (devices, ranks, accounting, stores)."""
+
+    device: torch.device
+    pg: ProcessGroupInfo
+    account: MemoryAccount
+    param_store: object | None = None  # offload.partition.nvme_home.ParamStore for NVME homes
+
+
+class Shard:
+    def __init__(self, index: int, name: str, param: torch.nn.Parameter, *,
+                 compute_dtype: torch.dtype, home: HomeKind, ctx: ShardContext):
+        self.index = index
+        self.name = name
+        self.param = param
+        self.shape = param.shape
+        self.numel = param.numel()
+        self.dtype = compute_dtype
+        self.home = home
+        self.ctx = ctx
+        world = ctx.pg.world_size
+        self.part_numel = max(1, math.ceil(self.numel / world))
+        self.padded_numel = self.part_numel * world
+        self.residency = Residency.RELEASED
+        self._refs = 0
+        self._full: torch.Tensor | None = None  # padded flat device buffer while gathered
+        self._fetch = None  # pending NVMe read while FETCHING
+        self.host_part: torch.Tensor | None = None  # HOST home only
+        # fp32 gradient partition, accumulated across micro-steps; owned by the
+        # optimizer side (allocated by the engine on the optimizer's tier).
+        self.grad_part: torch.Tensor | None = None
+        self._placeholder = torch.zeros(1, dtype=compute_dtype, device=ctx.device).expand(self.shape)
+
+    # ---- construction --------------------------------------------------
+    def my_slice(self, flat_full: torch.Tensor) -> torch.Tensor:
+        """This rank's partition of a flat full-size tensor (zero-padded copy if short)."""
+        start = self.ctx.pg.rank * self.part_numel
+        piece = flat_full[start:start + self.part_numel]
+        if piece.numel() == self.part_numel:
+            return piece
+        padded = torch.zeros(self.part_numel, dtype=flat_full.dtype, device=flat_full.device)
+        padded[:piece.numel()] = piece
+        return padded
+
+    def adopt(self, value: torch.Tensor) -> None:
+        """Takes the parameter's initial value (any dtype/device) into its home."""
+        flat = value.detach().reshape(-1).to(self.dtype)
+        nbytes = self.part_numel * self.dtype.itemsize
+        if self.home is HomeKind.DEVICE:
+            # Replicated on every rank (padded so an updated partition can be
+            # all-gathered straight into it after the optimizer step).
+            self._full = self._alloc_full()
+            self._full[:self.numel].copy_(flat)
+            self._full[self.numel:].zero_()
+            self.param.data = self._full[:self.numel].view(self.shape)
+            self.residency = Residency.GATHERED
+            return
+        part = self.my_slice(flat)
+        if self.home is HomeKind.HOST:
+            self.ctx.account.charge(Tier.HOST, nbytes, self.name)
+            self.host_part = part.to("cpu", copy=True).contiguous()
+        else:
+            self.ctx.account.charge(Tier.NVME, nbytes, self.name)
+            self.ctx.param_store.write(self, part.to("cpu").contiguous()).wait()
+        self.param.data = self._placeholder
+
+    # ---- residency transitions ----------------------------------------
+    def prefetch(self) -> None:
+        """Starts bringing the parameter to the device without waiting (NVMe only)."""
+        if self.residency is not Residency.RELEASED or self.home is not HomeKind.NVME:
+            return
+        self._full = self._alloc_full()
+        self._fetch = self.ctx.param_store.read_full(self, self._full)
+        self.residency = Residency.FETCHING
+
+    def gather(self) -> torch.Tensor:
+        """Holds the full parameter on the device (refcounted); returns param.data."""
+        self._refs += 1
+        if self.residency is Residency.GATHERED:
+            return self.param.data
+        if self.residency is Residency.RELEASED:
+            self._full = self._alloc_full()
+            if self.home is HomeKind.HOST:
+                self.ctx.pg.all_gather(self._full, self.host_part)
+            else:
+                self.ctx.param_store.read_full(self, self._full).wait()
+        else:  # FETCHING
+            self._fetch.wait()
+            self._fetch = None
+        self.param.data = self._full[:self.numel].view(self.shape)
+        self.residency = Residency.GATHERED
+        return self.param.data
+
+    def release(self) -> None:
+        """Drops one hold; the last one frees the device copy (home copy stays authoritative)."""
+        if self._refs == 0:
+            raise RuntimeError(f"release of parameter {self.name} that is not held")
+        self._refs -= 1
+        if self._refs == 0 and self.home is not HomeKind.DEVICE:
+            self._drop_full()
+
+    def force_release(self) -> None:
+        """End of a pass: drop every hold (parameters gathered on demand, frozen ones)."""
+        self._refs = 0
+        if self.home is not HomeKind.DEVICE and self.residency is not Residency.RELEASED:
+            if self._fetch is not None:
+                self._fetch.wait()
+                self._fetch = None
+            self._drop_full()
+
+    @property
+    def held(self) -> bool:
+        return self._refs > 0 or self.home is HomeKind.DEVICE
+
+    def _alloc_full(self) -> torch.Tensor:
+        self.ctx.account.charge(Tier.DEVICE, self.padded_numel * self.dtype.itemsize, self.name)
+        return torch.empty(self.padded_numel, dtype=self.dtype, device=self.ctx.device)
+
+    def _drop_full(self) -> None:
+        self.param.data = self._placeholder
+        self._full = None
+        self.ctx.account.credit(Tier.DEVICE, self.padded_numel * self.dtype.itemsize)
+        self.residency = Residency.RELEASED
+
+    def full_storage_ptr(self) -> int | None:
+        """Address of the gathered buffer's storage (to recognise saved views of it)."""
+        if self.residency is not Residency.GATHERED:
+            return None
+        return self.param.data.untyped_storage().data_ptr()
+
+    def device_full(self) -> torch.Tensor:
+        """The padded flat device buffer of a DEVICE-home shard."""
+        assert self.home is HomeKind.DEVICE
+        return self._full
+
+    # ---- gradients ------------------------------------------------------
+    def take_grad(self, grad: torch.Tensor) -> None:
+        """Averages a full gradient over ranks and adds this rank's slice into grad_part (fp32)."""
+        flat = grad.detach().reshape(-1)
+        if self.padded_numel != self.numel:
+            padded = torch.zeros(self.padded_numel, dtype=flat.dtype, device=flat.device)
+            padded[:self.numel] = flat
+            flat = padded
+        elif self.ctx.pg.world_size > 1:
+            flat = flat.clone()  # all_reduce works in place; the grad may be shared
+        mine = self.ctx.pg.average_and_slice(flat, self.part_numel)
+        self.grad_part.add_(mine.to(self.grad_part.device, torch.float32))
+
+    def __repr__(self) -> str:
+        return (f"Shard({self.name}, shape={tuple(self.shape)}, home={self.home.value}, "
+                f"{self.residency.value}, refs={self._refs})")
