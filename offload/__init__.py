@@ -1,7 +1,31 @@
 """offload: train PyTorch models larger than the GPU, and larger than RAM.
 
-What exists so far: the fused CPU Adam kernel (`offload.ops.adam_step`), the
-CPU optimizer built on it (`offload.optim.CPUAdam`), and the `offload` CLI
-(`offload report`, `offload bench ...`). See docs/ARCHITECTURE.md.
+    engine = offload.initialize(model, config)   # also offload.engine.initialize
+    loss = loss_fn(engine(inputs)); engine.backward(loss); engine.step()
+
+Parts: the engine (offload.engine), the partitioned parameter manager
+(offload.partition), the fused CPU Adam (offload.ops, offload.optim), async
+NVMe I/O (offload.aio), the DeepSpeed-compatible config (offload.config) and
+the `offload` CLI. See docs/ARCHITECTURE.md.
 """
 __version__ = "0.1.0"
+
+_LAZY = {
+    "initialize": ("offload.engine", "initialize"),
+    "Engine": ("offload.engine", "Engine"),
+    "Config": ("offload.config", "Config"),
+    "estimate": ("offload.estimate", "estimate"),
+}
+
+
+def __getattr__(name):
+    # Imported on first use so `import offload` (and `offload report`) stays light.
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'offload' has no attribute {name!r}")
+
+
+__all__ = ["initialize", "Engine", "Config", "estimate", "__version__"]

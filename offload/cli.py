@@ -1,6 +1,7 @@
 """The `offload` command (also `python -m offload`).
 
   offload report            versions, native extension, SIMD, threads, I/O backends
+  offload estimate ...      memory per tier for a model size and a config (offload/estimate.py)
   offload bench adam ...    CPU Adam benchmark (offload/bench/cpu_adam.py)
   offload bench io ...      NVMe path benchmark (offload/bench/io.py)
 
@@ -25,6 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     report = sub.add_parser("report", help="print the environment and what offload will use")
     report.add_argument("--json", action="store_true", help="print JSON instead of text")
+    from offload import estimate
+
+    estimate.add_arguments(sub.add_parser(
+        "estimate", help="bytes per tier (device, host, NVMe) for a model and a configuration"))
     bench = sub.add_parser("bench", help="run a benchmark (prints JSON, writes a PNG)")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
     for name, (module_name, help_text) in BENCHMARKS.items():
@@ -45,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         from offload import report
 
         return report.main(as_json=args.json)
+    if args.command == "estimate":
+        from offload import estimate
+
+        return estimate.run(args)
     if getattr(args, "bench_missing", False):
         print(f"offload bench {args.benchmark}: not available in this version", file=sys.stderr)
         return 2

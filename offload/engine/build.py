@@ -67,6 +67,7 @@ def build_shards(model: torch.nn.Module, config: Config, ctx: ShardContext, dtyp
             home = HomeKind.NVME
         shards.append(Shard(index, name, p, compute_dtype=dtype, home=home, ctx=ctx))
 
+    _preflight_budgets(shards, config, dtype, optim_tier, ctx)
     for buf_name, buf in model.named_buffers():
         target = dtype if buf.is_floating_point() else buf.dtype
         buf.data = buf.data.to(ctx.device, target)
@@ -94,6 +95,36 @@ def build_shards(model: torch.nn.Module, config: Config, ctx: ShardContext, dtyp
     grad_device = ctx.device if grad_tier is Tier.DEVICE else torch.device("cpu")
     return Built(shards, param_store, state_store, _grad_device=grad_device,
                  _grad_tier=grad_tier, _account=ctx.account)
+
+
+def _preflight_budgets(shards: list[Shard], config: Config, dtype: torch.dtype, optim_tier: Tier,
+                       ctx: ShardContext) -> None:
+    """Refuses, before any parameter moves, a configuration whose budgets cannot hold it."""
+    need = {Tier.DEVICE: {}, Tier.HOST: {}}
+
+    def add(tier, what, nbytes):
+        if tier in need:
+            need[tier][what] = need[tier].get(what, 0) + nbytes
+
+    for s in shards:
+        home_bytes = s.padded_numel * dtype.itemsize if s.home is HomeKind.DEVICE else s.part_numel * dtype.itemsize
+        add({HomeKind.DEVICE: Tier.DEVICE, HomeKind.HOST: Tier.HOST}.get(s.home), "parameters", home_bytes)
+        grad_tier = Tier.DEVICE if optim_tier is Tier.DEVICE else Tier.HOST
+        add(grad_tier, "fp32 gradients", s.part_numel * 4)
+        add(optim_tier, "optimizer state", 3 * s.part_numel * 4)
+    offloaded = [s for s in shards if s.home is not HomeKind.DEVICE]
+    if offloaded:
+        largest = max(s.padded_numel for s in offloaded) * dtype.itemsize
+        add(Tier.DEVICE, "working set (largest offloaded parameter)", largest)
+    budgets = {Tier.DEVICE: config.memory.device_budget, Tier.HOST: config.memory.host_budget}
+    for tier, parts in need.items():
+        budget, total = budgets[tier], sum(parts.values())
+        if budget is not None and total > budget:
+            detail = ", ".join(f"{what} {n}" for what, n in parts.items())
+            raise MemoryError(
+                f"{tier.value} tier budget exceeded: this configuration needs at least {total} bytes "
+                f"on the {tier.value} tier ({detail}) but memory.{tier.value}_budget is {budget}; "
+                f"raise the budget or offload more (zero_optimization.offload_param / offload_optimizer)")
 
 
 def _rank_dir(nvme_path, rank: int) -> str:

@@ -181,6 +181,25 @@ class Engine:
         for s in self.shards:
             s.grad_part.zero_()
 
+    # ---- full values -------------------------------------------------------
+    @torch.no_grad()
+    def full_state_dict(self, master: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter's full value on the host, by its first qualified name.
+
+        master=True gives the fp32 master weights, else the compute-dtype copy.
+        A collective with several ranks: every rank must call it.
+        """
+        out = {}
+        for shard in self.shards:
+            if master:
+                part = self.optimizer.master_partition(shard)
+            else:
+                part = shard.home_partition()
+            full = torch.empty(shard.padded_numel, dtype=part.dtype, device=part.device)
+            self.pg.all_gather(full, part)
+            out[shard.name] = full[:shard.numel].view(shard.shape).cpu()
+        return out
+
     # ---- reporting and lifetime ---------------------------------------------
     def memory_report(self) -> dict:
         """Bytes per tier the engine holds (now, peak, budget), and the process RSS."""

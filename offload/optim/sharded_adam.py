@@ -147,6 +147,14 @@ class ShardedAdam(torch.optim.Optimizer):
         elif shard.home is HomeKind.NVME:
             self.param_store.write(shard, written.to("cpu"))
 
+    def master_partition(self, shard: Shard) -> torch.Tensor:
+        """This rank's fp32 master partition of `shard` (a copy, on the host)."""
+        if self.tier is Tier.NVME:
+            buf = torch.empty(3 * shard.part_numel, dtype=torch.float32)
+            self.state_store.swap_in(self._key(shard), out=buf).wait()
+            return buf[:shard.part_numel].clone()
+        return self._states[shard.index][0].detach().to("cpu", copy=True)
+
     def state_bytes(self) -> int:
         return sum(3 * s.part_numel * 4 for s in self.shards)
 

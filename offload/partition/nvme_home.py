@@ -36,6 +36,10 @@ class ParamStore:
         """Writes this rank's partition (compute dtype, host) asynchronously."""
         return self.store.swap_out(_key(shard), part)
 
+    def read_part(self, shard, out: torch.Tensor):
+        """Starts reading this rank's partition into `out` (host, part_numel elements)."""
+        return self.store.swap_in(_key(shard), out=out)
+
     def read_full(self, shard, full: torch.Tensor) -> _PendingRead:
         """Starts filling `full` (padded flat, device tier) with the parameter."""
         direct = self.pg.world_size == 1 and full.device.type == "cpu"

@@ -183,6 +183,17 @@ class Shard:
             return None
         return self.param.data.untyped_storage().data_ptr()
 
+    def home_partition(self) -> torch.Tensor:
+        """A copy of this rank's compute-dtype partition, from wherever it lives."""
+        if self.home is HomeKind.DEVICE:
+            start = self.ctx.pg.rank * self.part_numel
+            return self._full[start:start + self.part_numel].clone()
+        if self.home is HomeKind.HOST:
+            return self.host_part.clone()
+        part = torch.empty(self.part_numel, dtype=self.dtype)
+        self.ctx.param_store.read_part(self, part).wait()
+        return part
+
     def device_full(self) -> torch.Tensor:
         """The padded flat device buffer of a DEVICE-home shard."""
         assert self.home is HomeKind.DEVICE

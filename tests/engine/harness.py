@@ -1,0 +1,95 @@
+"""Runs the same training on the engine and on plain PyTorch, step by step."""
+import copy
+
+import torch
+from torch.nn import functional as F
+
+import offload
+from tests.engine.models import MODELS, VOCAB
+
+
+def make_config(param: str, optim: str, nvme_path, *, precision="fp32", gas=1, clip=0.0,
+                lr=1e-2, weight_decay=0.01, persistence=0, scheduler=None, extra=None):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 3,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": persistence,
+            "offload_param": {"device": param},
+            "offload_optimizer": {"device": optim},
+        },
+    }
+    if param == "nvme":
+        cfg["zero_optimization"]["offload_param"]["nvme_path"] = str(nvme_path)
+    if optim == "nvme":
+        cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(nvme_path)
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if scheduler is not None:
+        cfg["scheduler"] = scheduler
+    cfg.update(extra or {})
+    return cfg
+
+
+def batches(steps, *, world=1, seed=0, seq=7):
+    """Per step, a list of `world` (input, target) micro-batches of token ids."""
+    gen = torch.Generator().manual_seed(seed)
+    return [[(torch.randint(0, VOCAB, (3, seq), generator=gen),
+              torch.randint(0, VOCAB, (3, seq), generator=gen)) for _ in range(world)]
+            for _ in range(steps)]
+
+
+def lm_loss(logits, target):
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), target.reshape(-1))
+
+
+def run_reference(model, data, *, gas, clip, lr, weight_decay, world=1, scheduler_fn=None):
+    """Plain PyTorch: AdamW, loss / gas per micro-step (averaged over the ranks' batches)."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                            weight_decay=weight_decay, foreach=False)
+    sched = scheduler_fn(opt) if scheduler_fn else None
+    losses = []
+    for i, per_rank in enumerate(data):
+        step_losses = []
+        for x, y in per_rank:
+            loss = lm_loss(model(x), y)
+            (loss / (gas * world)).backward()
+            step_losses.append(loss.detach())
+        losses.append(torch.stack(step_losses))
+        if (i + 1) % gas == 0:
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+            if sched is not None:
+                sched.step()
+    return model, torch.stack(losses)
+
+
+def run_engine(model, data, config, *, rank=0):
+    """The engine on this rank's micro-batches; returns final full weights and losses."""
+    model = copy.deepcopy(model)
+    losses = []
+    with offload.initialize(model, config) as engine:
+        for per_rank in data:
+            x, y = per_rank[rank]
+            loss = lm_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach().float())
+        weights = engine_weights(engine)
+    return weights, torch.stack(losses), engine
+
+
+def engine_weights(engine):
+    """Every parameter's current full value (fp32 masters where the engine keeps them)."""
+    return {name: value.clone() for name, value in engine.full_state_dict(master=True).items()}
+
+
+def build(name, seed=0):
+    torch.manual_seed(seed)
+    return MODELS[name]()

@@ -1,0 +1,76 @@
+"""World size 2 on CPU (gloo): each rank trains on its own micro-batches; the
+result equals one plain PyTorch model trained on both ranks' batches with the
+loss averaged, as data parallelism promises."""
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.engine.harness import batches, build, make_config, run_engine, run_reference
+
+CASES = [
+    # model, param, optim, precision, gas
+    ("tiny_gpt", "cpu", "cpu", "fp32", 1),
+    ("tiny_gpt", "nvme", "nvme", "fp32", 4),
+    ("shared_param", "none", "none", "fp32", 2),
+    ("with_unused", "nvme", "cpu", "fp32", 1),
+    ("tiny_gpt", "cpu", "nvme", "bf16", 1),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, nvme_root, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for i, (name, param, optim, precision, gas) in enumerate(CASES):
+            try:
+                model = build(name)
+                data = batches(12, world=world, seed=i)
+                ref_model, ref_losses = run_reference(model, data, gas=gas, clip=0.0, lr=1e-2,
+                                                      weight_decay=0.01, world=world)
+                cfg = make_config(param, optim, os.path.join(nvme_root, f"case{i}"), gas=gas,
+                                  precision=precision)
+                weights, losses, _ = run_engine(model, data, cfg, rank=rank)
+                tol = {} if precision == "fp32" else dict(rtol=2e-2, atol=2e-2)
+                torch.testing.assert_close(losses, ref_losses[:, rank], **tol)
+                for pname, p in ref_model.named_parameters():
+                    torch.testing.assert_close(weights[pname], p.detach(),
+                                               **(tol or {}), msg=lambda m: f"{pname}: {m}")
+                results.put((rank, i, "ok"))
+            except Exception:  # noqa: BLE001 - reported to the parent test
+                results.put((rank, i, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_world_size_two_matches_data_parallel_pytorch(tmp_path):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, str(tmp_path), results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=280)
+    outcome = {}
+    while not results.empty():
+        rank, case, status = results.get()
+        outcome[(rank, case)] = status
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    failures = {k: v for k, v in outcome.items() if v != "ok"}
+    assert not failures, "\n".join(f"rank {r} case {CASES[c]}:\n{msg}" for (r, c), msg in failures.items())
+    assert len(outcome) == 2 * len(CASES), f"workers reported {len(outcome)} of {2 * len(CASES)} results"
+    for r in range(2):  # each rank wrote under its own directory, removed when its engine closed
+        assert not (tmp_path / "case1" / f"rank{r}").exists()

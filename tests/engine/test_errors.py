@@ -1,0 +1,96 @@
+"""Bad input and misuse fail at once, with messages that name the problem."""
+import os
+
+import pytest
+import torch
+
+import offload
+from offload.config import ConfigError
+from tests.engine.harness import batches, build, lm_loss, make_config
+
+
+def test_unknown_config_key_names_it_and_the_closest(tmp_path):
+    cfg = make_config("cpu", "cpu", tmp_path)
+    cfg["zero_optimization"]["stage3_prefetch_bucket_sz"] = 5
+    with pytest.raises(ConfigError, match="stage3_prefetch_bucket_sz.*did you mean 'stage3_prefetch_bucket_size'"):
+        offload.initialize(build("shared_param"), cfg)
+
+
+def test_missing_optimizer_section(tmp_path):
+    cfg = make_config("cpu", "cpu", tmp_path)
+    del cfg["optimizer"]
+    with pytest.raises(ValueError, match="no 'optimizer' section"):
+        offload.initialize(build("shared_param"), cfg)
+
+
+def test_nvme_path_that_is_a_file_fails_at_initialize(tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    cfg = make_config("nvme", "nvme", blocker)
+    model = build("shared_param")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(Exception, match="not_a_dir"):
+        offload.initialize(model, cfg)
+    # Nothing was taken from the model before the failure.
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+
+
+def test_device_budget_too_small_fails_at_initialize(tmp_path):
+    cfg = make_config("none", "none", tmp_path, extra={"memory": {"device_budget": 1000}})
+    with pytest.raises(MemoryError, match="device tier budget exceeded"):
+        offload.initialize(build("tiny_gpt"), cfg)
+
+
+def test_step_without_backward_and_backward_in_eval(tmp_path):
+    (x, y), = batches(1)[0]
+    with offload.initialize(build("shared_param"), make_config("cpu", "cpu", tmp_path)) as engine:
+        with pytest.raises(RuntimeError, match="step\\(\\) called without engine.backward\\(\\)"):
+            engine.step()
+        engine.eval()
+        loss = lm_loss(engine(x), y)
+        with pytest.raises(RuntimeError, match="after engine.eval\\(\\)"):
+            engine.backward(loss)
+        engine.train()
+        with torch.no_grad():
+            loss = lm_loss(engine(x), y)
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            engine.backward(loss)
+        with pytest.raises(TypeError, match="scalar loss"):
+            engine.backward(torch.ones(3, requires_grad=True))
+
+
+def test_closed_engine_refuses_work_and_removes_its_files(tmp_path):
+    engine = offload.initialize(build("shared_param"), make_config("nvme", "nvme", tmp_path))
+    rank_dir = tmp_path / "rank0"
+    assert rank_dir.is_dir() and any(rank_dir.iterdir())
+    engine.close()
+    assert not rank_dir.exists()
+    engine.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        engine(torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_non_float_and_meta_parameters_are_refused(tmp_path):
+    model = torch.nn.Linear(3, 3, device="meta")
+    with pytest.raises(ValueError, match="meta device"):
+        offload.initialize(model, make_config("cpu", "cpu", tmp_path))
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        offload.initialize("not a model", make_config("cpu", "cpu", tmp_path))
+
+
+def test_eval_under_no_grad_and_train_again(tmp_path):
+    """Evaluation between steps neither leaks gathered parameters nor changes training."""
+    model = build("tiny_gpt")
+    data = batches(4, seed=9)
+    with offload.initialize(model, make_config("nvme", "nvme", tmp_path)) as engine:
+        for i, per_rank in enumerate(data):
+            x, y = per_rank[0]
+            engine.train()
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+            engine.eval()
+            with torch.no_grad():
+                engine(x)
+            assert engine.memory_report()["device"]["now"] == 0
+            assert all(s.residency.value == "released" for s in engine.shards)
