@@ -1,0 +1,13 @@
+"""Training step benchmark; same as `offload bench train` (see offload/bench/train.py).
+
+    python benchmarks/train.py [--out DIR] [--nvme-dir DIR] [--quick]
+"""
+import argparse
+import sys
+
+from offload.bench import train
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=train.__doc__.split("\n\n")[0])
+    train.add_arguments(parser)
+    sys.exit(train.run(parser.parse_args()))
