@@ -179,7 +179,9 @@ class Engine:
 
     def _zero_grads(self) -> None:
         for s in self.shards:
-            s.grad_part.zero_()
+            if s.has_grad:
+                s.grad_part.zero_()
+                s.has_grad = False
 
     # ---- full values -------------------------------------------------------
     @torch.no_grad()

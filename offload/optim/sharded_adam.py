@@ -39,7 +39,9 @@ class ShardedAdam(torch.optim.Optimizer):
         self.account = account
         self.state_store = state_store
         self.param_store = param_store
-        self.step_count = 0
+        # Per-shard step counts, as torch keeps per-parameter ones: a parameter
+        # that got no gradient in a step is skipped and its count stays.
+        self.shard_steps = {shard.index: 0 for shard in shards}
         params = []
         self._states: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for shard in shards:
@@ -79,32 +81,35 @@ class ShardedAdam(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise RuntimeError("the engine's optimizer takes no closure; call engine.step()")
-        self.step_count += 1
         group = self.param_groups[0]
         if self.tier is Tier.NVME:
             self._step_streamed(group)
             return
-        for shard in self.shards:
+        for shard in self._stepping():
             master, m, v = self._states[shard.index]
             self._update(shard, master, m, v, group)
         if self.param_store is not None:
             self.param_store.store.wait_all()
 
+    def _stepping(self) -> list[Shard]:
+        return [s for s in self.shards if s.has_grad]
+
     def _step_streamed(self, group: dict) -> None:
         # Note [optimizer state tiers]: read-ahead of one shard, async writes.
+        shards = self._stepping()
         buffers = {}
         pending = {}
 
         def start_read(i: int) -> None:
-            shard = self.shards[i]
+            shard = shards[i]
             buf = torch.empty(3 * shard.part_numel, dtype=torch.float32)
             buffers[i] = buf
             pending[i] = self.state_store.swap_in(self._key(shard), out=buf)
 
-        if self.shards:
+        if shards:
             start_read(0)
-        for i, shard in enumerate(self.shards):
-            if i + 1 < len(self.shards):
+        for i, shard in enumerate(shards):
+            if i + 1 < len(shards):
                 start_read(i + 1)
             pending.pop(i).wait()
             buf = buffers.pop(i)
@@ -120,15 +125,17 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def _update(self, shard: Shard, master, m, v, group: dict) -> None:
         beta1, beta2 = group["betas"]
+        self.shard_steps[shard.index] += 1
+        step = self.shard_steps[shard.index]
         grad = shard.grad_part.to(master.device, non_blocking=True)
         home_out = self._home_out(shard)
         if master.device.type == "cuda":
-            _fused_torch_adam(master, grad, m, v, self.step_count, group)
+            _fused_torch_adam(master, grad, m, v, step, group)
             if home_out is not None:
                 home_out.copy_(master)
         else:
             fused_out = home_out if home_out is not None and home_out.dtype != torch.float32 else None
-            adam_step(master, grad, m, v, step=self.step_count, lr=group["lr"], beta1=beta1,
+            adam_step(master, grad, m, v, step=step, lr=group["lr"], beta1=beta1,
                       beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                       adamw_mode=group["adamw_mode"], out=fused_out)
             if home_out is not None and fused_out is None:

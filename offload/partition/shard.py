@@ -84,6 +84,9 @@ class Shard:
         # fp32 gradient partition, accumulated across micro-steps; owned by the
         # optimizer side (allocated by the engine on the optimizer's tier).
         self.grad_part: torch.Tensor | None = None
+        # Whether any gradient arrived since the last optimizer step: like
+        # torch.optim, a parameter whose .grad stayed None is not stepped.
+        self.has_grad = False
         self._placeholder = torch.zeros(1, dtype=compute_dtype, device=ctx.device).expand(self.shape)
 
     # ---- construction --------------------------------------------------
@@ -203,14 +206,15 @@ class Shard:
     def take_grad(self, grad: torch.Tensor) -> None:
         """Averages a full gradient over ranks and adds this rank's slice into grad_part (fp32)."""
         flat = grad.detach().reshape(-1)
-        if self.padded_numel != self.numel:
-            padded = torch.zeros(self.padded_numel, dtype=flat.dtype, device=flat.device)
+        if self.ctx.pg.world_size > 1:
+            # Averaged in fp32 (a bf16/fp16 sum over ranks would round at every
+            # add); a fresh padded buffer, since all_reduce works in place.
+            padded = torch.zeros(self.padded_numel, dtype=torch.float32, device=flat.device)
             padded[:self.numel] = flat
             flat = padded
-        elif self.ctx.pg.world_size > 1:
-            flat = flat.clone()  # all_reduce works in place; the grad may be shared
         mine = self.ctx.pg.average_and_slice(flat, self.part_numel)
         self.grad_part.add_(mine.to(self.grad_part.device, torch.float32))
+        self.has_grad = True
 
     def __repr__(self) -> str:
         return (f"Shard({self.name}, shape={tuple(self.shape)}, home={self.home.value}, "

@@ -70,6 +70,45 @@ def run_reference(model, data, *, gas, clip, lr, weight_decay, world=1, schedule
     return model, torch.stack(losses)
 
 
+def run_reference_mixed(model, data, *, dtype, gas, lr, weight_decay, world=1):
+    """Plain PyTorch mixed precision: a `dtype` copy computes, fp32 masters step,
+    gradients accumulate in fp32, the copy is refreshed after each step.
+
+    The masters step with offload.optim.CPUAdam (equal to torch.optim.AdamW
+    element by element, tests/test_cpu_adam.py) rather than torch's AdamW: an
+    fp32 ulp of difference in a master can flip its bf16 rounding, and that
+    flip grows over steps, hiding what this reference checks, the engine's
+    mixed-precision bookkeeping."""
+    from offload.optim import CPUAdam
+
+    master = copy.deepcopy(model)
+    compute = copy.deepcopy(model).to(dtype)
+    opt = CPUAdam(master.parameters(), lr=lr, weight_decay=weight_decay)
+    pairs = list(zip(master.parameters(), compute.parameters()))
+    losses = []
+    for i, per_rank in enumerate(data):
+        step_losses, rank_grads = [], []
+        for x, y in per_rank:  # each rank's micro-batch; gradients averaged in fp32
+            loss = lm_loss(compute(x), y)
+            (loss / gas).backward()
+            rank_grads.append([None if p16.grad is None else p16.grad.float() for _, p16 in pairs])
+            compute.zero_grad(set_to_none=True)
+            step_losses.append(loss.detach())
+        for j, (p32, _) in enumerate(pairs):
+            grads = [g[j] for g in rank_grads if g[j] is not None]
+            if grads:
+                mean = grads[0] if world == 1 else sum(grads[1:], grads[0]) / world
+                p32.grad = mean if p32.grad is None else p32.grad + mean
+        losses.append(torch.stack(step_losses))
+        if (i + 1) % gas == 0:
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                for p32, p16 in pairs:
+                    p16.copy_(p32)
+    return master, torch.stack(losses)
+
+
 def run_engine(model, data, config, *, rank=0):
     """The engine on this rank's micro-batches; returns final full weights and losses."""
     model = copy.deepcopy(model)

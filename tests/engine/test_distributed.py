@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.engine.harness import batches, build, make_config, run_engine, run_reference
+from tests.engine.harness import (batches, build, make_config, run_engine, run_reference,
+                                  run_reference_mixed)
 
 CASES = [
     # model, param, optim, precision, gas
@@ -36,16 +37,20 @@ def _worker(rank, world, port, nvme_root, results):
             try:
                 model = build(name)
                 data = batches(12, world=world, seed=i)
-                ref_model, ref_losses = run_reference(model, data, gas=gas, clip=0.0, lr=1e-2,
-                                                      weight_decay=0.01, world=world)
+                if precision == "fp32":
+                    ref_model, ref_losses = run_reference(model, data, gas=gas, clip=0.0, lr=1e-2,
+                                                          weight_decay=0.01, world=world)
+                else:
+                    ref_model, ref_losses = run_reference_mixed(
+                        model, data, dtype=torch.bfloat16, gas=gas, lr=1e-2, weight_decay=0.01,
+                        world=world)
                 cfg = make_config(param, optim, os.path.join(nvme_root, f"case{i}"), gas=gas,
                                   precision=precision)
                 weights, losses, _ = run_engine(model, data, cfg, rank=rank)
-                tol = {} if precision == "fp32" else dict(rtol=2e-2, atol=2e-2)
-                torch.testing.assert_close(losses, ref_losses[:, rank], **tol)
+                torch.testing.assert_close(losses, ref_losses[:, rank])
                 for pname, p in ref_model.named_parameters():
                     torch.testing.assert_close(weights[pname], p.detach(),
-                                               **(tol or {}), msg=lambda m: f"{pname}: {m}")
+                                               msg=lambda m: f"{pname}: {m}")
                 results.put((rank, i, "ok"))
             except Exception:  # noqa: BLE001 - reported to the parent test
                 results.put((rank, i, traceback.format_exc()))

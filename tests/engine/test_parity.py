@@ -3,7 +3,8 @@ parameters and the optimizer state, on models built to break managers."""
 import pytest
 import torch
 
-from tests.engine.harness import batches, build, make_config, run_engine, run_reference
+from tests.engine.harness import (batches, build, make_config, run_engine, run_reference,
+                                  run_reference_mixed)
 
 PLACEMENTS = [("none", "none"), ("cpu", "cpu"), ("nvme", "nvme"), ("none", "cpu"),
               ("cpu", "nvme"), ("nvme", "cpu"), ("none", "nvme")]
@@ -57,20 +58,33 @@ def test_scheduler_drives_the_engine_lr(tmp_path):
     assert engine.global_steps == 12
 
 
-@pytest.mark.parametrize("param,optim", [("none", "none"), ("cpu", "cpu"), ("nvme", "nvme")])
-def test_bf16_tracks_fp32_pytorch(tmp_path, param, optim):
-    """bf16 compute with fp32 masters: losses within 2e-2 relative of the fp32
-    run over 20 steps, final masters within 2e-2 absolute (stated tolerance)."""
+@pytest.mark.parametrize("param,optim", [("none", "none"), ("cpu", "cpu"), ("nvme", "nvme"),
+                                         ("nvme", "cpu")])
+@pytest.mark.parametrize("gas", [1, 4])
+def test_bf16_matches_pytorch_mixed_precision(tmp_path, param, optim, gas):
+    """bf16 compute, fp32 masters and gradient accumulation: equal to plain
+    PyTorch doing the same mixed precision, at fp32 tolerance."""
+    model = build("tiny_gpt")
+    data = batches(STEPS, seed=5)
+    ref_model, ref_losses = run_reference_mixed(model, data, dtype=torch.bfloat16, gas=gas,
+                                                lr=1e-2, weight_decay=0.01)
+    cfg = make_config(param, optim, tmp_path, precision="bf16", gas=gas)
+    weights, losses, _ = run_engine(model, data, cfg)
+    torch.testing.assert_close(losses, ref_losses[:, 0])
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{name}: {m}")
+
+
+def test_bf16_stays_close_to_fp32_training(tmp_path):
+    """The stated bf16 tolerance against full fp32 PyTorch: over 20 steps,
+    losses within 3e-2 and fp32 masters within 5e-2 (absolute)."""
     model = build("tiny_gpt")
     data = batches(STEPS, seed=5)
     ref_model, ref_losses = run_reference(model, data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01)
-    cfg = make_config(param, optim, tmp_path, precision="bf16")
-    weights, losses, engine = run_engine(model, data, cfg)
-    torch.testing.assert_close(losses, ref_losses[:, 0], rtol=2e-2, atol=2e-2)
+    weights, losses, _ = run_engine(model, data, make_config("cpu", "cpu", tmp_path, precision="bf16"))
+    torch.testing.assert_close(losses, ref_losses[:, 0], rtol=0, atol=3e-2)
     for name, p in ref_model.named_parameters():
-        torch.testing.assert_close(weights[name], p.detach(), rtol=0, atol=2e-2)
-    # The compute copy is the master rounded to bf16, bit for bit.
-    compute = engine_compute = None  # noqa: F841 (the engine is closed; checked in test below)
+        torch.testing.assert_close(weights[name], p.detach(), rtol=0, atol=5e-2)
 
 
 def test_bf16_compute_copy_is_the_rounded_master(tmp_path):
