@@ -136,13 +136,13 @@ class Engine:
         if self.loss_scaler is not None:
             overflow = self.pg.any_flag(not self._grads_finite(), self.device)
             if overflow:
-                self.loss_scaler.update(True, self.global_steps + 1)
+                self.loss_scaler.update(True, self.global_steps + self.skipped_steps + 1)
                 self.skipped_steps += 1
                 self._zero_grads()
                 return
             for s in self.shards:  # unscale with the scale backward used
                 s.grad_part.div_(self.loss_scaler.scale)
-            self.loss_scaler.update(False, self.global_steps + 1)
+            self.loss_scaler.update(False, self.global_steps + self.skipped_steps + 1)
         if self.config.gradient_clipping > 0:
             self._clip_grads(self.config.gradient_clipping)
         self.optimizer.step()

@@ -1,10 +1,11 @@
 """Dynamic loss scaling for fp16 (DeepSpeed's `fp16` section semantics).
 
 The loss is multiplied by `scale` before backward so small fp16 gradients do
-not flush to zero. A step whose gradients hold an inf or NaN is skipped; the
-scale is halved once `hysteresis` overflows have been seen (never below
-`min_scale`), and doubled after `window` consecutive clean steps. A static
-scale (`loss_scale` > 0 in the config) never changes.
+not flush to zero. A step whose gradients hold an inf or NaN is skipped. The
+first `hysteresis - 1` overflows after a scale increase are tolerated; from
+then on every overflow halves the scale (never below `min_scale`). After
+`window` consecutive clean steps the scale doubles and the tolerance is
+restored. A static scale (`loss_scale` > 0 in the config) never changes.
 """
 from __future__ import annotations
 
@@ -25,28 +26,24 @@ class LossScaler:
         self._clean_steps = 0
 
     def update(self, overflow: bool, step: int) -> None:
-        if not self.dynamic:
-            if overflow:
-                log.warning("step %d: fp16 gradient overflow with static loss scale %g; step skipped",
-                            step, self.scale)
-            return
-        if overflow:
-            self._clean_steps = 0
-            self._overflows_left -= 1
-            if self._overflows_left <= 0:
-                old = self.scale
-                self.scale = max(self.scale / 2.0, self.min_scale)
+        if not overflow:
+            self._clean_steps += 1
+            if self.dynamic and self._clean_steps % self.window == 0:
+                self.scale *= 2.0
                 self._overflows_left = self.hysteresis
-                log.warning("step %d: fp16 gradient overflow; step skipped, loss scale %g -> %g",
-                            step, old, self.scale)
-            else:
-                log.warning("step %d: fp16 gradient overflow; step skipped, loss scale kept at %g "
-                            "(hysteresis)", step, self.scale)
             return
-        self._clean_steps += 1
-        if self._clean_steps % self.window == 0:
-            self.scale *= 2.0
-            self._overflows_left = self.hysteresis
+        self._clean_steps = 0
+        if not self.dynamic:
+            log.warning("step %d: fp16 gradient overflow with static loss scale %g; step skipped",
+                        step, self.scale)
+        elif self._overflows_left > 1:
+            self._overflows_left -= 1
+            log.warning("step %d: fp16 gradient overflow; step skipped, loss scale kept at %g "
+                        "(hysteresis)", step, self.scale)
+        else:
+            old, self.scale = self.scale, max(self.scale / 2.0, self.min_scale)
+            log.warning("step %d: fp16 gradient overflow; step skipped, loss scale %g -> %g",
+                        step, old, self.scale)
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "overflows_left": self._overflows_left,
