@@ -71,7 +71,9 @@ setup(
     packages=find_packages(include=["offload", "offload.*"]),
     ext_modules=ext_modules,
     cmdclass={"build_ext": OptionalBuildExt},
-    install_requires=["torch>=2.1", "numpy", "psutil"],
+    # torch is satisfied by the 2.13.0 already installed (never a new download);
+    # libaio is the pure-Python py-libaio wrapper for the `libaio` I/O backend.
+    install_requires=["torch>=2.1", "psutil", "tqdm", 'libaio>=0.9; sys_platform == "linux"'],
     extras_require={
         "bench": ["matplotlib"],
         "test": ["pytest"],
