@@ -4,6 +4,7 @@
   offload estimate ...      memory per tier for a model size and a config (offload/estimate.py)
   offload bench adam ...    CPU Adam benchmark (offload/bench/cpu_adam.py)
   offload bench io ...      NVMe path benchmark (offload/bench/io.py)
+  offload bench train ...   whole training steps (offload/bench/train.py)
 
 Each benchmark module owns its arguments: it exposes add_arguments(parser)
 and run(args) -> int, and is imported only when its subcommand runs.
@@ -18,6 +19,7 @@ import sys
 BENCHMARKS = {
     "adam": ("offload.bench.cpu_adam", "CPU Adam: ours vs torch and DeepSpeed, fp32 and offload cases"),
     "io": ("offload.bench.io", "NVMe path: our async I/O backends vs fio and DeepSpeed aio"),
+    "train": ("offload.bench.train", "training steps: offload vs DeepSpeed ZeRO-3 vs plain torch"),
 }
 
 
