@@ -77,6 +77,7 @@ setup(
     extras_require={
         "bench": ["matplotlib"],
         "test": ["pytest"],
+        "hf": ["transformers"],
     },
     entry_points={"console_scripts": ["offload=offload.cli:main"]},
 )

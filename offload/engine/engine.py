@@ -65,6 +65,16 @@ class Engine:
         self._created_dirs: list[str] = []
 
         ctx = ShardContext(device=self.device, pg=self.pg, account=self.account)
+        self.shards, self._param_store, self._state_store, self.manager = [], None, None, None
+        try:
+            self._build(model, config, ctx)
+        except BaseException:
+            # Ctrl-C or an error part way: leave no swap files and no hooks
+            # behind, and give the model its values back where we can.
+            self._abort()
+            raise
+
+    def _build(self, model: torch.nn.Module, config: Config, ctx: ShardContext) -> None:
         built = build_shards(model, config, ctx, self.compute_dtype, self.param_tier,
                              self.optim_tier, self._created_dirs)
         self.shards = built.shards
@@ -97,7 +107,6 @@ class Engine:
         self.skipped_steps = 0
         self._pending_backward = False
         self._closed = False
-        self._rss_baseline = psutil.Process().memory_info().rss
 
     # ---- the training loop -------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -216,6 +225,23 @@ class Engine:
         self._closed = True
         self.manager.release_all()
         self.manager.remove_hooks()
+        stores = [self._param_store and self._param_store.store, self._state_store]
+        for store in {id(s): s for s in stores if s is not None}.values():
+            store.close()
+        for path in self._created_dirs:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _abort(self) -> None:
+        for shard in self.shards:
+            if self.pg.world_size > 1:
+                break  # a partition is not the whole value
+            try:  # a shard not yet moved home has nothing there and keeps its value
+                value = shard.home_partition()[:shard.numel].view(shard.shape)
+            except Exception:  # noqa: BLE001 - best effort: the original error matters
+                continue
+            shard.param.data = value.to(shard.original_dtype)
+        if self.manager is not None:
+            self.manager.remove_hooks()
         stores = [self._param_store and self._param_store.store, self._state_store]
         for store in {id(s): s for s in stores if s is not None}.values():
             store.close()

@@ -70,6 +70,7 @@ class Shard:
         self.param = param
         self.shape = param.shape
         self.numel = param.numel()
+        self.original_dtype = param.dtype
         self.dtype = compute_dtype
         self.home = home
         self.ctx = ctx

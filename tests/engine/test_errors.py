@@ -94,3 +94,21 @@ def test_eval_under_no_grad_and_train_again(tmp_path):
                 engine(x)
             assert engine.memory_report()["device"]["now"] == 0
             assert all(s.residency.value == "released" for s in engine.shards)
+
+
+def test_interrupted_initialize_leaves_no_files_and_restores_the_model(tmp_path, monkeypatch):
+    import offload.schedulers
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt("simulated Ctrl-C at the end of initialize")
+
+    monkeypatch.setattr(offload.schedulers, "build_scheduler", interrupted)
+    cfg = make_config("nvme", "nvme", tmp_path, scheduler={"type": "WarmupLR", "params": {}})
+    model = build("shared_param")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(KeyboardInterrupt):
+        offload.initialize(model, cfg)
+    assert not (tmp_path / "rank0").exists()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+    assert not model.a._forward_pre_hooks  # hooks removed
