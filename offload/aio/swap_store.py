@@ -59,6 +59,11 @@ class SwapConfig:
     buffer_bytes: host staging budget (pinned when CUDA exists).
     checksum: CRC-32C of each tensor, verified on swap_in (on for checkpoints).
     durable: fsync before the rename that publishes a file (for checkpoints).
+    atomic: write to a temporary name and rename it over the key's file when
+      complete (the default). False overwrites the key's file in place: no
+      rename, no block reallocation, for scratch swap space that one process
+      writes and reads back and that is deleted when it ends; a failed write
+      removes the file rather than leave it half written.
     """
 
     nvme_path: str
@@ -67,6 +72,7 @@ class SwapConfig:
     rank: int = 0
     checksum: bool = False
     durable: bool = False
+    atomic: bool = True
     aio: AioConfig = field(default_factory=AioConfig)
 
     def __post_init__(self):
@@ -194,7 +200,12 @@ class SwapStore:
         src = byte_view(tensor.contiguous())
         n = src.numel()
         meta = _Meta(n, tensor.dtype, tuple(tensor.shape))
-        tmp = self._tmp_of(key)
+        if self.config.atomic:
+            tmp = self._tmp_of(key)
+        else:
+            # Overwritten in place; the key is unreadable until this write completes.
+            tmp = self.path_of(key)
+            self._index.pop(key, None)
         handle = SwapHandle(self, "swap_out", key, self.path_of(key))
         self._opened(handle)
         crc = 0
@@ -219,7 +230,8 @@ class SwapStore:
         def publish():
             if self.config.durable:
                 _fsync(tmp)
-            os.replace(tmp, handle.path)  # the file appears complete or not at all
+            if tmp != handle.path:
+                os.replace(tmp, handle.path)  # the file appears complete or not at all
             if self.config.durable:
                 _fsync(self.directory)
             self._index[key] = meta
@@ -372,7 +384,8 @@ class SwapStore:
         if h._error is not None:
             h._error.add_note(f"while {h.op} of key {h.key!r}")
             if h.op == "swap_out":
-                _unlink_quietly(self._tmp_of(h.key))  # never leave a half-written file behind
+                # Never leave a half-written file behind (in place: the key's own file).
+                _unlink_quietly(self._tmp_of(h.key) if self.config.atomic else h.path)
         h._finished = True
 
     def wait_all(self) -> None:

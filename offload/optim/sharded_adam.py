@@ -6,8 +6,8 @@ moments, kept on the tier `offload_optimizer.device` names:
   DEVICE  tensors on the device; updated with torch's fused Adam
   HOST    host tensors; updated with the native fused kernel (offload.ops)
   NVME    one file per shard holding [master | exp_avg | exp_avg_sq]; the step
-          streams them through two host buffers: the read of shard i+1 is in
-          flight while shard i is updated, and writes are asynchronous
+          streams them: the reads of shards i+1 and i+2 are in flight while
+          shard i is updated, and writes are asynchronous
 After a shard's update its compute-dtype copy is refreshed at the parameter's
 home (see Note [shard layout] in offload/partition/shard.py): the fused
 kernel writes the rounded value straight into a host home; a device home
@@ -95,7 +95,7 @@ class ShardedAdam(torch.optim.Optimizer):
         return [s for s in self.shards if s.has_grad]
 
     def _step_streamed(self, group: dict) -> None:
-        # Note [optimizer state tiers]: read-ahead of one shard, async writes.
+        # Note [optimizer state tiers]: read-ahead of two shards, async writes.
         shards = self._stepping()
         buffers = {}
         pending = {}
@@ -106,11 +106,12 @@ class ShardedAdam(torch.optim.Optimizer):
             buffers[i] = buf
             pending[i] = self.state_store.swap_in(self._key(shard), out=buf)
 
-        if shards:
-            start_read(0)
+        ahead = 2  # shards whose state reads are in flight beyond the one being updated
+        for i in range(min(ahead, len(shards))):
+            start_read(i)
         for i, shard in enumerate(shards):
-            if i + 1 < len(shards):
-                start_read(i + 1)
+            if i + ahead < len(shards):
+                start_read(i + ahead)
             pending.pop(i).wait()
             buf = buffers.pop(i)
             n = shard.part_numel

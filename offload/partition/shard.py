@@ -80,6 +80,11 @@ class Shard:
         self.residency = Residency.RELEASED
         self._refs = 0
         self._full: torch.Tensor | None = None  # padded flat device buffer while gathered
+        # Note [zero-copy gather]: with one rank and the device tier in host
+        # memory (CPU-only), a host partition already is the full parameter:
+        # gathering points param.data at it and costs no bytes and no copy.
+        self._zero_copy = (home is HomeKind.HOST and ctx.pg.world_size == 1
+                           and ctx.device.type == "cpu")
         self._fetch = None  # pending NVMe read while FETCHING
         self.host_part: torch.Tensor | None = None  # HOST home only
         # fp32 gradient partition, accumulated across micro-steps; owned by the
@@ -137,7 +142,9 @@ class Shard:
         self._refs += 1
         if self.residency is Residency.GATHERED:
             return self.param.data
-        if self.residency is Residency.RELEASED:
+        if self.residency is Residency.RELEASED and self._zero_copy:
+            self._full = self.host_part
+        elif self.residency is Residency.RELEASED:
             self._full = self._alloc_full()
             if self.home is HomeKind.HOST:
                 self.ctx.pg.all_gather(self._full, self.host_part)
@@ -178,7 +185,8 @@ class Shard:
     def _drop_full(self) -> None:
         self.param.data = self._placeholder
         self._full = None
-        self.ctx.account.credit(Tier.DEVICE, self.padded_numel * self.dtype.itemsize)
+        if not self._zero_copy:
+            self.ctx.account.credit(Tier.DEVICE, self.padded_numel * self.dtype.itemsize)
         self.residency = Residency.RELEASED
 
     def full_storage_ptr(self) -> int | None:
