@@ -272,3 +272,31 @@ def test_unknown_key(tmp_path):
     with pytest.raises(KeyError, match=str(uuid.UUID(int=0))):
         store.swap_in(str(uuid.UUID(int=0)))
     store.close()
+
+
+def test_in_place_swap_overwrites_the_same_file(tmp_path):
+    """atomic=False (the engine's scratch swap): no temporary file, no rename."""
+    store = _store(tmp_path, atomic=False)
+    store.swap_out("w", torch.zeros(3001)).wait()
+    inode = os.stat(store.path_of("w")).st_ino
+    new = torch.arange(3001, dtype=torch.float32)
+    store.swap_out("w", new).wait()
+    assert os.stat(store.path_of("w")).st_ino == inode
+    assert torch.equal(store.swap_in("w").wait(), new)
+    store.close()
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC])
+def test_in_place_swap_failure_removes_the_file(tmp_path, err):
+    """A failed in-place write cannot keep the old version: the file goes, and a
+    read of the key fails clearly instead of returning half-written data."""
+    store = _store(tmp_path, buffer_bytes=64 << 10, atomic=False)
+    store.swap_out("w", torch.zeros(1 << 18)).wait()
+    store._io._inject_fault("pwrite", err, after_units=1)
+    with pytest.raises(aio.AioError) as info:
+        store.swap_out("w", torch.ones(1 << 18)).wait()
+    assert info.value.errno == err
+    assert not store.path_of("w").exists()
+    with pytest.raises(Exception, match="w"):
+        store.swap_in("w").wait()
+    store.close()
