@@ -96,9 +96,14 @@ OFFLOAD_AVX512 void update16_once(const AdamParams& a, const AdamBuffers& b, siz
 
 OFFLOAD_AVX512 void adam_kernel_avx512(const AdamParams& a, const AdamBuffers& b, size_t begin,
                                        size_t end) {
-  const Consts c = make_consts(a);
+  // Local copies: the vector stores below are may_alias, so with `a` and `b`
+  // behind references the compiler would reload every field after each
+  // store; locals whose address never escapes cannot be aliased.
+  const AdamParams la = a;
+  const AdamBuffers lb = b;
+  const Consts c = make_consts(la);
   size_t i = begin;
-  for (; i + kLanes <= end; i += kLanes) update16(a, c, b, i);
+  for (; i + kLanes <= end; i += kLanes) update16(la, c, lb, i);
   if (i < end) adam_padded_tail(a, b, i, end, kLanes, &update16_once);
 }
 
