@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from offload import estimate as est_mod
-from offload.config import Config, ConfigError, MemoryConfig
+from offload.config import ConfigError, MemoryConfig
 from offload.estimate import estimate, model_sizes
 
 LLAMA_7B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from offload.config import Config, OffloadDevice
+from offload.config import Config
 from offload.partition.accounting import Tier
 from offload.partition.shard import HomeKind, Shard, ShardContext
 

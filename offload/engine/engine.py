@@ -22,7 +22,7 @@ import shutil
 import psutil
 import torch
 
-from offload.config import Config, OffloadDevice, OptimizerType, Precision
+from offload.config import Config, OffloadDevice, Precision
 from offload.engine.build import build_shards
 from offload.engine.loss_scaler import LossScaler
 from offload.optim.sharded_adam import ShardedAdam

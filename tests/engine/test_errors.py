@@ -1,5 +1,4 @@
 """Bad input and misuse fail at once, with messages that name the problem."""
-import os
 
 import pytest
 import torch
