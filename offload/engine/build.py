@@ -7,7 +7,7 @@ holds a second copy of the whole model.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -21,7 +21,6 @@ class Built:
     shards: list[Shard]
     param_store: object | None
     state_store: object | None
-    _pending: dict[int, torch.nn.Parameter] = field(default_factory=dict)
     _grad_device: torch.device = torch.device("cpu")
     _grad_tier: Tier = Tier.HOST
     _account: object = None

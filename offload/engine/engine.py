@@ -225,6 +225,10 @@ class Engine:
         self._closed = True
         self.manager.release_all()
         self.manager.remove_hooks()
+        self._remove_swap_files()
+
+    def _remove_swap_files(self) -> None:
+        # Parameters and optimizer state may share one store (same nvme_path).
         stores = [self._param_store and self._param_store.store, self._state_store]
         for store in {id(s): s for s in stores if s is not None}.values():
             store.close()
@@ -242,11 +246,7 @@ class Engine:
             shard.param.data = value.to(shard.original_dtype)
         if self.manager is not None:
             self.manager.remove_hooks()
-        stores = [self._param_store and self._param_store.store, self._state_store]
-        for store in {id(s): s for s in stores if s is not None}.values():
-            store.close()
-        for path in self._created_dirs:
-            shutil.rmtree(path, ignore_errors=True)
+        self._remove_swap_files()
 
     def _check_open(self) -> None:
         if self._closed:

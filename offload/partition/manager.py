@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
-from offload.partition.shard import Residency, Shard
+from offload.partition.shard import HomeKind, Residency, Shard
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ class ParameterManager:
         if not self._live or t.layout != torch.strided or t.device.type == "meta":
             return t
         shard = self._live.get(t.untyped_storage().data_ptr())
-        if shard is None or t.dtype != shard.dtype or shard.home.value == "device":
+        if shard is None or t.dtype != shard.dtype or shard.home is HomeKind.DEVICE:
             return t
         return _SavedParamView(shard, t.size(), t.stride(), t.storage_offset())
 
