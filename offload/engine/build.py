@@ -6,6 +6,7 @@ holds a second copy of the whole model.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -54,6 +55,9 @@ def build_shards(model: torch.nn.Module, config: Config, ctx: ShardContext, dtyp
     zero = config.zero_optimization
     threshold = zero.stage3_param_persistence_threshold
     named = list(model.named_parameters(remove_duplicate=True))
+    # offload_param.max_in_cpu (DeepSpeed's meaning): with NVMe offload, keep
+    # the first parameters, up to this many elements, in host memory instead.
+    in_cpu_left = zero.offload_param.max_in_cpu or 0
     shards = []
     for index, (name, p) in enumerate(named):
         _check_dtype(name, p)
@@ -61,6 +65,9 @@ def build_shards(model: torch.nn.Module, config: Config, ctx: ShardContext, dtyp
             home = HomeKind.DEVICE
         elif param_tier is Tier.HOST:
             home = HomeKind.HOST
+        elif p.numel() <= in_cpu_left:
+            home = HomeKind.HOST
+            in_cpu_left -= p.numel()
         else:
             home = HomeKind.NVME
         shards.append(Shard(index, name, p, compute_dtype=dtype, home=home, ctx=ctx))
@@ -79,7 +86,8 @@ def build_shards(model: torch.nn.Module, config: Config, ctx: ShardContext, dtyp
     if optim_tier is Tier.NVME:
         wanted.setdefault(os.fspath(zero.offload_optimizer.nvme_path), []).extend(
             3 * s.part_numel * 4 for s in shards)
-    stores = {path: _swap_store(path, sizes, config, ctx, created_dirs)
+    stores = {path: _swap_store(path, sizes, _staging_bytes(path, config, nvme_shards, shards, dtype,
+                                                            optim_tier), config, ctx, created_dirs)
               for path, sizes in wanted.items()}
     param_store = state_store = None
     if nvme_shards:
@@ -129,7 +137,27 @@ def _rank_dir(nvme_path, rank: int) -> str:
     return os.path.join(os.fspath(nvme_path), f"rank{rank}")
 
 
-def _swap_store(nvme_path, sizes, config, ctx, created_dirs):
+def _staging_bytes(path: str, config: Config, nvme_shards, shards, dtype, optim_tier) -> int | None:
+    """Host staging bytes a store may use, from DeepSpeed's buffer keys when given.
+
+    offload_param.buffer_count x buffer_size (elements, compute dtype) and
+    offload_optimizer.buffer_count x the largest shard's fp32 partition: the
+    same budgets DeepSpeed's keys set, except that a tensor larger than the
+    budget streams through it in pieces instead of failing ("More elements
+    than buffer size"). None: sized from the model (two of the largest files).
+    """
+    zero = config.zero_optimization
+    total = 0
+    op = zero.offload_param
+    if nvme_shards and os.fspath(op.nvme_path) == path and op.buffer_count and op.buffer_size:
+        total += op.buffer_count * op.buffer_size * dtype.itemsize
+    oo = zero.offload_optimizer
+    if optim_tier is Tier.NVME and os.fspath(oo.nvme_path) == path and oo.buffer_count:
+        total += oo.buffer_count * max(s.part_numel for s in shards) * 4
+    return total or None
+
+
+def _swap_store(nvme_path, sizes, staging_bytes, config, ctx, created_dirs):
     from offload.aio.swap_store import SwapConfig, SwapStore
 
     rank_dir = _rank_dir(nvme_path, ctx.pg.rank)
@@ -140,6 +168,10 @@ def _swap_store(nvme_path, sizes, config, ctx, created_dirs):
     # block reallocation per write (9 ms each on ext4, measured).
     swap_config = SwapConfig.for_tensors(nvme_path, sizes, in_flight=2, rank=ctx.pg.rank,
                                          aio=_aio_config(config), atomic=False)
+    if staging_bytes is not None:
+        from offload.aio._memory import ALIGN
+
+        swap_config = dataclasses.replace(swap_config, buffer_bytes=max(staging_bytes, 2 * ALIGN))
     return SwapStore(swap_config)
 
 

@@ -87,7 +87,8 @@ class Engine:
             self.shards, built.initial_partition, lr=opt.lr, betas=opt.betas, eps=opt.eps,
             weight_decay=opt.weight_decay, adamw_mode=opt.decoupled_weight_decay, tier=self.optim_tier,
             device=self.device, account=self.account, state_store=self._state_store,
-            param_store=self._param_store)
+            param_store=self._param_store,
+            sub_group_size=config.zero_optimization.sub_group_size)
         built.finish()
         self.lr_scheduler = None
         if config.scheduler is not None:

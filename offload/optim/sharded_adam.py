@@ -30,7 +30,7 @@ class ShardedAdam(torch.optim.Optimizer):
     def __init__(self, shards: list[Shard], initial_partition, *,
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  adamw_mode: bool, tier: Tier, device: torch.device, account: MemoryAccount,
-                 state_store=None, param_store=None):
+                 state_store=None, param_store=None, sub_group_size: int | None = None):
         """initial_partition(shard) -> this rank's fp32 partition of the initial weights
         (called once per shard, in order; it also moves the parameter home)."""
         self.shards = shards
@@ -39,6 +39,9 @@ class ShardedAdam(torch.optim.Optimizer):
         self.account = account
         self.state_store = state_store
         self.param_store = param_store
+        # zero_optimization.sub_group_size caps the optimizer-state elements read
+        # ahead of the shard being updated in the streamed (NVMe) step.
+        self.sub_group_size = sub_group_size
         # Per-shard step counts, as torch keeps per-parameter ones: a parameter
         # that got no gradient in a step is skipped and its count stays.
         self.shard_steps = {shard.index: 0 for shard in shards}
@@ -106,12 +109,23 @@ class ShardedAdam(torch.optim.Optimizer):
             buffers[i] = buf
             pending[i] = self.state_store.swap_in(self._key(shard), out=buf)
 
-        ahead = 2  # shards whose state reads are in flight beyond the one being updated
-        for i in range(min(ahead, len(shards))):
-            start_read(i)
+        # Up to two shards' state reads in flight beyond the one being updated,
+        # fewer where that would exceed sub_group_size elements.
+        cap = self.sub_group_size or float("inf")
+        issued = 0  # reads started for shards[:issued]
+
+        def top_up(current: int) -> None:
+            nonlocal issued
+            while issued < len(shards) and issued <= current + 2:
+                if issued > current:  # a read ahead of the shard being updated
+                    ahead = sum(s.part_numel for s in shards[current + 1:issued + 1])
+                    if ahead > cap:
+                        break
+                start_read(issued)
+                issued += 1
+
         for i, shard in enumerate(shards):
-            if i + ahead < len(shards):
-                start_read(i + ahead)
+            top_up(i)
             pending.pop(i).wait()
             buf = buffers.pop(i)
             n = shard.part_numel

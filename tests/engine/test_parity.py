@@ -122,3 +122,30 @@ def test_persistent_small_parameters_stay_on_device(tmp_path):
     weights, _, _ = run_engine(model, data, cfg)
     for name, p in ref_model.named_parameters():
         torch.testing.assert_close(weights[name], p.detach())
+
+
+def test_deepspeed_buffer_keys_are_honoured_and_change_nothing_numerically(tmp_path):
+    """max_in_cpu keeps the first parameters in host memory; buffer_count /
+    buffer_size set the staging budgets (a parameter larger than a buffer
+    streams through it instead of failing); a small sub_group_size limits
+    read-ahead. Training still equals plain PyTorch."""
+    import offload
+
+    model = build("tiny_gpt")
+    data = batches(6, seed=13)
+    cfg = make_config("nvme", "nvme", tmp_path)
+    zero = cfg["zero_optimization"]
+    zero["offload_param"].update(max_in_cpu=1000, buffer_count=2, buffer_size=100)
+    zero["offload_optimizer"]["buffer_count"] = 4
+    zero["sub_group_size"] = 50
+    with offload.initialize(model, cfg) as engine:
+        homes = [s.home.value for s in engine.shards]
+        # wte (37x24=888 elements) fits max_in_cpu=1000; the next big one does not.
+        assert homes[0] == "host" and "nvme" in homes
+        store = engine._param_store.store
+        assert store.config.buffer_bytes == 2 * 100 * 4 + 4 * max(s.part_numel for s in engine.shards) * 4
+    ref_model, ref_losses = run_reference(model, data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01)
+    weights, losses, _ = run_engine(model, data, cfg)
+    torch.testing.assert_close(losses, ref_losses[:, 0])
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach())
