@@ -73,7 +73,7 @@ setup(
     cmdclass={"build_ext": OptionalBuildExt},
     # torch is satisfied by the 2.13.0 already installed (never a new download);
     # libaio is the pure-Python py-libaio wrapper for the `libaio` I/O backend.
-    install_requires=["torch>=2.1", "psutil", "tqdm", 'libaio>=0.9; sys_platform == "linux"'],
+    install_requires=["torch>=2.1", "psutil", "tqdm", "safetensors", 'libaio>=0.9; sys_platform == "linux"'],
     extras_require={
         "bench": ["matplotlib"],
         "test": ["pytest"],
