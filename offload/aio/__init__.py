@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from offload.aio._memory import ALIGN, aligned_empty, byte_view
+from offload.aio._memory import ALIGN, aligned_empty, aligned_tensor, byte_view
 from offload.aio.config import AioConfig, Backend
 from offload.aio.errors import (
     AioError,
@@ -33,7 +33,7 @@ from offload.aio.errors import (
 __all__ = [
     "ALIGN", "AioConfig", "AioError", "AsyncIO", "Backend", "CorruptFileError",
     "DirectIOUnsupportedError", "Request", "SwapStoreError", "TruncatedFileError",
-    "aligned_empty", "available_backends", "backend_report",
+    "aligned_empty", "aligned_tensor", "available_backends", "backend_report",
 ]
 
 # Fastest first; `auto` takes the first available.

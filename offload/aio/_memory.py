@@ -35,6 +35,12 @@ def aligned_empty(nbytes: int, pin: bool | None = None) -> torch.Tensor:
     return raw[skip : skip + nbytes]
 
 
+def aligned_tensor(numel: int, dtype: torch.dtype, pin: bool | None = None) -> torch.Tensor:
+    """An uninitialised 1-D tensor whose memory is 4096-aligned, so the swap
+    store moves it to and from disk with no staging copy."""
+    return aligned_empty(numel * dtype.itemsize, pin=pin).view(dtype)
+
+
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's storage bytes as a flat uint8 tensor (no copy)."""
     flat = tensor.reshape(-1)

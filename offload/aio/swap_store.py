@@ -129,7 +129,7 @@ class _Piece:
 
     handle: "SwapHandle"
     request: object
-    buffer: torch.Tensor
+    buffer: torch.Tensor | None  # a pool buffer, or None for a lent tensor
     after: Callable[[], None] | None
 
 
@@ -192,9 +192,11 @@ class SwapStore:
 
     # ------------------------------------------------------------- swap_out
 
-    def swap_out(self, key: str, tensor: torch.Tensor) -> SwapHandle:
-        """Copies the tensor into staging buffers and starts writing it; the
-        caller may modify or free the tensor as soon as this returns."""
+    def swap_out(self, key: str, tensor: torch.Tensor, *, borrow: bool = False) -> SwapHandle:
+        """Starts writing the tensor. By default its bytes are copied into
+        staging buffers and the caller may modify or free it as soon as this
+        returns. borrow=True lends the tensor instead (Note [direct transfers]):
+        it must stay unchanged until the handle is finished."""
         if tensor.device.type != "cpu":
             raise ValueError(f"swap_out {key!r}: tensor must be on the CPU, got {tensor.device}")
         src = byte_view(tensor.contiguous())
@@ -209,7 +211,17 @@ class SwapStore:
         handle = SwapHandle(self, "swap_out", key, self.path_of(key))
         self._opened(handle)
         crc = 0
-        if file_bytes(n) <= self._pool.budget_bytes:  # one aligned write: header + data
+        if borrow and _direct(src):
+            crc = checksum(self._kind, src)
+            buf = self._acquire(HEADER_BYTES)
+            _write_header(buf, key, meta, self._kind, crc)
+            self._start(handle, "pwrite", buf, HEADER_BYTES, tmp, 0, None)
+            self._start(handle, "pwrite", src, n, tmp, HEADER_BYTES, None, pooled=False)
+            if round_up(n) > n:  # pad the file as a staged write would: readers read whole blocks
+                pad = self._acquire(round_up(n) - n)
+                pad.zero_()
+                self._start(handle, "pwrite", pad, round_up(n) - n, tmp, HEADER_BYTES + n, None)
+        elif file_bytes(n) <= self._pool.budget_bytes:  # one aligned write: header + data
             buf = self._acquire(file_bytes(n))
             buf[HEADER_BYTES:HEADER_BYTES + n].copy_(src)
             crc = checksum(self._kind, buf[HEADER_BYTES:HEADER_BYTES + n])
@@ -264,7 +276,12 @@ class SwapStore:
             dst[start:start + length].copy_(buf[:length])
             state["crc"] = checksum(state["header"][1], buf[:length], state["crc"])
 
-        if file_bytes(n) <= self._pool.budget_bytes:
+        if _direct(dst):
+            buf = self._acquire(HEADER_BYTES)
+            self._start(handle, "pread", buf, HEADER_BYTES, path, 0, lambda b=buf: take_header(b))
+            self._start(handle, "pread", dst, n, path, HEADER_BYTES,
+                        lambda: state.update(crc=checksum(state["header"][1], dst)), pooled=False)
+        elif file_bytes(n) <= self._pool.budget_bytes:
             buf = self._acquire(file_bytes(n))
             self._start(handle, "pread", buf, file_bytes(n), path, 0,
                         lambda b=buf: (take_header(b), take_data(b[HEADER_BYTES:], 0, n)))
@@ -316,14 +333,15 @@ class SwapStore:
             self._finish_through(self._queue[0].handle, upto_piece=self._queue[0])
 
     def _start(self, handle: SwapHandle, op: str, buf, nbytes: int, path: Path, offset: int,
-               after) -> None:
-        """Starts moving buf[:nbytes]; `buf` goes back to the pool when it is finished."""
+               after, pooled: bool = True) -> None:
+        """Starts moving buf[:nbytes]; a pooled `buf` goes back to the pool when it is finished
+        (an unpooled one is the caller's tensor, lent for the transfer)."""
         handle._pieces_left += 1
         try:
             request = (self._io.pwrite if op == "pwrite" else self._io.pread)(buf[:nbytes], path, offset)
         except AioError as exc:  # failed at submit (open): recorded like any completion error
             request = _Failed(exc)
-        self._queue.append(_Piece(handle, request, buf, after))
+        self._queue.append(_Piece(handle, request, buf if pooled else None, after))
 
     def _finish_through(self, handle: SwapHandle, upto_piece: _Piece | None = None) -> None:
         """Finishes queued pieces in order until `handle` (or just `upto_piece`) is done."""
@@ -349,7 +367,8 @@ class SwapStore:
                 h._error = exc
         finally:
             # The pool buffer is only its own again when the kernel is done with it.
-            self._pool.release(piece.buffer)
+            if piece.buffer is not None:
+                self._pool.release(piece.buffer)
         h._pieces_left -= 1
         if h._pieces_left == 0 and not h._open:
             self._complete(h)
@@ -414,6 +433,15 @@ class SwapStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _direct(data: torch.Tensor) -> bool:
+    """Note [direct transfers]: a tensor whose memory is 4096-aligned (from
+    offload.aio.aligned_empty) moves between disk and its own memory with no
+    staging copy: O_DIRECT for its aligned blocks, a buffered fragment for an
+    unaligned tail. Small tensors are staged anyway: one 4 KiB copy is cheaper
+    than a second request."""
+    return data.numel() >= ALIGN and data.data_ptr() % ALIGN == 0
 
 
 class _Failed:

@@ -400,9 +400,10 @@ class ZeroConfig(_Section):
     stage: int = 3
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
-    stage3_prefetch_bucket_size: Any = 50_000_000
-    stage3_max_live_parameters: Any = 1_000_000_000
-    stage3_max_reuse_distance: Any = 1_000_000_000
+    # None: sized from the model (offload.partition.prefetch.prefetch_scheduler).
+    stage3_prefetch_bucket_size: Any = None
+    stage3_max_live_parameters: Any = None
+    stage3_max_reuse_distance: Any = None
     stage3_param_persistence_threshold: Any = 100_000
     sub_group_size: Any = 1_000_000_000
     reduce_bucket_size: Any = 500_000_000
@@ -410,6 +411,8 @@ class ZeroConfig(_Section):
     contiguous_gradients: bool = True
     stage3_gather_16bit_weights_on_model_save: bool = False
 
+    PREFETCH: ClassVar[tuple] = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+                                 "stage3_max_reuse_distance")
     SIZES: ClassVar[tuple] = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters",
                               "stage3_max_reuse_distance", "stage3_param_persistence_threshold",
                               "sub_group_size", "reduce_bucket_size")
@@ -431,7 +434,7 @@ class ZeroConfig(_Section):
                 raise _fail(k(name), v, f"a JSON object or {cls.__name__}")
         for name in self.SIZES:
             lo = 1 if name in ("sub_group_size", "reduce_bucket_size") else 0
-            self._set(name, _int(k(name), getattr(self, name), lo=lo, auto=True))
+            self._set(name, _int(k(name), getattr(self, name), lo=lo, auto=True, none=name in self.PREFETCH))
         _bool(k("overlap_comm"), self.overlap_comm)
         _bool(k("stage3_gather_16bit_weights_on_model_save"), self.stage3_gather_16bit_weights_on_model_save)
         if _bool(k("contiguous_gradients"), self.contiguous_gradients) is False:
@@ -449,7 +452,8 @@ class ZeroConfig(_Section):
             from_model = {"reduce_bucket_size": hidden_size * hidden_size,
                           "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
                           "stage3_param_persistence_threshold": 10 * hidden_size}
-        from_model.update(stage3_max_live_parameters=1_000_000_000, stage3_max_reuse_distance=1_000_000_000,
+        # 'auto' live/reuse limits: sized from the model at initialize, as when unset.
+        from_model.update(stage3_max_live_parameters=None, stage3_max_reuse_distance=None,
                           sub_group_size=min(1_000_000_000, num_params))
         return dataclasses.replace(self, **{n: from_model[n] for n in self.SIZES if getattr(self, n) is AUTO})
 

@@ -19,12 +19,16 @@ from offload.partition.shard import HomeKind, Shard, ShardContext
 
 @dataclass
 class Built:
+    """shards, and the swap stores (Note [one store per thread]):
+    param_store        NVMe parameter homes, for the compute thread's reads
+    state_store        NVMe optimizer state, for the optimizer
+    param_writer       NVMe parameter homes, for the optimizer's writes of new values
+    """
+
     shards: list[Shard]
     param_store: object | None
     state_store: object | None
-    _grad_device: torch.device = torch.device("cpu")
-    _grad_tier: Tier = Tier.HOST
-    _account: object = None
+    param_writer: object | None = None
 
     def initial_partition(self, shard: Shard) -> torch.Tensor:
         """Moves the parameter home and returns this rank's fp32 partition of its value."""
@@ -32,13 +36,18 @@ class Built:
         fp32 = value.reshape(-1).to(torch.float32)
         part = shard.my_slice(fp32).clone()
         shard.adopt(value)
-        self._account.charge(self._grad_tier, shard.part_numel * 4, f"gradient of {shard.name}")
-        shard.grad_part = torch.zeros(shard.part_numel, dtype=torch.float32, device=self._grad_device)
+        if not shard.ctx.lazy_grads:
+            shard.allocate_grad_part()
         return part
 
+    def stores(self) -> list:
+        """Each distinct SwapStore once."""
+        found = [self.param_store and self.param_store.store, self.state_store,
+                 self.param_writer and self.param_writer.store]
+        return list({id(x): x for x in found if x is not None}.values())
+
     def finish(self) -> None:
-        for store in {id(x): x for x in (self.param_store and self.param_store.store,
-                                          self.state_store) if x is not None}.values():
+        for store in self.stores():
             store.wait_all()
 
 
@@ -77,30 +86,35 @@ def build_shards(model: torch.nn.Module, config: Config, ctx: ShardContext, dtyp
         target = dtype if buf.is_floating_point() else buf.dtype
         buf.data = buf.data.to(ctx.device, target)
 
-    # NVMe stores: one per directory (parameters and optimizer state may share one).
-    wanted: dict[str, list[int]] = {}
-    nvme_shards = [s for s in shards if s.home is HomeKind.NVME]
-    if nvme_shards:
-        wanted.setdefault(os.fspath(zero.offload_param.nvme_path), []).extend(
-            s.part_numel * dtype.itemsize for s in nvme_shards)
-    if optim_tier is Tier.NVME:
-        wanted.setdefault(os.fspath(zero.offload_optimizer.nvme_path), []).extend(
-            3 * s.part_numel * 4 for s in shards)
-    stores = {path: _swap_store(path, sizes, _staging_bytes(path, config, nvme_shards, shards, dtype,
-                                                            optim_tier), config, ctx, created_dirs)
-              for path, sizes in wanted.items()}
-    param_store = state_store = None
-    if nvme_shards:
-        from offload.partition.nvme_home import ParamStore
+    # Note [one store per thread]
+    # A SwapStore is driven by one thread (it finishes transfers in submission
+    # order). The compute thread reads parameters while the optimizer thread
+    # reads and writes state and writes new parameter values (Note [optimizer
+    # overlap]), so each gets its own stores, over the same files: the
+    # optimizer writes a parameter's file only after its gradient is final,
+    # and the compute thread reads it again only after step() has waited.
+    from offload.partition.nvme_home import ParamStore
 
-        param_store = ParamStore(stores[os.fspath(zero.offload_param.nvme_path)], ctx.pg)
+    nvme_shards = [s for s in shards if s.home is HomeKind.NVME]
+    param_path = os.fspath(zero.offload_param.nvme_path) if nvme_shards else None
+    state_path = os.fspath(zero.offload_optimizer.nvme_path) if optim_tier is Tier.NVME else None
+    param_store = state_store = param_writer = None
+    if nvme_shards:
+        op = zero.offload_param
+        staging = op.buffer_count * op.buffer_size * dtype.itemsize if op.buffer_count and op.buffer_size else None
+        param_store = ParamStore(_swap_store(param_path, [s.part_numel * dtype.itemsize for s in nvme_shards],
+                                             staging, config, ctx, created_dirs), ctx.pg, ctx.timeline)
         ctx.param_store = param_store
-    if optim_tier is Tier.NVME:
-        state_store = stores[os.fspath(zero.offload_optimizer.nvme_path)]
-    grad_tier = Tier.DEVICE if optim_tier is Tier.DEVICE else Tier.HOST
-    grad_device = ctx.device if grad_tier is Tier.DEVICE else torch.device("cpu")
-    return Built(shards, param_store, state_store, _grad_device=grad_device,
-                 _grad_tier=grad_tier, _account=ctx.account)
+    if state_path is not None:
+        oo = zero.offload_optimizer
+        staging = oo.buffer_count * max(s.part_numel for s in shards) * 4 if oo.buffer_count else None
+        state_store = _swap_store(state_path, [3 * s.part_numel * 4 for s in shards], staging, config, ctx,
+                                  created_dirs)
+    if nvme_shards:
+        writer = state_store if state_path == param_path else _swap_store(
+            param_path, [], None, config, ctx, created_dirs)
+        param_writer = ParamStore(writer, ctx.pg, ctx.timeline)
+    return Built(shards, param_store, state_store, param_writer)
 
 
 def _preflight_budgets(shards: list[Shard], config: Config, dtype: torch.dtype, optim_tier: Tier,
@@ -137,27 +151,14 @@ def _rank_dir(nvme_path, rank: int) -> str:
     return os.path.join(os.fspath(nvme_path), f"rank{rank}")
 
 
-def _staging_bytes(path: str, config: Config, nvme_shards, shards, dtype, optim_tier) -> int | None:
-    """Host staging bytes a store may use, from DeepSpeed's buffer keys when given.
-
-    offload_param.buffer_count x buffer_size (elements, compute dtype) and
-    offload_optimizer.buffer_count x the largest shard's fp32 partition: the
-    same budgets DeepSpeed's keys set, except that a tensor larger than the
-    budget streams through it in pieces instead of failing ("More elements
-    than buffer size"). None: sized from the model (two of the largest files).
-    """
-    zero = config.zero_optimization
-    total = 0
-    op = zero.offload_param
-    if nvme_shards and os.fspath(op.nvme_path) == path and op.buffer_count and op.buffer_size:
-        total += op.buffer_count * op.buffer_size * dtype.itemsize
-    oo = zero.offload_optimizer
-    if optim_tier is Tier.NVME and os.fspath(oo.nvme_path) == path and oo.buffer_count:
-        total += oo.buffer_count * max(s.part_numel for s in shards) * 4
-    return total or None
-
-
 def _swap_store(nvme_path, sizes, staging_bytes, config, ctx, created_dirs):
+    """A store under nvme_path/rank{r}/. staging_bytes: the host staging budget
+    from DeepSpeed's keys (offload_param.buffer_count x buffer_size elements,
+    offload_optimizer.buffer_count x the largest state partition): the same
+    budgets, except that a tensor larger than the budget streams through it in
+    pieces instead of failing ("More elements than buffer size"). None: sized
+    from the model (two of the largest files). Aligned tensors skip staging
+    altogether (Note [direct transfers])."""
     from offload.aio.swap_store import SwapConfig, SwapStore
 
     rank_dir = _rank_dir(nvme_path, ctx.pg.rank)

@@ -29,7 +29,9 @@ from offload.optim.sharded_adam import ShardedAdam
 from offload.partition.accounting import MemoryAccount, Tier
 from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.manager import ParameterManager
+from offload.partition.prefetch import prefetch_scheduler
 from offload.partition.shard import ShardContext
+from offload.timeline import Timeline
 
 log = logging.getLogger("offload")
 
@@ -64,8 +66,12 @@ class Engine:
         self.account = MemoryAccount({Tier.DEVICE: mem.device_budget, Tier.HOST: mem.host_budget})
         self._created_dirs: list[str] = []
 
-        ctx = ShardContext(device=self.device, pg=self.pg, account=self.account)
-        self.shards, self._param_store, self._state_store, self.manager = [], None, None, None
+        self._timeline = Timeline(enabled=True)
+        grad_tier = Tier.DEVICE if self.optim_tier is Tier.DEVICE else Tier.HOST
+        ctx = ShardContext(device=self.device, pg=self.pg, account=self.account, grad_tier=grad_tier,
+                           grad_device=self.device if grad_tier is Tier.DEVICE else torch.device("cpu"),
+                           lazy_grads=self.optim_tier is Tier.NVME, timeline=self._timeline)
+        self.shards, self._stores, self.manager, self.optimizer = [], [], None, None
         try:
             self._build(model, config, ctx)
         except BaseException:
@@ -78,17 +84,18 @@ class Engine:
         built = build_shards(model, config, ctx, self.compute_dtype, self.param_tier,
                              self.optim_tier, self._created_dirs)
         self.shards = built.shards
-        self._param_store = built.param_store
-        self._state_store = built.state_store
-        self.manager = ParameterManager(model, self.shards, on_grad=self._take_grad)
+        self._stores = built.stores()
+        self.manager = ParameterManager(model, self.shards, on_grad=self._take_grad,
+                                        prefetch=prefetch_scheduler(config.zero_optimization, self.shards),
+                                        timeline=self._timeline)
 
         opt = config.optimizer
         self.optimizer = ShardedAdam(
             self.shards, built.initial_partition, lr=opt.lr, betas=opt.betas, eps=opt.eps,
             weight_decay=opt.weight_decay, adamw_mode=opt.decoupled_weight_decay, tier=self.optim_tier,
-            device=self.device, account=self.account, state_store=self._state_store,
-            param_store=self._param_store,
-            sub_group_size=config.zero_optimization.sub_group_size)
+            device=self.device, account=self.account, state_store=built.state_store,
+            param_store=built.param_writer,
+            sub_group_size=config.zero_optimization.sub_group_size, timeline=self._timeline)
         built.finish()
         self.lr_scheduler = None
         if config.scheduler is not None:
@@ -112,7 +119,12 @@ class Engine:
     # ---- the training loop -------------------------------------------------
     def __call__(self, *args, **kwargs):
         self._check_open()
-        with self.manager.forward_context():
+        if self.optimizer.overlapping:
+            raise RuntimeError(
+                "engine.step() must follow engine.backward() before the next forward: at a gradient "
+                "accumulation boundary the optimizer update runs during backward (Note [optimizer "
+                "overlap]) and step() completes it")
+        with self._timeline.span("forward"), self.manager.forward_context():
             return self.module(*args, **kwargs)
 
     forward = __call__
@@ -126,14 +138,41 @@ class Engine:
         if not loss.requires_grad:
             raise RuntimeError("loss does not require grad: was the forward run under "
                                "torch.no_grad() or with every parameter frozen?")
+        if self._pending_backward:
+            raise RuntimeError("engine.backward() called twice without engine.step(): call step() "
+                               "after each backward (it counts gradient accumulation micro-steps)")
         scale = 1.0 / self.gradient_accumulation_steps
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
+        if self._can_overlap():
+            self.optimizer.begin_overlap()
         try:
-            (loss * scale).backward()
+            with self._timeline.span("backward"):
+                (loss * scale).backward()
+        except BaseException:
+            if self.optimizer.overlapping:
+                self._abandon_overlap()
+            raise
         finally:
             self.manager.end_backward()
         self._pending_backward = True
+
+    def _can_overlap(self) -> bool:
+        """Note [optimizer overlap]: updates may start during this backward when it
+        ends an accumulation window and no step-wide check needs every gradient first."""
+        return (self.config.zero_optimization.overlap_comm
+                and (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+                and self.loss_scaler is None and not self.config.gradient_clipping > 0)
+
+    def _abandon_overlap(self) -> None:
+        # A failed backward after some updates ran: wait for them so no thread
+        # is left writing, then report the original error. Those shards were
+        # updated with final gradients, as step() would have done; the others
+        # keep their gradients.
+        try:
+            self.optimizer.abandon_overlap()
+        except Exception:  # noqa: BLE001 - the backward error is the one to raise
+            log.exception("while finishing optimizer updates after a failed backward")
 
     def step(self) -> None:
         self._check_open()
@@ -142,6 +181,10 @@ class Engine:
         self._pending_backward = False
         self.micro_steps += 1
         if self.micro_steps % self.gradient_accumulation_steps != 0:
+            return
+        if self.optimizer.overlapping:
+            self.optimizer.step()  # waits for the updates that ran during backward
+            self._finish_step()
             return
         if self.loss_scaler is not None:
             overflow = self.pg.any_flag(not self._grads_finite(), self.device)
@@ -156,10 +199,14 @@ class Engine:
         if self.config.gradient_clipping > 0:
             self._clip_grads(self.config.gradient_clipping)
         self.optimizer.step()
+        self._finish_step()
+
+    def _finish_step(self) -> None:
         self._zero_grads()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_steps += 1
+        self._timeline.end_step()
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
@@ -171,27 +218,29 @@ class Engine:
     # ---- gradients -----------------------------------------------------------
     def _take_grad(self, shard, grad: torch.Tensor) -> None:
         shard.take_grad(grad)
+        if self.optimizer.overlapping:
+            self.optimizer.submit(shard)
 
     def _grads_finite(self) -> bool:
-        return all(bool(torch.isfinite(s.grad_part).all()) for s in self.shards)
+        return all(bool(torch.isfinite(s.grad_part).all()) for s in self.shards if s.has_grad)
 
     def _clip_grads(self, max_norm: float) -> None:
         # As torch.nn.utils.clip_grad_norm_: total 2-norm over every gradient,
         # coefficient max_norm / (norm + 1e-6), applied only when below 1.
         sq = torch.zeros(1, dtype=torch.float32, device=self.device)
         for s in self.shards:
-            sq += s.grad_part.float().pow(2).sum().to(self.device)
+            if s.has_grad:
+                sq += s.grad_part.float().pow(2).sum().to(self.device)
         total = math.sqrt(float(self.pg.sum_scalar(sq).item()))
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
             for s in self.shards:
-                s.grad_part.mul_(coef)
+                if s.has_grad:
+                    s.grad_part.mul_(coef)
 
     def _zero_grads(self) -> None:
         for s in self.shards:
-            if s.has_grad:
-                s.grad_part.zero_()
-                s.has_grad = False
+            s.clear_grad()
 
     # ---- full values -------------------------------------------------------
     @torch.no_grad()
@@ -213,6 +262,15 @@ class Engine:
         return out
 
     # ---- reporting and lifetime ---------------------------------------------
+    def timeline(self) -> dict:
+        """The last complete step's time per kind (forward, backward, read, write,
+        optimizer, wait) and its spans: Note [timeline] in offload/timeline.py."""
+        return self._timeline.last_step()
+
+    def export_chrome_trace(self, path) -> None:
+        """Writes the last complete step as a Chrome trace (chrome://tracing, Perfetto)."""
+        self._timeline.export_chrome_trace(path)
+
     def memory_report(self) -> dict:
         """Bytes per tier the engine holds (now, peak, budget), and the process RSS."""
         report = self.account.report()
@@ -224,14 +282,17 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        self.manager.release_all()
-        self.manager.remove_hooks()
-        self._remove_swap_files()
+        try:
+            if self.optimizer.overlapping:
+                self.optimizer.step()
+        finally:
+            self.optimizer.close()
+            self.manager.release_all()
+            self.manager.remove_hooks()
+            self._remove_swap_files()
 
     def _remove_swap_files(self) -> None:
-        # Parameters and optimizer state may share one store (same nvme_path).
-        stores = [self._param_store and self._param_store.store, self._state_store]
-        for store in {id(s): s for s in stores if s is not None}.values():
+        for store in self._stores:
             store.close()
         for path in self._created_dirs:
             shutil.rmtree(path, ignore_errors=True)
@@ -247,6 +308,8 @@ class Engine:
             shard.param.data = value.to(shard.original_dtype)
         if self.manager is not None:
             self.manager.remove_hooks()
+        if self.optimizer is not None:
+            self.optimizer.close()
         self._remove_swap_files()
 
     def _check_open(self) -> None:

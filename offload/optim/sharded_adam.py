@@ -19,18 +19,36 @@ tensor per shard (NVME, where the masters are not in memory).
 """
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
 import torch
 
+from offload.aio._memory import aligned_tensor
 from offload.ops import adam_step
+from offload.optim.state_stream import StateStream
 from offload.partition.accounting import MemoryAccount, Tier
 from offload.partition.shard import HomeKind, Shard
+from offload.timeline import Timeline
+
+
+@dataclass
+class _Overlap:
+    """One overlapped step in progress (Note [optimizer overlap])."""
+
+    group: dict  # hyperparameters as of the step's start (the LR schedule moves after it)
+    futures: list[Future]
+    submitted: set[int]
+    arrival: list[Shard]
+    stream: StateStream | None = None
 
 
 class ShardedAdam(torch.optim.Optimizer):
     def __init__(self, shards: list[Shard], initial_partition, *,
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  adamw_mode: bool, tier: Tier, device: torch.device, account: MemoryAccount,
-                 state_store=None, param_store=None, sub_group_size: int | None = None):
+                 state_store=None, param_store=None, sub_group_size: int | None = None,
+                 timeline: Timeline | None = None):
         """initial_partition(shard) -> this rank's fp32 partition of the initial weights
         (called once per shard, in order; it also moves the parameter home)."""
         self.shards = shards
@@ -45,6 +63,11 @@ class ShardedAdam(torch.optim.Optimizer):
         # Per-shard step counts, as torch keeps per-parameter ones: a parameter
         # that got no gradient in a step is skipped and its count stays.
         self.shard_steps = {shard.index: 0 for shard in shards}
+        self.timeline = timeline or Timeline(enabled=False)
+        self._executor: ThreadPoolExecutor | None = None
+        self._overlap: _Overlap | None = None
+        self._arrival_order: list[Shard] | None = None
+        self._device_publishes: list[tuple[Shard, torch.Tensor]] = []
         params = []
         self._states: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for shard in shards:
@@ -82,61 +105,128 @@ class ShardedAdam(torch.optim.Optimizer):
     # ---- the step -------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
+        """Updates every shard that has a gradient (a deferred step: clipping
+        or an fp16 overflow check needed every gradient first)."""
         if closure is not None:
             raise RuntimeError("the engine's optimizer takes no closure; call engine.step()")
-        group = self.param_groups[0]
-        if self.tier is Tier.NVME:
-            self._step_streamed(group)
+        if self._overlap is not None:
+            self._finish_overlap()
             return
-        for shard in self._stepping():
-            master, m, v = self._states[shard.index]
-            self._update(shard, master, m, v, group)
-        if self.param_store is not None:
-            self.param_store.store.wait_all()
+        group = self.param_groups[0]
+        shards = self._stepping()
+        stream = self._stream(shards)
+        try:
+            for shard in shards:
+                self._update_shard(shard, group, stream)
+        finally:
+            self._close_stream(stream)
+        self._flush_publishes()
 
     def _stepping(self) -> list[Shard]:
         return [s for s in self.shards if s.has_grad]
 
-    def _step_streamed(self, group: dict) -> None:
-        # Note [optimizer state tiers]: read-ahead of two shards, async writes.
-        shards = self._stepping()
-        buffers = {}
-        pending = {}
+    def _stream(self, order: list[Shard]) -> StateStream | None:
+        if self.tier is not Tier.NVME:
+            return None
+        stream = StateStream(self.state_store, self._key, order, account=self.account,
+                             timeline=self.timeline, cap_elems=self.sub_group_size)
+        stream.start()
+        return stream
 
-        def start_read(i: int) -> None:
-            shard = shards[i]
-            buf = torch.empty(3 * shard.part_numel, dtype=torch.float32)
-            buffers[i] = buf
-            pending[i] = self.state_store.swap_in(self._key(shard), out=buf)
-
-        # Up to two shards' state reads in flight beyond the one being updated,
-        # fewer where that would exceed sub_group_size elements.
-        cap = self.sub_group_size or float("inf")
-        issued = 0  # reads started for shards[:issued]
-
-        def top_up(current: int) -> None:
-            nonlocal issued
-            while issued < len(shards) and issued <= current + 2:
-                if issued > current:  # a read ahead of the shard being updated
-                    ahead = sum(s.part_numel for s in shards[current + 1:issued + 1])
-                    if ahead > cap:
-                        break
-                start_read(issued)
-                issued += 1
-
-        for i, shard in enumerate(shards):
-            top_up(i)
-            pending.pop(i).wait()
-            buf = buffers.pop(i)
-            n = shard.part_numel
-            master, m, v = buf[:n], buf[n:2 * n], buf[2 * n:]
-            self._update(shard, master, m, v, group)
-            self.state_store.swap_out(self._key(shard), buf)
-        self.state_store.wait_all()
+    def _close_stream(self, stream: StateStream | None) -> None:
+        if stream is not None:
+            stream.close()
         if self.param_store is not None:
             # The next forward must read the new parameters, not a file
             # still being written.
             self.param_store.store.wait_all()
+
+    # ---- updates overlapped with backward --------------------------------
+    # Note [optimizer overlap]
+    # In a backward at an accumulation boundary with nothing that needs every
+    # gradient before any update (no clipping, no fp16 overflow check), the
+    # engine calls begin_overlap(), then submit(shard) from each shard's
+    # gradient hook. The update runs on one optimizer thread while backward
+    # goes on with earlier layers: NVMe state is read ahead in the order the
+    # last overlapped step's gradients arrived (reverse parameter order the
+    # first time), written back asynchronously, and the new compute-dtype
+    # value goes to the parameter's home. A gradient is final when its hook
+    # runs (every use of the parameter in this backward has contributed), so
+    # nothing in the rest of backward reads the value being updated.
+    # step() (from engine.step()) then waits only for what is left,
+    # updates shards whose gradient came only in earlier micro-steps, and
+    # publishes device homes: an all-gather is a collective and must run on
+    # the compute thread, in the same order on every rank.
+    def begin_overlap(self) -> None:
+        if self._overlap is not None:
+            raise RuntimeError("an overlapped optimizer step is already in progress")
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-optimizer")
+        order = self._arrival_order or list(reversed(self.shards))
+        self._overlap = _Overlap(group=dict(self.param_groups[0]), futures=[], submitted=set(),
+                                 arrival=[])
+        stream_order = [s for s in order if s.has_grad or s.param.requires_grad]
+        self._overlap.stream = self._executor.submit(self._stream, stream_order).result() \
+            if self.tier is Tier.NVME else None
+
+    @property
+    def overlapping(self) -> bool:
+        return self._overlap is not None
+
+    def submit(self, shard: Shard) -> None:
+        """The shard's gradient is final: update it on the optimizer thread."""
+        ov = self._overlap
+        if shard.index in ov.submitted:
+            return
+        ov.submitted.add(shard.index)
+        ov.arrival.append(shard)
+        ov.futures.append(self._executor.submit(self._update_shard, shard, ov.group, ov.stream))
+
+    def abandon_overlap(self) -> None:
+        """After a failed backward: waits for the updates already submitted (their
+        gradients were final) and starts no others, so no thread is left writing."""
+        self._finish_overlap(update_late=False)
+
+    def _finish_overlap(self, update_late: bool = True) -> None:
+        """Completes an overlapped step; reached through step(), so torch's
+        LR schedulers see the optimizer stepped."""
+        ov = self._overlap
+        self._overlap = None
+        try:
+            with self.timeline.span("wait", "optimizer"):
+                late = [s for s in self._stepping() if s.index not in ov.submitted] if update_late else []
+                ov.futures += [self._executor.submit(self._update_shard, s, ov.group, ov.stream)
+                               for s in late]
+                error = None
+                for f in ov.futures:
+                    try:
+                        f.result()
+                    except BaseException as exc:  # noqa: BLE001 - the first is raised below
+                        error = error or exc
+                self._executor.submit(self._close_stream, ov.stream).result()
+            if error is not None:
+                raise error
+        finally:
+            self._arrival_order = ov.arrival + [s for s in self.shards if s.index not in ov.submitted]
+        self._flush_publishes()
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # ---- one shard --------------------------------------------------------
+    def _update_shard(self, shard: Shard, group: dict, stream: StateStream | None) -> None:
+        with self.timeline.span("optimizer", shard.name):
+            if stream is None:
+                master, m, v = self._states[shard.index]
+                self._update(shard, master, m, v, group)
+            else:
+                buf = stream.take(shard)
+                n = shard.part_numel
+                self._update(shard, buf[:n], buf[n:2 * n], buf[2 * n:], group)
+                stream.put(shard, buf)
+            shard.clear_grad()
 
     def _update(self, shard: Shard, master, m, v, group: dict) -> None:
         beta1, beta2 = group["betas"]
@@ -161,13 +251,22 @@ class ShardedAdam(torch.optim.Optimizer):
         """Where this shard's new compute-dtype partition is written, or None if the master is it."""
         if shard.home is HomeKind.HOST:
             return None if self._aliases_home(shard) else shard.host_part
+        if self.state_device.type == "cpu":
+            return aligned_tensor(shard.part_numel, shard.dtype)  # written to NVMe with no copy
         return torch.empty(shard.part_numel, dtype=shard.dtype, device=self.state_device)
 
     def _publish(self, shard: Shard, master: torch.Tensor, written: torch.Tensor | None) -> None:
         if shard.home is HomeKind.DEVICE:
-            shard.ctx.pg.all_gather(shard.device_full(), written.to(shard.ctx.device))
+            # Note [optimizer overlap]: the all-gather waits for the compute thread.
+            self._device_publishes.append((shard, written.to(shard.ctx.device)))
         elif shard.home is HomeKind.NVME:
-            self.param_store.write(shard, written.to("cpu"))
+            part = written if written.device.type == "cpu" else written.to("cpu")
+            self.param_store.write(shard, part, borrow=True)
+
+    def _flush_publishes(self) -> None:
+        while self._device_publishes:
+            shard, part = self._device_publishes.pop(0)
+            shard.ctx.pg.all_gather(shard.device_full(), part)
 
     def master_partition(self, shard: Shard) -> torch.Tensor:
         """This rank's fp32 master partition of `shard` (a copy, on the host)."""

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
+from offload.timeline import Timeline
+from offload.partition.prefetch import PrefetchScheduler
 from offload.partition.shard import HomeKind, Residency, Shard
 
 
@@ -62,12 +64,18 @@ def _tensor_args(args, kwargs):
 
 
 class ParameterManager:
-    def __init__(self, module: torch.nn.Module, shards: list[Shard], on_grad):
-        """on_grad(shard, grad): called with each parameter's accumulated gradient."""
+    def __init__(self, module: torch.nn.Module, shards: list[Shard], on_grad,
+                 prefetch: PrefetchScheduler | None = None, timeline: Timeline | None = None):
+        """on_grad(shard, grad): called with each parameter's accumulated gradient.
+        prefetch: reads ahead in the learned order (Note [prefetch order]);
+        None reads on demand."""
         self.module = module
         self.shards = shards
         self.shard_of = {id(s.param): s for s in shards}
         self._on_grad = on_grad
+        self.prefetch = prefetch or PrefetchScheduler(bucket_elems=0, max_live_elems=0,
+                                                      reuse_distance=-1, enabled=False)
+        self.timeline = timeline or Timeline(enabled=False)
         self._internal = False  # set while the manager itself touches parameters
         self._on_demand: list[Shard] = []
         self._backward_holds: dict[Shard, int] = {}
@@ -91,7 +99,19 @@ class ParameterManager:
     def hold(self, shard: Shard) -> torch.Tensor:
         self._internal = True
         try:
-            data = shard.gather()
+            retained = self.prefetch.is_retained(shard)
+            taken_into_use = shard.refs == 0 or (retained and shard.refs == 1)
+            if taken_into_use:
+                # This parameter's own read goes first, then the reads ahead of
+                # it: the store finishes transfers in submission order.
+                shard.prefetch()
+                if self.prefetch.on_use(shard):
+                    shard.release()  # the reference kept for reuse passes to this hold
+            if shard.residency is Residency.GATHERED:
+                data = shard.gather()
+            else:
+                with self.timeline.span("wait", shard.name):
+                    data = shard.gather()
             self._track(shard)
         finally:
             self._internal = False
@@ -100,9 +120,12 @@ class ParameterManager:
     def drop(self, shard: Shard) -> None:
         self._internal = True
         try:
+            if shard.refs == 1 and self.prefetch.should_retain(shard):
+                return  # Note [prefetch order]: kept for a reuse close ahead
             shard.release()
             if not shard.held:
                 self._track(shard)
+                self.prefetch.on_released(shard)
         finally:
             self._internal = False
 
@@ -152,18 +175,22 @@ class ParameterManager:
         shard = self._live.get(t.untyped_storage().data_ptr())
         if shard is None or t.dtype != shard.dtype or shard.home is HomeKind.DEVICE:
             return t
-        return _SavedParamView(shard, t.size(), t.stride(), t.storage_offset())
+        # The offset from the start of the gathered buffer: the next gather's
+        # buffer starts at its own place in its own storage (aligned buffers).
+        return _SavedParamView(shard, t.size(), t.stride(), t.storage_offset() - shard.full_storage_offset())
 
     def _unpack(self, saved):
         if not isinstance(saved, _SavedParamView):
             return saved
         data = self.hold(saved.shard)
         self._backward_holds[saved.shard] = self._backward_holds.get(saved.shard, 0) + 1
-        return data.as_strided(saved.size, saved.stride, saved.offset)
+        return data.as_strided(saved.size, saved.stride, saved.shard.full_storage_offset() + saved.offset)
 
     @contextlib.contextmanager
     def forward_context(self):
         """Active around the root forward: on-demand gathering and saved-tensor records."""
+        self._end_pass()
+        self.prefetch.begin_pass((self.module.training, torch.is_grad_enabled()))
         try:
             with _GatherOnUse(self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
@@ -179,13 +206,31 @@ class ParameterManager:
             for _ in range(count):
                 self.drop(shard)
         self._backward_holds.clear()
+        self._end_pass()
+
+    def _end_pass(self) -> None:
+        """Releases what the prefetcher kept (for reuse, or read ahead and not used)."""
+        self._internal = True
+        try:
+            for shard in self.prefetch.end_pass():
+                if shard.refs > 0:
+                    shard.release()  # the scheduler's reference
+                elif shard.residency is not Residency.RELEASED:
+                    shard.force_release()
+                if not shard.held:
+                    self._track(shard)
+                    self.prefetch.on_released(shard)
+        finally:
+            self._internal = False
 
     def release_all(self) -> None:
+        self.prefetch.end_pass()
         self._internal = True
         try:
             for shard in self.shards:
                 shard.force_release()
                 self._track(shard)
+                self.prefetch.on_released(shard)
         finally:
             self._internal = False
         self._backward_holds.clear()

@@ -8,8 +8,11 @@ all-gather (several ranks) or a host-to-device copy (CUDA).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
+from offload.aio._memory import aligned_tensor
 
 
 def _key(shard) -> str:
@@ -17,24 +20,45 @@ def _key(shard) -> str:
 
 
 class _PendingRead:
-    def __init__(self, handle, finish):
+    def __init__(self, handle, finish, timeline, name: str):
         self._handle, self._finish = handle, finish
+        self._timeline, self._name = timeline, name
+        self._t0 = time.perf_counter()
+        self._done = False
+
+    def _wait_bytes(self):
+        if not self._done:
+            self._handle.wait()
+            self._done = True
+            if self._timeline is not None:
+                self._timeline.record("read", self._name, self._t0)
 
     def wait(self):
-        self._handle.wait()
+        self._wait_bytes()
         if self._finish is not None:
             self._finish()
             self._finish = None
 
+    def cancel(self):
+        """Waits for the bytes (the buffer must not be freed under the kernel)
+        but skips the all-gather: a prefetch nobody used."""
+        self._wait_bytes()
+        self._finish = None
+
 
 class ParamStore:
-    def __init__(self, store, pg):
-        self.store = store  # an offload.aio.SwapStore, possibly shared with optimizer state
-        self.pg = pg
+    """store: the SwapStore one thread uses (Note [one store per thread] in
+    offload/engine/build.py); the compute thread reads, the optimizer writes."""
 
-    def write(self, shard, part: torch.Tensor):
-        """Writes this rank's partition (compute dtype, host) asynchronously."""
-        return self.store.swap_out(_key(shard), part)
+    def __init__(self, store, pg, timeline=None):
+        self.store = store
+        self.pg = pg
+        self.timeline = timeline
+
+    def write(self, shard, part: torch.Tensor, *, borrow: bool = False):
+        """Writes this rank's partition (compute dtype, host) asynchronously;
+        borrow=True: `part` stays unchanged until the write is finished."""
+        return self.store.swap_out(_key(shard), part, borrow=borrow)
 
     def read_part(self, shard, out: torch.Tensor):
         """Starts reading this rank's partition into `out` (host, part_numel elements)."""
@@ -45,11 +69,10 @@ class ParamStore:
         direct = self.pg.world_size == 1 and full.device.type == "cpu"
         if direct:
             handle = self.store.swap_in(_key(shard), out=full[:shard.part_numel])
-            return _PendingRead(handle, None)
-        staging = torch.empty(shard.part_numel, dtype=shard.dtype,
-                              pin_memory=torch.cuda.is_available())
+            return _PendingRead(handle, None, self.timeline, shard.name)
+        staging = aligned_tensor(shard.part_numel, shard.dtype)  # pinned when CUDA exists
         handle = self.store.swap_in(_key(shard), out=staging)
-        return _PendingRead(handle, lambda: self.pg.all_gather(full, staging))
+        return _PendingRead(handle, lambda: self.pg.all_gather(full, staging), self.timeline, shard.name)
 
     def close(self) -> None:
         self.store.close()

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from offload.aio._memory import aligned_tensor
 from offload.partition.accounting import MemoryAccount, Tier
 from offload.partition.collectives import ProcessGroupInfo
 
@@ -60,6 +61,12 @@ class ShardContext:
     pg: ProcessGroupInfo
     account: MemoryAccount
     param_store: object | None = None  # offload.partition.nvme_home.ParamStore for NVME homes
+    # Where fp32 gradient partitions live (the optimizer's side) and whether
+    # they exist only while a gradient is pending (Note [gradient partitions]).
+    grad_tier: Tier = Tier.HOST
+    grad_device: torch.device = torch.device("cpu")
+    lazy_grads: bool = False
+    timeline: object | None = None  # offload.timeline.Timeline
 
 
 class Shard:
@@ -87,8 +94,8 @@ class Shard:
                            and ctx.device.type == "cpu")
         self._fetch = None  # pending NVMe read while FETCHING
         self.host_part: torch.Tensor | None = None  # HOST home only
-        # fp32 gradient partition, accumulated across micro-steps; owned by the
-        # optimizer side (allocated by the engine on the optimizer's tier).
+        # fp32 gradient partition, accumulated across micro-steps, on the
+        # optimizer's side (Note [gradient partitions]).
         self.grad_part: torch.Tensor | None = None
         # Whether any gradient arrived since the last optimizer step: like
         # torch.optim, a parameter whose .grad stayed None is not stepped.
@@ -170,7 +177,7 @@ class Shard:
         self._refs = 0
         if self.home is not HomeKind.DEVICE and self.residency is not Residency.RELEASED:
             if self._fetch is not None:
-                self._fetch.wait()
+                self._fetch.cancel()  # the bytes only: no collective outside use order
                 self._fetch = None
             self._drop_full()
 
@@ -178,8 +185,15 @@ class Shard:
     def held(self) -> bool:
         return self._refs > 0 or self.home is HomeKind.DEVICE
 
+    @property
+    def refs(self) -> int:
+        return self._refs
+
     def _alloc_full(self) -> torch.Tensor:
         self.ctx.account.charge(Tier.DEVICE, self.padded_numel * self.dtype.itemsize, self.name)
+        if self.ctx.device.type == "cpu":
+            # Aligned, so an NVMe read lands in it with no staging copy.
+            return aligned_tensor(self.padded_numel, self.dtype)
         return torch.empty(self.padded_numel, dtype=self.dtype, device=self.ctx.device)
 
     def _drop_full(self) -> None:
@@ -194,6 +208,10 @@ class Shard:
         if self.residency is not Residency.GATHERED:
             return None
         return self.param.data.untyped_storage().data_ptr()
+
+    def full_storage_offset(self) -> int:
+        """Where the gathered buffer starts in its storage, in elements."""
+        return self._full.storage_offset()
 
     def home_partition(self) -> torch.Tensor:
         """A copy of this rank's compute-dtype partition, from wherever it lives."""
@@ -212,18 +230,48 @@ class Shard:
         return self._full
 
     # ---- gradients ------------------------------------------------------
+    # Note [gradient partitions]
+    # With optimizer state on the host or device, each shard keeps an fp32
+    # gradient partition for the whole run (allocate_grad_part at initialize;
+    # zeroed after each step). With optimizer state on NVMe (lazy_grads) host
+    # memory is what offload is short of: a partition exists only from the
+    # shard's first gradient of an accumulation window until its update, and
+    # with one rank an fp32 gradient is taken over from autograd, not copied.
+    def allocate_grad_part(self) -> None:
+        ctx = self.ctx
+        ctx.account.charge(ctx.grad_tier, self.part_numel * 4, f"gradient of {self.name}")
+        self.grad_part = torch.zeros(self.part_numel, dtype=torch.float32, device=ctx.grad_device)
+
     def take_grad(self, grad: torch.Tensor) -> None:
         """Averages a full gradient over ranks and adds this rank's slice into grad_part (fp32)."""
         flat = grad.detach().reshape(-1)
-        if self.ctx.pg.world_size > 1:
+        if self.ctx.pg.world_size > 1 or flat.numel() < self.part_numel:
             # Averaged in fp32 (a bf16/fp16 sum over ranks would round at every
             # add); a fresh padded buffer, since all_reduce works in place.
             padded = torch.zeros(self.padded_numel, dtype=torch.float32, device=flat.device)
             padded[:self.numel] = flat
             flat = padded
         mine = self.ctx.pg.average_and_slice(flat, self.part_numel)
-        self.grad_part.add_(mine.to(self.grad_part.device, torch.float32))
+        if self.grad_part is None:
+            ctx = self.ctx
+            ctx.account.charge(ctx.grad_tier, self.part_numel * 4, f"gradient of {self.name}")
+            part = mine.to(ctx.grad_device, torch.float32)
+            if part.untyped_storage().nbytes() > self.part_numel * 4 or not part.is_contiguous():
+                part = part.clone()  # a slice of a larger buffer would keep all of it alive
+            self.grad_part = part
+        else:
+            self.grad_part.add_(mine.to(self.grad_part.device, torch.float32))
         self.has_grad = True
+
+    def clear_grad(self) -> None:
+        """After the shard's update (or a skipped step): zero or free the partition."""
+        if self.grad_part is not None:
+            if self.ctx.lazy_grads:
+                self.ctx.account.credit(self.ctx.grad_tier, self.part_numel * 4)
+                self.grad_part = None
+            elif self.has_grad:
+                self.grad_part.zero_()
+        self.has_grad = False
 
     def __repr__(self) -> str:
         return (f"Shard({self.name}, shape={tuple(self.shape)}, home={self.home.value}, "

@@ -38,12 +38,29 @@ def test_device_tier_holds_one_layer_at_a_time(tmp_path):
     layer = (1024 * 1024 + 1024) * 4
     expected = {"nvme": layer, "cpu": layer if torch.cuda.is_available() else 0}
     for param, optim in (("cpu", "cpu"), ("nvme", "nvme")):
-        engine = offload.initialize(Wide(), make_config(param, optim, tmp_path / param))
+        cfg = make_config(param, optim, tmp_path / param)
+        cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
+        engine = offload.initialize(Wide(), cfg)
         _train(engine)
         report = engine.memory_report()
         engine.close()
         assert report["device"]["peak"] == expected[param], (param, report)
         assert report["device"]["now"] == 0
+
+
+def test_prefetch_stays_within_its_bucket(tmp_path):
+    """Reads ahead add at most the prefetch bucket (by default two of the
+    largest parameters, Note [prefetch order]) to the one layer in use."""
+    torch.manual_seed(0)
+    weight, layer = 1024 * 1024 * 4, (1024 * 1024 + 1024) * 4
+    engine = offload.initialize(Wide(), make_config("nvme", "nvme", tmp_path))
+    _train(engine, steps=4)
+    report = engine.memory_report()
+    stats = engine.manager.prefetch.stats
+    engine.close()
+    assert stats["hits"] > 0
+    assert layer < report["device"]["peak"] <= layer + 2 * weight, report
+    assert report["device"]["now"] == 0
 
 
 def test_budgets_are_enforced_at_initialize(tmp_path):

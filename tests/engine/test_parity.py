@@ -142,8 +142,12 @@ def test_deepspeed_buffer_keys_are_honoured_and_change_nothing_numerically(tmp_p
         homes = [s.home.value for s in engine.shards]
         # wte (37x24=888 elements) fits max_in_cpu=1000; the next big one does not.
         assert homes[0] == "host" and "nvme" in homes
-        store = engine._param_store.store
-        assert store.config.buffer_bytes == 2 * 100 * 4 + 4 * max(s.part_numel for s in engine.shards) * 4
+        # One store per thread (Note [one store per thread]): the compute
+        # thread's parameter store and the optimizer's state store.
+        param_store = engine.shards[1].ctx.param_store.store
+        state_store = engine.optimizer.state_store
+        assert param_store.config.buffer_bytes == max(2 * 100 * 4, 2 * 4096)  # the store's minimum
+        assert state_store.config.buffer_bytes == 4 * max(s.part_numel for s in engine.shards) * 4
     ref_model, ref_losses = run_reference(model, data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01)
     weights, losses, _ = run_engine(model, data, cfg)
     torch.testing.assert_close(losses, ref_losses[:, 0])

@@ -1,0 +1,191 @@
+"""Reads parameters ahead of their use, in the order the last step used them.
+
+Note [prefetch order]
+A pass is one forward (and, in training, the backward that follows it). The
+scheduler records the order in which the pass takes parameters into use
+(the manager calls `on_use` each time a hold takes a parameter that was not
+already held). The order learned for a kind of pass (training or not, grad
+enabled or not) drives the next pass of that kind: each time a parameter is
+taken into use at the expected position, reads are started for the next ones
+in the order, within three limits (zero_optimization keys, in elements):
+  stage3_prefetch_bucket_size  elements read ahead and not yet used
+  stage3_max_live_parameters   elements gathered, being read or kept for reuse
+  stage3_max_reuse_distance    a parameter released whose next use comes
+                               within this many elements of other parameters
+                               is kept rather than read again (the last layers
+                               at the turn from forward to backward)
+The first parameter ahead is always read (one parameter above the bucket is
+better than a stall). When a pass departs from the order (a dynamic model, a
+data-dependent branch, eval between training steps), that pass falls back to
+on-demand reads from the point of departure and its own order is learned for
+the next: never an error (DeepSpeed's trace-based prefetch raised there).
+Prefetches a diverged pass no longer needs are dropped at the end of the pass.
+Only NVMe homes are read ahead: a host home on a CPU-only machine is already
+the device copy (Note [zero-copy gather]), and gathers that need collectives
+run in use order on the compute thread, the same on every rank.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass, field
+
+from offload.partition.shard import HomeKind, Residency, Shard
+
+log = logging.getLogger("offload")
+
+
+@dataclass
+class _Order:
+    shards: list[Shard]
+    prefix: list[int] = field(default_factory=list)  # prefix[i] = elements used before position i
+    positions: dict[int, list[int]] = field(default_factory=dict)  # shard index -> positions
+
+    def __post_init__(self):
+        total = 0
+        for i, s in enumerate(self.shards):
+            self.prefix.append(total)
+            total += s.padded_numel
+            self.positions.setdefault(s.index, []).append(i)
+        self.prefix.append(total)
+
+    def next_use(self, shard: Shard, after: int) -> int | None:
+        pos = self.positions.get(shard.index, [])
+        i = bisect.bisect_left(pos, after)
+        return pos[i] if i < len(pos) else None
+
+
+class PrefetchScheduler:
+    def __init__(self, *, bucket_elems: int, max_live_elems: int, reuse_distance: int,
+                 enabled: bool = True):
+        self.bucket_elems = bucket_elems
+        self.max_live_elems = max_live_elems
+        self.reuse_distance = reuse_distance
+        self.enabled = enabled
+        self._orders: dict[tuple, _Order] = {}
+        self._order: _Order | None = None
+        self._key: tuple | None = None
+        self._pos = 0          # next expected position in the order
+        self._issued = 0       # reads started for positions < _issued
+        self._seen: list[Shard] = []
+        self._diverged = True
+        self._unused: dict[Shard, int] = {}    # read ahead, not yet taken into use
+        self._retained: set[Shard] = set()     # kept for reuse: the scheduler holds one ref
+        self._live: dict[Shard, int] = {}      # offloaded shards not RELEASED -> elements
+        self.stats = {"prefetched": 0, "hits": 0, "diverged_passes": 0, "retained": 0}
+
+    # ---- pass boundaries -------------------------------------------------
+    def begin_pass(self, key: tuple) -> None:
+        self.end_pass()
+        self._key = key
+        self._order = self._orders.get(key) if self.enabled else None
+        self._pos = self._issued = 0
+        self._seen = []
+        self._diverged = self._order is None
+
+    def end_pass(self) -> list[Shard]:
+        """Learns this pass's order; returns the shards whose scheduler-owned
+        state the manager must release (retained ones and unused prefetches)."""
+        if self._key is None:
+            return []
+        finished = self._order is not None and not self._diverged and self._pos == len(self._order.shards)
+        if not finished and self._seen:
+            if self._order is not None:
+                self.stats["diverged_passes"] += 1
+            self._orders[self._key] = _Order(self._seen)
+        self._key, self._order, self._seen = None, None, []
+        leftovers = list(self._retained) + list(self._unused)
+        self._retained.clear()
+        self._unused.clear()
+        return leftovers
+
+    def is_retained(self, shard: Shard) -> bool:
+        return shard in self._retained
+
+    # ---- events from the manager -----------------------------------------
+    def on_use(self, shard: Shard) -> bool:
+        """A hold took `shard` into use. Returns True when the scheduler held a
+        reference for it (kept for reuse) that the caller must now drop."""
+        if self._key is None:
+            return False
+        self._seen.append(shard)
+        if self._unused.pop(shard, None) is not None:
+            self.stats["hits"] += 1
+        was_retained = shard in self._retained
+        self._retained.discard(shard)
+        if shard.home is not HomeKind.DEVICE:
+            self._live[shard] = shard.padded_numel
+        if not self._diverged:
+            order = self._order.shards
+            if self._pos < len(order) and order[self._pos] is shard:
+                self._pos += 1
+                self._issued = max(self._issued, self._pos)
+                self._read_ahead()
+            else:
+                self._diverged = True
+                log.debug("prefetch: pass %s departed from the learned order at position %d "
+                          "(%s); on-demand reads until the next pass", self._key, self._pos, shard.name)
+        return was_retained
+
+    def on_released(self, shard: Shard) -> None:
+        self._live.pop(shard, None)
+        self._unused.pop(shard, None)
+
+    def should_retain(self, shard: Shard) -> bool:
+        """The last hold on `shard` is being dropped: keep it instead when its
+        next use in the order comes within the reuse distance."""
+        if self._diverged or self._order is None or shard.home is HomeKind.DEVICE:
+            return False
+        nxt = self._order.next_use(shard, self._pos)
+        if nxt is None:
+            return False
+        between = self._order.prefix[nxt] - self._order.prefix[self._pos]
+        if between > self.reuse_distance or self._live_elems() > self.max_live_elems:
+            return False
+        self._retained.add(shard)
+        self.stats["retained"] += 1
+        return True
+
+    # ---- reading ahead ---------------------------------------------------
+    def _live_elems(self) -> int:
+        return sum(self._live.values())
+
+    def _read_ahead(self) -> None:
+        order = self._order.shards
+        ahead = sum(self._unused.values())
+        live = self._live_elems()
+        while self._issued < len(order):
+            s = order[self._issued]
+            if s.home is HomeKind.NVME and s.residency is Residency.RELEASED:
+                n = s.padded_numel
+                if self._unused and (ahead + n > self.bucket_elems or live + n > self.max_live_elems):
+                    return  # the bucket is full: continue when the next one is used
+                s.prefetch()
+                self._unused[s] = n
+                self._live[s] = n
+                ahead += n
+                live += n
+                self.stats["prefetched"] += 1
+            self._issued += 1
+
+
+def prefetch_scheduler(zero, shards: list[Shard]) -> PrefetchScheduler:
+    """The scheduler for a zero_optimization config. Keys left unset are sized
+    from the model, not DeepSpeed's defaults (50M elements ahead, 1G live,
+    1G reuse distance: on a model under a billion parameters those keep all of
+    it gathered, which is what offloading is meant to avoid):
+      bucket        two of the largest offloaded parameters ahead
+      max live      four of the largest
+      reuse         the largest (the turn from forward to backward)
+    A bucket of 0 turns prefetching off, as in DeepSpeed."""
+    largest = max((s.padded_numel for s in shards if s.home is not HomeKind.DEVICE), default=0)
+
+    def pick(value, default):
+        return default if value is None else value
+
+    bucket = pick(zero.stage3_prefetch_bucket_size, 2 * largest)
+    return PrefetchScheduler(
+        bucket_elems=bucket,
+        max_live_elems=pick(zero.stage3_max_live_parameters, 4 * largest),
+        reuse_distance=pick(zero.stage3_max_reuse_distance, largest),
+        enabled=bucket > 0 and any(s.home is HomeKind.NVME for s in shards))
