@@ -66,6 +66,7 @@ class Engine:
 
         ctx = ShardContext(device=self.device, pg=self.pg, account=self.account)
         self.shards, self._param_store, self._state_store, self.manager = [], None, None, None
+        self.activation_checkpointing = None
         try:
             self._build(model, config, ctx)
         except BaseException:
@@ -75,12 +76,18 @@ class Engine:
             raise
 
     def _build(self, model: torch.nn.Module, config: Config, ctx: ShardContext) -> None:
+        # First, so a class name missing from the model fails before anything moves.
+        from offload.activations import ActivationCheckpointing
+
+        self.activation_checkpointing = ActivationCheckpointing(
+            model, config.activation_checkpointing, self.account, self.device)
         built = build_shards(model, config, ctx, self.compute_dtype, self.param_tier,
                              self.optim_tier, self._created_dirs)
         self.shards = built.shards
         self._param_store = built.param_store
         self._state_store = built.state_store
         self.manager = ParameterManager(model, self.shards, on_grad=self._take_grad)
+        self.activation_checkpointing.attach(self.manager)
 
         opt = config.optimizer
         self.optimizer = ShardedAdam(
@@ -219,6 +226,13 @@ class Engine:
         report["process_rss"] = psutil.Process().memory_info().rss
         return report
 
+    def activation_report(self) -> dict:
+        """Saved-activation bytes on the device tier now, and with activation_checkpointing.profile
+        the time spent in checkpointed forwards and recomputations."""
+        saver = self.activation_checkpointing.saver
+        return {"device_bytes": saver.device_bytes(), "checkpointed_modules": self.activation_checkpointing.wrapped,
+                **(saver.timings if saver.profile else {})}
+
     def close(self) -> None:
         """Removes hooks and the swap files this engine created. Idempotent."""
         if self._closed:
@@ -226,6 +240,7 @@ class Engine:
         self._closed = True
         self.manager.release_all()
         self.manager.remove_hooks()
+        self.activation_checkpointing.remove()
         self._remove_swap_files()
 
     def _remove_swap_files(self) -> None:
@@ -247,6 +262,8 @@ class Engine:
             shard.param.data = value.to(shard.original_dtype)
         if self.manager is not None:
             self.manager.remove_hooks()
+        if self.activation_checkpointing is not None:
+            self.activation_checkpointing.remove()
         self._remove_swap_files()
 
     def _check_open(self) -> None:

@@ -146,17 +146,23 @@ class ParameterManager:
         self._on_demand.append(shard)
 
     # ---- saved tensors ---------------------------------------------------
+    # Hook point: the engine's offload.activations.ActivationSaver, given every
+    # saved tensor that is not a parameter (Note [activation bytes]); None: kept as is.
+    activations = None
+
     def _pack(self, t: torch.Tensor):
-        if not self._live or t.layout != torch.strided or t.device.type == "meta":
-            return t
-        shard = self._live.get(t.untyped_storage().data_ptr())
-        if shard is None or t.dtype != shard.dtype or shard.home is HomeKind.DEVICE:
+        shard = None
+        if self._live and t.layout == torch.strided and t.device.type != "meta":
+            shard = self._live.get(t.untyped_storage().data_ptr())
+        if shard is None:
+            return t if self.activations is None else self.activations.pack(t)
+        if t.dtype != shard.dtype or shard.home is HomeKind.DEVICE:
             return t
         return _SavedParamView(shard, t.size(), t.stride(), t.storage_offset())
 
     def _unpack(self, saved):
         if not isinstance(saved, _SavedParamView):
-            return saved
+            return saved if self.activations is None else self.activations.unpack(saved)
         data = self.hold(saved.shard)
         self._backward_holds[saved.shard] = self._backward_holds.get(saved.shard, 0) + 1
         return data.as_strided(saved.size, saved.stride, saved.offset)
@@ -164,8 +170,9 @@ class ParameterManager:
     @contextlib.contextmanager
     def forward_context(self):
         """Active around the root forward: on-demand gathering and saved-tensor records."""
+        active = contextlib.nullcontext() if self.activations is None else self.activations.active()
         try:
-            with _GatherOnUse(self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with _GatherOnUse(self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), active:
                 yield
         finally:
             while self._on_demand:
