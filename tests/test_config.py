@@ -161,7 +161,7 @@ def test_unknown_key_names_closest():
     "zero_optimization.zero_quantized_weights", "zero_optimization.offload_optimizer.pipeline_read",
     "zero_optimization.offload_optimizer.ratio", "aio.use_gds", "fp16.auto_cast",
     "bf16.bf16_master_weights_and_grads", "optimizer.params.torch_adam", "optimizer.params.amsgrad",
-    "activation_checkpointing", "bfloat16", "zero_allow_untested_optimizer",
+    "bfloat16", "zero_allow_untested_optimizer",
 ])
 def test_refused_deepspeed_keys_name_key_and_reason(path):
     with pytest.raises(ConfigError, match=rf"^'{path.replace('.', r'.')}' is a DeepSpeed key offload does "

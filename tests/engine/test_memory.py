@@ -33,10 +33,15 @@ def test_device_tier_holds_one_layer_at_a_time(tmp_path):
     """With parameters on NVMe, the device tier's peak is the largest layer's
     weight and bias (the manager gathers one module's parameters at a time);
     with them in host memory on a CPU-only host, gathering copies nothing
-    (Note [zero-copy gather])."""
+    (Note [zero-copy gather]).
+    Saved activations are on the device tier too (Note [activation bytes]):
+    the input and each layer's tanh output, one 2 x 1024 fp32 storage each
+    (the next layer's saved input is the same storage). While the last
+    layer is gathered, 8 of those 9 are saved; the most at once is all 9."""
     torch.manual_seed(0)
     layer = (1024 * 1024 + 1024) * 4
-    expected = {"nvme": layer, "cpu": layer if torch.cuda.is_available() else 0}
+    act = 2 * 1024 * 4
+    expected = {"nvme": layer + 8 * act, "cpu": layer + 8 * act if torch.cuda.is_available() else 9 * act}
     for param, optim in (("cpu", "cpu"), ("nvme", "nvme")):
         engine = offload.initialize(Wide(), make_config(param, optim, tmp_path / param))
         _train(engine)
