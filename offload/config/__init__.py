@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
+from offload.config.activations import ActivationCheckpointingConfig
 from offload.config.base import (AUTO, ConfigError, OffloadDevice, OptimizerType, Precision,
                                  SchedulerType, WarmupType, _bool, _check_keys, _fail, _float,
                                  _int, _Section, _to_json, parse_bytes)
@@ -32,7 +33,7 @@ from offload.config.sections import (AioConfig, BF16Config, FP16Config, MemoryCo
                                      WarmupLRParams, ZeroConfig)
 
 __all__ = [
-    "AUTO", "AioConfig", "BF16Config", "Config", "ConfigError", "FP16Config", "MemoryConfig",
+    "AUTO", "ActivationCheckpointingConfig", "AioConfig", "BF16Config", "Config", "ConfigError", "FP16Config", "MemoryConfig",
     "OffloadDevice", "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig",
     "OptimizerType", "Precision", "SchedulerConfig", "SchedulerType", "WarmupCosineLRParams",
     "WarmupDecayLRParams", "WarmupLRParams", "WarmupType", "ZeroConfig", "parse_bytes",
@@ -49,7 +50,6 @@ _TOP_REFUSED = {
     "prescale_gradients": "not implemented; gradients are averaged after the reduce-scatter",
     "gradient_predivide_factor": "not implemented; gradients are averaged after the reduce-scatter",
     "communication_data_type": "not implemented; gradients are reduced in the compute dtype",
-    "activation_checkpointing": "use torch.utils.checkpoint in the model",
     "flops_profiler": "not implemented",
     "tensorboard": "not implemented; log from the training script",
     "wandb": "not implemented; log from the training script",
@@ -75,7 +75,8 @@ _TOP_REFUSED = {
 }
 
 _SECTIONS = {"bf16": BF16Config, "fp16": FP16Config, "zero_optimization": ZeroConfig,
-             "aio": AioConfig, "memory": MemoryConfig}
+             "aio": AioConfig, "memory": MemoryConfig,
+             "activation_checkpointing": ActivationCheckpointingConfig}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +98,8 @@ class Config(_Section):
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     aio: AioConfig = field(default_factory=AioConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig)
 
     def __post_init__(self):
         self._set("train_batch_size", _int("train_batch_size", self.train_batch_size, lo=1, auto=True, none=True))

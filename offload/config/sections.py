@@ -446,7 +446,7 @@ class ZeroConfig(_Section):
         hidden_size = _int("resolve_auto: hidden_size", hidden_size, lo=1, none=True)
         num_params = _int("resolve_auto: num_params", num_params, lo=1)
         if hidden_size is None:
-            from_model = {"reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+            from_model = {"reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": None,
                           "stage3_param_persistence_threshold": 100_000}
         else:
             from_model = {"reduce_bucket_size": hidden_size * hidden_size,

@@ -72,6 +72,7 @@ class Engine:
                            grad_device=self.device if grad_tier is Tier.DEVICE else torch.device("cpu"),
                            lazy_grads=self.optim_tier is Tier.NVME, timeline=self._timeline)
         self.shards, self._stores, self.manager, self.optimizer = [], [], None, None
+        self.activation_checkpointing = None
         try:
             self._build(model, config, ctx)
         except BaseException:
@@ -81,6 +82,11 @@ class Engine:
             raise
 
     def _build(self, model: torch.nn.Module, config: Config, ctx: ShardContext) -> None:
+        # First, so a class name missing from the model fails before anything moves.
+        from offload.activations import ActivationCheckpointing
+
+        self.activation_checkpointing = ActivationCheckpointing(
+            model, config.activation_checkpointing, self.account, self.device)
         built = build_shards(model, config, ctx, self.compute_dtype, self.param_tier,
                              self.optim_tier, self._created_dirs)
         self.shards = built.shards
@@ -88,6 +94,7 @@ class Engine:
         self.manager = ParameterManager(model, self.shards, on_grad=self._take_grad,
                                         prefetch=prefetch_scheduler(config.zero_optimization, self.shards),
                                         timeline=self._timeline)
+        self.activation_checkpointing.attach(self.manager)
 
         opt = config.optimizer
         self.optimizer = ShardedAdam(
@@ -277,6 +284,13 @@ class Engine:
         report["process_rss"] = psutil.Process().memory_info().rss
         return report
 
+    def activation_report(self) -> dict:
+        """Saved-activation bytes on the device tier now, and with activation_checkpointing.profile
+        the time spent in checkpointed forwards and recomputations."""
+        saver = self.activation_checkpointing.saver
+        return {"device_bytes": saver.device_bytes(), "checkpointed_modules": self.activation_checkpointing.wrapped,
+                **(saver.timings if saver.profile else {})}
+
     def close(self) -> None:
         """Removes hooks and the swap files this engine created. Idempotent."""
         if self._closed:
@@ -289,6 +303,7 @@ class Engine:
             self.optimizer.close()
             self.manager.release_all()
             self.manager.remove_hooks()
+            self.activation_checkpointing.remove()
             self._remove_swap_files()
 
     def _remove_swap_files(self) -> None:
@@ -310,6 +325,8 @@ class Engine:
             self.manager.remove_hooks()
         if self.optimizer is not None:
             self.optimizer.close()
+        if self.activation_checkpointing is not None:
+            self.activation_checkpointing.remove()
         self._remove_swap_files()
 
     def _check_open(self) -> None:

@@ -169,11 +169,17 @@ class ParameterManager:
         self._on_demand.append(shard)
 
     # ---- saved tensors ---------------------------------------------------
+    # Hook point: the engine's offload.activations.ActivationSaver, given every
+    # saved tensor that is not a parameter (Note [activation bytes]); None: kept as is.
+    activations = None
+
     def _pack(self, t: torch.Tensor):
-        if not self._live or t.layout != torch.strided or t.device.type == "meta":
-            return t
-        shard = self._live.get(t.untyped_storage().data_ptr())
-        if shard is None or t.dtype != shard.dtype or shard.home is HomeKind.DEVICE:
+        shard = None
+        if self._live and t.layout == torch.strided and t.device.type != "meta":
+            shard = self._live.get(t.untyped_storage().data_ptr())
+        if shard is None:
+            return t if self.activations is None else self.activations.pack(t)
+        if t.dtype != shard.dtype or shard.home is HomeKind.DEVICE:
             return t
         # The offset from the start of the gathered buffer: the next gather's
         # buffer starts at its own place in its own storage (aligned buffers).
@@ -181,18 +187,22 @@ class ParameterManager:
 
     def _unpack(self, saved):
         if not isinstance(saved, _SavedParamView):
-            return saved
+            return saved if self.activations is None else self.activations.unpack(saved)
         data = self.hold(saved.shard)
         self._backward_holds[saved.shard] = self._backward_holds.get(saved.shard, 0) + 1
         return data.as_strided(saved.size, saved.stride, saved.shard.full_storage_offset() + saved.offset)
 
     @contextlib.contextmanager
-    def forward_context(self):
-        """Active around the root forward: on-demand gathering and saved-tensor records."""
-        self._end_pass()
-        self.prefetch.begin_pass((self.module.training, torch.is_grad_enabled()))
+    def forward_context(self, new_pass: bool = True):
+        """Active around the root forward: on-demand gathering and saved-tensor records.
+        new_pass=False: a recomputation inside backward (activation checkpointing),
+        part of the pass under way (Note [prefetch order])."""
+        if new_pass:
+            self._end_pass()
+            self.prefetch.begin_pass((self.module.training, torch.is_grad_enabled()))
+        active = contextlib.nullcontext() if self.activations is None else self.activations.active()
         try:
-            with _GatherOnUse(self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with _GatherOnUse(self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), active:
                 yield
         finally:
             while self._on_demand:

@@ -33,10 +33,15 @@ def test_device_tier_holds_one_layer_at_a_time(tmp_path):
     """With parameters on NVMe, the device tier's peak is the largest layer's
     weight and bias (the manager gathers one module's parameters at a time);
     with them in host memory on a CPU-only host, gathering copies nothing
-    (Note [zero-copy gather])."""
+    (Note [zero-copy gather]).
+    Saved activations are on the device tier too (Note [activation bytes]):
+    the input and each layer's tanh output, one 2 x 1024 fp32 storage each
+    (the next layer's saved input is the same storage). While the last
+    layer is gathered, 8 of those 9 are saved; the most at once is all 9."""
     torch.manual_seed(0)
     layer = (1024 * 1024 + 1024) * 4
-    expected = {"nvme": layer, "cpu": layer if torch.cuda.is_available() else 0}
+    act = 2 * 1024 * 4
+    expected = {"nvme": layer + 8 * act, "cpu": layer + 8 * act if torch.cuda.is_available() else 9 * act}
     for param, optim in (("cpu", "cpu"), ("nvme", "nvme")):
         cfg = make_config(param, optim, tmp_path / param)
         cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
@@ -48,18 +53,25 @@ def test_device_tier_holds_one_layer_at_a_time(tmp_path):
         assert report["device"]["now"] == 0
 
 
-def test_prefetch_stays_within_its_bucket(tmp_path):
-    """Reads ahead add at most the prefetch bucket (by default two of the
-    largest parameters, Note [prefetch order]) to the one layer in use."""
+@pytest.mark.parametrize("live_layers", [None, 2])
+def test_prefetch_stays_within_the_live_limit(tmp_path, live_layers):
+    """Parameters gathered, read ahead or kept for reuse stay within
+    stage3_max_live_parameters (by default four of the largest parameters,
+    Note [prefetch order]); the one read always allowed ahead can add a layer."""
     torch.manual_seed(0)
-    weight, layer = 1024 * 1024 * 4, (1024 * 1024 + 1024) * 4
-    engine = offload.initialize(Wide(), make_config("nvme", "nvme", tmp_path))
+    layer = (1024 * 1024 + 1024) * 4
+    act = 2 * 1024 * 4
+    cfg = make_config("nvme", "nvme", tmp_path)
+    if live_layers is not None:
+        cfg["zero_optimization"]["stage3_max_live_parameters"] = live_layers * (1024 * 1024 + 1024)
+    engine = offload.initialize(Wide(), cfg)
     _train(engine, steps=4)
     report = engine.memory_report()
     stats = engine.manager.prefetch.stats
     engine.close()
     assert stats["hits"] > 0
-    assert layer < report["device"]["peak"] <= layer + 2 * weight, report
+    live = 4 * 1024 * 1024 * 4 if live_layers is None else live_layers * layer
+    assert layer + 8 * act < report["device"]["peak"] <= live + layer + 9 * act, report
     assert report["device"]["now"] == 0
 
 

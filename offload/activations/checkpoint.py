@@ -1,0 +1,213 @@
+"""offload.checkpoint(fn, *args, **kwargs): recompute fn in backward instead of
+keeping its activations.
+
+Note [activation checkpointing]
+The same scheme as torch.utils.checkpoint's non-reentrant variant: during
+the forward, fn runs under saved-tensor hooks that keep only a numbered
+placeholder for each tensor autograd would save; the first backward unpack of
+a placeholder runs fn again from its saved inputs and hands out the
+recomputed tensors by number. The graph of the original forward is the one
+backward walks, so gradients reach the inputs and parameters as usual.
+
+Why not torch.utils.checkpoint itself inside an engine: saved-tensor hooks do
+not stack (only the innermost pair runs), and torch's recomputation installs
+its own innermost pair. So what fn saves during recomputation never reaches
+the ParameterManager or the ActivationSaver: a parameter saved there keeps
+its gathered buffer alive after the manager released it and credited its
+bytes, recomputed activations are invisible to the memory account, and a
+parameter read outside its owner's forward (gathered on use in the forward)
+is read released, as its placeholder. Here recomputation runs inside the
+manager's forward context (gather on use) under hooks that pass every saved
+tensor through the manager first: parameters become records gathered again
+on use, activations are charged (Note [activation bytes] in saver.py).
+Outside an engine's forward, offload.checkpoint is torch.utils.checkpoint
+(use_reentrant=False).
+
+The checkpoint's inputs are saved by a no-op autograd function under the
+hooks of the enclosing forward (so they are charged, or moved to the host
+with cpu_checkpointing). A frame lives as long as any of its placeholders or
+its input node: when backward has used them all, the inputs and the
+recomputed tensors go with it. Recomputation runs once per backward pass
+(keyed by autograd's graph task), with the forward's RNG and autocast state.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+from offload.activations.saver import ACTIVE, ActivationSaver
+
+
+class _SaveInputs(torch.autograd.Function):
+    """Saves the checkpoint's tensor inputs; its backward never runs (its output is unused)."""
+
+    @staticmethod
+    def forward(ctx, anchor, *tensors):
+        ctx.save_for_backward(*tensors)
+        return anchor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover - the output feeds nothing
+        return (None,) * (1 + len(ctx.saved_tensors))
+
+
+class _Placeholder:
+    __slots__ = ("index", "__weakref__")
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+_fresh_ids = itertools.count(start=-2, step=-1)
+
+
+class _Frame:
+    def __init__(self, saver: ActivationSaver, fn, args: tuple, kwargs: dict):
+        self.saver = saver
+        self.manager = saver.manager
+        self.fn = fn
+        self.args = [None if isinstance(a, torch.Tensor) else a for a in args]
+        self.kwargs = {k: None if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        self.tensor_slots = [("a", i) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        self.tensor_slots += [("k", k) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        self.requires_grad = [t.requires_grad for t in tensors]
+        self.meta: list[tuple] = []  # (shape, dtype, device) of each tensor the forward saved
+        self.recomputed: dict[int, dict[int, object]] = {}  # graph task -> index -> packed
+        self.cpu_rng = torch.get_rng_state()
+        self.device_type = torch_checkpoint._infer_device_type(*tensors)
+        self.device_ids, self.device_rng = torch_checkpoint.get_device_states(*tensors)
+        self.autocast = [(dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+                         for dev in sorted({"cpu", saver.device.type})]
+        anchor = torch.empty(0, requires_grad=True)
+        with saver.checkpoint_inputs():
+            self.input_node = _SaveInputs.apply(anchor, *tensors).grad_fn
+
+    # ---- forward ---------------------------------------------------------
+    def run(self, args: tuple, kwargs: dict):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack_placeholder, self._unpack_placeholder):
+            return self.fn(*args, **kwargs)
+
+    def _pack_placeholder(self, t: torch.Tensor) -> _Placeholder:
+        self.meta.append((t.shape, t.dtype, t.device))
+        return _Placeholder(len(self.meta) - 1)
+
+    # ---- backward --------------------------------------------------------
+    def _unpack_placeholder(self, placeholder: _Placeholder) -> torch.Tensor:
+        task = torch._C._current_graph_task_id()
+        if task == -1:  # unpacked outside a backward pass: a pass of its own
+            task = next(_fresh_ids)
+        store = self.recomputed.get(task)
+        if store is None:
+            store = self.recomputed[task] = self._recompute()
+        try:
+            packed = store.pop(placeholder.index)
+        except KeyError:
+            raise RuntimeError(
+                "offload.checkpoint: a saved activation of a checkpointed function was unpacked twice in "
+                "one backward pass; call ctx.saved_tensors once per backward") from None
+        return self.manager._unpack(packed)
+
+    def _recompute(self) -> dict[int, object]:
+        inputs = iter(self.input_node.saved_tensors)  # through the outer hooks' unpack
+        args, kwargs = list(self.args), dict(self.kwargs)
+        for (where, key), needs_grad in zip(self.tensor_slots, self.requires_grad):
+            t = next(inputs).detach().requires_grad_(needs_grad)
+            if where == "a":
+                args[key] = t
+            else:
+                kwargs[key] = t
+        store: dict[int, object] = {}
+        counter = itertools.count()
+
+        def pack(t: torch.Tensor):
+            index = next(counter)
+            if index >= len(self.meta):
+                raise RuntimeError(f"offload.checkpoint: the recomputation of {_name(self.fn)} saved more "
+                                   f"tensors than its forward ({len(self.meta)}): a checkpointed function "
+                                   "must run the same operations both times")
+            got, want = (t.shape, t.dtype, t.device), self.meta[index]
+            if got != want:
+                raise RuntimeError(f"offload.checkpoint: saved tensor {index} of {_name(self.fn)} was "
+                                   f"{_show(want)} in the forward and {_show(got)} in the recomputation: "
+                                   "a checkpointed function must compute the same values both times")
+            store[index] = self.manager._pack(t.detach() if t.requires_grad else t)
+
+        def unpack(_):
+            raise RuntimeError("offload.checkpoint: backward inside a checkpointed function's "
+                               "recomputation is not supported")
+
+        start = time.perf_counter() if self.saver.profile else 0.0
+        with torch.random.fork_rng(devices=self.device_ids, device_type=self.device_type):
+            torch.set_rng_state(self.cpu_rng)
+            torch_checkpoint.set_device_states(self.device_ids, self.device_rng, device_type=self.device_type)
+            with self.manager.forward_context(new_pass=False), torch.enable_grad(), _autocast(self.autocast), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                self.fn(*args, **kwargs)
+        if len(store) != len(self.meta):
+            raise RuntimeError(f"offload.checkpoint: the recomputation of {_name(self.fn)} saved "
+                               f"{len(store)} tensors, its forward {len(self.meta)}: a checkpointed "
+                               "function must run the same operations both times")
+        if self.saver.profile:
+            _sync(self.saver)
+            self.saver.timings["recompute_s"] += time.perf_counter() - start
+            self.saver.timings["recomputations"] += 1
+        return store
+
+
+def checkpoint(fn, *args, **kwargs):
+    """fn(*args, **kwargs), keeping only its inputs for backward and running it again there.
+
+    Inside an engine's forward the recomputation gathers parameters through the
+    engine and its activations are charged to the device tier (Note
+    [activation checkpointing]); elsewhere this is torch.utils.checkpoint with
+    use_reentrant=False. fn must compute the same operations from the same
+    inputs both times (RNG and autocast state are restored for it).
+    """
+    if not callable(fn):
+        raise TypeError(f"offload.checkpoint: fn must be callable, got {type(fn).__name__}")
+    saver = ACTIVE.get()
+    if saver is None:
+        return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    _sync(saver)
+    start = time.perf_counter() if saver.profile else 0.0
+    out = _Frame(saver, fn, args, kwargs).run(args, kwargs)
+    _sync(saver)
+    if saver.profile:
+        saver.timings["checkpointed_forward_s"] += time.perf_counter() - start
+        saver.timings["checkpointed_calls"] += 1
+    return out
+
+
+def _sync(saver: ActivationSaver) -> None:
+    # synchronize_checkpoint_boundary (and profiling on CUDA): wait for the device at each boundary.
+    if saver.synchronize or (saver.profile and saver.device.type == "cuda"):
+        torch.cuda.synchronize(saver.device)
+
+
+class _autocast:
+    def __init__(self, states):
+        self.managers = [torch.autocast(dev, enabled=on, dtype=dtype) for dev, on, dtype in states]
+
+    def __enter__(self):
+        for m in self.managers:
+            m.__enter__()
+
+    def __exit__(self, *exc):
+        for m in reversed(self.managers):
+            m.__exit__(*exc)
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _show(meta: tuple) -> str:
+    shape, dtype, device = meta
+    return f"{tuple(shape)} {dtype} on {device}"
