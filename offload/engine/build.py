@@ -72,11 +72,6 @@ def build_shards(model: torch.nn.Module, config: Config, ctx: ShardContext, dtyp
             home = HomeKind.NVME
         shards.append(Shard(index, name, p, compute_dtype=dtype, home=home, ctx=ctx))
 
-    _preflight_budgets(shards, config, dtype, optim_tier, ctx)
-    for buf_name, buf in model.named_buffers():
-        target = dtype if buf.is_floating_point() else buf.dtype
-        buf.data = buf.data.to(ctx.device, target)
-
     # NVMe stores: one per directory (parameters and optimizer state may share one).
     wanted: dict[str, list[int]] = {}
     nvme_shards = [s for s in shards if s.home is HomeKind.NVME]
@@ -86,9 +81,16 @@ def build_shards(model: torch.nn.Module, config: Config, ctx: ShardContext, dtyp
     if optim_tier is Tier.NVME:
         wanted.setdefault(os.fspath(zero.offload_optimizer.nvme_path), []).extend(
             3 * s.part_numel * 4 for s in shards)
-    stores = {path: _swap_store(path, sizes, _staging_bytes(path, config, nvme_shards, shards, dtype,
-                                                            optim_tier), config, ctx, created_dirs)
-              for path, sizes in wanted.items()}
+    swap_configs = {path: _swap_config(path, sizes, _staging_bytes(path, config, nvme_shards, shards, dtype,
+                                                                   optim_tier), config, ctx)
+                    for path, sizes in wanted.items()}
+    staging = sum(c.buffer_bytes for c in swap_configs.values())
+    _preflight_budgets(shards, config, dtype, optim_tier, ctx, staging)
+    for buf_name, buf in model.named_buffers():
+        target = dtype if buf.is_floating_point() else buf.dtype
+        buf.data = buf.data.to(ctx.device, target)
+    stores = {path: _open_store(swap_config, ctx, created_dirs)
+              for path, swap_config in swap_configs.items()}
     param_store = state_store = None
     if nvme_shards:
         from offload.partition.nvme_home import ParamStore
@@ -104,9 +106,14 @@ def build_shards(model: torch.nn.Module, config: Config, ctx: ShardContext, dtyp
 
 
 def _preflight_budgets(shards: list[Shard], config: Config, dtype: torch.dtype, optim_tier: Tier,
-                       ctx: ShardContext) -> None:
-    """Refuses, before any parameter moves, a configuration whose budgets cannot hold it."""
+                       ctx: ShardContext, staging_bytes: int = 0) -> None:
+    """Refuses, before any parameter moves, a configuration whose budgets cannot hold it.
+
+    staging_bytes: the swap stores' host staging budgets (charged to the host
+    tier as their buffer pools allocate)."""
     need = {Tier.DEVICE: {}, Tier.HOST: {}}
+    if staging_bytes:
+        need[Tier.HOST]["swap staging buffers"] = staging_bytes
 
     def add(tier, what, nbytes):
         if tier in need:
@@ -157,12 +164,9 @@ def _staging_bytes(path: str, config: Config, nvme_shards, shards, dtype, optim_
     return total or None
 
 
-def _swap_store(nvme_path, sizes, staging_bytes, config, ctx, created_dirs):
-    from offload.aio.swap_store import SwapConfig, SwapStore
+def _swap_config(nvme_path, sizes, staging_bytes, config, ctx):
+    from offload.aio.swap_store import SwapConfig
 
-    rank_dir = _rank_dir(nvme_path, ctx.pg.rank)
-    if not os.path.exists(rank_dir):
-        created_dirs.append(rank_dir)
     # atomic=False: swap files are scratch, written and read back by this
     # process and removed at close; overwriting in place skips a rename and a
     # block reallocation per write (9 ms each on ext4, measured).
@@ -172,7 +176,17 @@ def _swap_store(nvme_path, sizes, staging_bytes, config, ctx, created_dirs):
         from offload.aio._memory import ALIGN
 
         swap_config = dataclasses.replace(swap_config, buffer_bytes=max(staging_bytes, 2 * ALIGN))
-    return SwapStore(swap_config)
+    return swap_config
+
+
+def _open_store(swap_config, ctx: ShardContext, created_dirs: list[str]):
+    from offload.aio.swap_store import SwapStore
+    from offload.engine.memory import TierLedger
+
+    rank_dir = _rank_dir(swap_config.nvme_path, ctx.pg.rank)
+    if not os.path.exists(rank_dir):
+        created_dirs.append(rank_dir)
+    return SwapStore(swap_config, ledger=TierLedger(ctx.account, Tier.HOST))
 
 
 def _aio_config(config: Config):

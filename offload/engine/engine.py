@@ -25,6 +25,7 @@ import torch
 from offload.config import Config, OffloadDevice, Precision
 from offload.engine.build import build_shards
 from offload.engine.loss_scaler import LossScaler
+from offload.engine.memory import ProcessMemory, release_free_host_memory
 from offload.optim.sharded_adam import ShardedAdam
 from offload.partition.accounting import MemoryAccount, Tier
 from offload.partition.collectives import ProcessGroupInfo
@@ -52,6 +53,8 @@ class Engine:
         if config.optimizer is None:
             raise ValueError("config has no 'optimizer' section: offload needs one "
                              "(for example {'type': 'AdamW', 'params': {'lr': 1e-4}})")
+        # Before anything is allocated: the OS view's baseline (Note [engine bytes and the OS]).
+        self._process_memory = ProcessMemory.at_start(model)
         self.config = config
         self.module = model
         self.pg = ProcessGroupInfo.current()
@@ -73,6 +76,7 @@ class Engine:
             # behind, and give the model its values back where we can.
             self._abort()
             raise
+        release_free_host_memory()  # the build's temporaries (Note [engine bytes and the OS])
 
     def _build(self, model: torch.nn.Module, config: Config, ctx: ShardContext) -> None:
         built = build_shards(model, config, ctx, self.compute_dtype, self.param_tier,
@@ -156,6 +160,7 @@ class Engine:
         if self.config.gradient_clipping > 0:
             self._clip_grads(self.config.gradient_clipping)
         self.optimizer.step()
+        release_free_host_memory()  # the step's temporaries (Note [engine bytes and the OS])
         self._zero_grads()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -214,9 +219,11 @@ class Engine:
 
     # ---- reporting and lifetime ---------------------------------------------
     def memory_report(self) -> dict:
-        """Bytes per tier the engine holds (now, peak, budget), and the process RSS."""
+        """Bytes per tier the engine holds (now, peak, budget), the process RSS,
+        and under "os" the OS's figures beside the engine's (ProcessMemory.report)."""
         report = self.account.report()
         report["process_rss"] = psutil.Process().memory_info().rss
+        report["os"] = self._process_memory.report(self.account, self.device)
         return report
 
     def close(self) -> None:
