@@ -41,7 +41,7 @@ def _glibc():
     except OSError:
         return None
     if not hasattr(libc, "malloc_trim"):
-        return None  # musl and others: nothing to trim, nothing to report
+        return None  # musl and others: no malloc_trim
     libc.malloc_trim.argtypes = [ctypes.c_size_t]
     libc.malloc_trim.restype = ctypes.c_int
     return libc
