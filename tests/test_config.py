@@ -99,7 +99,7 @@ def test_defaults():
     assert z.stage == 3 and z.offload_param.device is OffloadDevice.NONE
     assert (z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters, z.stage3_max_reuse_distance,
             z.stage3_param_persistence_threshold, z.sub_group_size, z.reduce_bucket_size) == (
-        None, None, None, 100_000, 1_000_000_000, 500_000_000)
+        None, None, None, 100_000, 1_000_000_000, None)
     assert z.offload_param.buffer_count is None and z.offload_param.buffer_size is None
     assert c.aio == AioConfig() and c.aio.block_size == 1 << 20 and c.aio.queue_depth == 32
     assert c.fp16.initial_scale_power == 16 and c.fp16.loss_scale == 0.0 and c.fp16.dynamic
@@ -334,7 +334,7 @@ def test_resolve_auto_from_model():
     z = Config.load(all_auto).resolve_auto(None, 1000)
     assert (z.zero_optimization.reduce_bucket_size, z.zero_optimization.stage3_prefetch_bucket_size,
             z.zero_optimization.stage3_param_persistence_threshold, z.zero_optimization.sub_group_size,
-            z.zero_optimization.stage3_max_live_parameters) == (500_000_000, None, 100_000, 1000, None)
+            z.zero_optimization.stage3_max_live_parameters) == (None, None, 100_000, 1000, None)
     assert repr(AUTO) == "auto" and copy.deepcopy(AUTO) is AUTO
 
 

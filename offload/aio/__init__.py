@@ -127,6 +127,9 @@ class Request:
             self._impl.wait()
             self._seconds = time.perf_counter() - self._t0
             self._error = _error_of(self._impl, self.op, self.path, self.nbytes, self.offset)
+            # The transfer is over: the memory is the caller's again (a lent
+            # buffer must not stay alive through this request).
+            self.tensor = None
         if self._error is not None:
             raise self._error
 

@@ -9,6 +9,13 @@ use it waits for the oldest transfer to finish (backpressure) instead of
 failing. Buffers are 4096-aligned (O_DIRECT without a staging copy) and
 pinned when CUDA exists; freed buffers are kept for reuse and dropped only
 when a new size needs the room.
+
+Every allocation is host memory the process holds whether a transfer is in
+flight or not, so an optional ledger (anything with charge(nbytes, what) and
+credit(nbytes); the engine passes its host tier) is charged a buffer's size
+when it is made and credited when the pool drops it: the same bytes the
+budget counts, so a budget checked at initialize holds mid-step. (Each
+allocation also carries up to one alignment unit of padding, not counted.)
 """
 from __future__ import annotations
 
@@ -18,11 +25,12 @@ from offload.aio._memory import ALIGN, aligned_empty, round_up
 
 
 class BufferPool:
-    def __init__(self, budget_bytes: int, pin: bool | None = None):
+    def __init__(self, budget_bytes: int, pin: bool | None = None, ledger=None):
         if budget_bytes < 2 * ALIGN:
             raise ValueError(f"buffer budget must be at least {2 * ALIGN} bytes, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self._pin = pin
+        self._ledger = ledger
         self._free: list[torch.Tensor] = []  # cached, whole allocations
         self.allocated_bytes = 0  # held by callers plus cached
         self.in_use_bytes = 0
@@ -43,10 +51,17 @@ class BufferPool:
             while self.allocated_bytes + size > self.budget_bytes and self._free:
                 victim = max(self._free, key=torch.Tensor.numel)
                 self._take(victim)
-                self.allocated_bytes -= victim.numel()
+                self._drop(victim)
             if self.allocated_bytes + size > self.budget_bytes:
                 return None
-            buf = aligned_empty(size, pin=self._pin)
+            if self._ledger is not None:  # before allocating: a refused charge leaves nothing held
+                self._ledger.charge(size, "swap staging buffer")
+            try:
+                buf = aligned_empty(size, pin=self._pin)
+            except BaseException:
+                if self._ledger is not None:
+                    self._ledger.credit(size)
+                raise
             self.allocated_bytes += size
         self.in_use_bytes += buf.numel()
         self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
@@ -61,5 +76,11 @@ class BufferPool:
         self._free.append(buf)
 
     def clear(self) -> None:
-        self.allocated_bytes -= sum(b.numel() for b in self._free)
+        for buf in self._free:
+            self._drop(buf)
         self._free.clear()
+
+    def _drop(self, buf: torch.Tensor) -> None:
+        self.allocated_bytes -= buf.numel()
+        if self._ledger is not None:
+            self._ledger.credit(buf.numel())

@@ -167,11 +167,12 @@ def _quote(key: str) -> str:
 
 
 class SwapStore:
-    def __init__(self, config: SwapConfig):
+    def __init__(self, config: SwapConfig, *, ledger=None):
+        """ledger: charged the staging buffers' host bytes (see BufferPool)."""
         self.config = config
         self.directory = _preflight(config)
         self._io = AsyncIO(config=config.aio)
-        self._pool = BufferPool(config.buffer_bytes)
+        self._pool = BufferPool(config.buffer_bytes, ledger=ledger)
         self._kind = default_kind() if config.checksum else ChecksumKind.NONE
         self._index: dict[str, _Meta] = {}
         self._queue: deque[_Piece] = deque()

@@ -406,13 +406,14 @@ class ZeroConfig(_Section):
     stage3_max_reuse_distance: Any = None
     stage3_param_persistence_threshold: Any = 100_000
     sub_group_size: Any = 1_000_000_000
-    reduce_bucket_size: Any = 500_000_000
+    # None: two of the largest shards (gradients awaiting an overlapped update).
+    reduce_bucket_size: Any = None
     overlap_comm: bool = True
     contiguous_gradients: bool = True
     stage3_gather_16bit_weights_on_model_save: bool = False
 
     PREFETCH: ClassVar[tuple] = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-                                 "stage3_max_reuse_distance")
+                                 "stage3_max_reuse_distance", "reduce_bucket_size")  # may be None
     SIZES: ClassVar[tuple] = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters",
                               "stage3_max_reuse_distance", "stage3_param_persistence_threshold",
                               "sub_group_size", "reduce_bucket_size")
@@ -446,7 +447,7 @@ class ZeroConfig(_Section):
         hidden_size = _int("resolve_auto: hidden_size", hidden_size, lo=1, none=True)
         num_params = _int("resolve_auto: num_params", num_params, lo=1)
         if hidden_size is None:
-            from_model = {"reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": None,
+            from_model = {"reduce_bucket_size": None, "stage3_prefetch_bucket_size": None,
                           "stage3_param_persistence_threshold": 100_000}
         else:
             from_model = {"reduce_bucket_size": hidden_size * hidden_size,

@@ -81,11 +81,6 @@ def build_shards(model: torch.nn.Module, config: Config, ctx: ShardContext, dtyp
             home = HomeKind.NVME
         shards.append(Shard(index, name, p, compute_dtype=dtype, home=home, ctx=ctx))
 
-    _preflight_budgets(shards, config, dtype, optim_tier, ctx)
-    for buf_name, buf in model.named_buffers():
-        target = dtype if buf.is_floating_point() else buf.dtype
-        buf.data = buf.data.to(ctx.device, target)
-
     # Note [one store per thread]
     # A SwapStore is driven by one thread (it finishes transfers in submission
     # order). The compute thread reads parameters while the optimizer thread
@@ -98,29 +93,42 @@ def build_shards(model: torch.nn.Module, config: Config, ctx: ShardContext, dtyp
     nvme_shards = [s for s in shards if s.home is HomeKind.NVME]
     param_path = os.fspath(zero.offload_param.nvme_path) if nvme_shards else None
     state_path = os.fspath(zero.offload_optimizer.nvme_path) if optim_tier is Tier.NVME else None
-    param_store = state_store = param_writer = None
+    configs = {}
     if nvme_shards:
         op = zero.offload_param
         staging = op.buffer_count * op.buffer_size * dtype.itemsize if op.buffer_count and op.buffer_size else None
-        param_store = ParamStore(_swap_store(param_path, [s.part_numel * dtype.itemsize for s in nvme_shards],
-                                             staging, config, ctx, created_dirs), ctx.pg, ctx.timeline)
-        ctx.param_store = param_store
+        configs["param"] = _swap_config(param_path, [s.part_numel * dtype.itemsize for s in nvme_shards],
+                                        staging, config, ctx)
     if state_path is not None:
         oo = zero.offload_optimizer
         staging = oo.buffer_count * max(s.part_numel for s in shards) * 4 if oo.buffer_count else None
-        state_store = _swap_store(state_path, [3 * s.part_numel * 4 for s in shards], staging, config, ctx,
-                                  created_dirs)
+        configs["state"] = _swap_config(state_path, [3 * s.part_numel * 4 for s in shards], staging, config, ctx)
+    if nvme_shards and state_path != param_path:
+        configs["writer"] = _swap_config(param_path, [], None, config, ctx)
+    _preflight_budgets(shards, config, dtype, optim_tier, ctx, sum(c.buffer_bytes for c in configs.values()))
+    for buf_name, buf in model.named_buffers():
+        target = dtype if buf.is_floating_point() else buf.dtype
+        buf.data = buf.data.to(ctx.device, target)
+
+    stores = {role: _open_store(c, ctx, created_dirs) for role, c in configs.items()}
+    param_store = state_store = param_writer = None
     if nvme_shards:
-        writer = state_store if state_path == param_path else _swap_store(
-            param_path, [], None, config, ctx, created_dirs)
-        param_writer = ParamStore(writer, ctx.pg, ctx.timeline)
+        param_store = ParamStore(stores["param"], ctx.pg, ctx.timeline)
+        ctx.param_store = param_store
+        param_writer = ParamStore(stores.get("writer") or stores["state"], ctx.pg, ctx.timeline)
+    state_store = stores.get("state")
     return Built(shards, param_store, state_store, param_writer)
 
 
 def _preflight_budgets(shards: list[Shard], config: Config, dtype: torch.dtype, optim_tier: Tier,
-                       ctx: ShardContext) -> None:
-    """Refuses, before any parameter moves, a configuration whose budgets cannot hold it."""
+                       ctx: ShardContext, staging_bytes: int = 0) -> None:
+    """Refuses, before any parameter moves, a configuration whose budgets cannot hold it.
+
+    staging_bytes: the swap stores' host staging budgets (charged to the host
+    tier as their buffer pools allocate)."""
     need = {Tier.DEVICE: {}, Tier.HOST: {}}
+    if staging_bytes:
+        need[Tier.HOST]["swap staging buffers"] = staging_bytes
 
     def add(tier, what, nbytes):
         if tier in need:
@@ -151,29 +159,37 @@ def _rank_dir(nvme_path, rank: int) -> str:
     return os.path.join(os.fspath(nvme_path), f"rank{rank}")
 
 
-def _swap_store(nvme_path, sizes, staging_bytes, config, ctx, created_dirs):
-    """A store under nvme_path/rank{r}/. staging_bytes: the host staging budget
-    from DeepSpeed's keys (offload_param.buffer_count x buffer_size elements,
-    offload_optimizer.buffer_count x the largest state partition): the same
-    budgets, except that a tensor larger than the budget streams through it in
-    pieces instead of failing ("More elements than buffer size"). None: sized
-    from the model (two of the largest files). Aligned tensors skip staging
-    altogether (Note [direct transfers])."""
-    from offload.aio.swap_store import SwapConfig, SwapStore
+def _swap_config(nvme_path, sizes, staging_bytes, config, ctx):
+    """A store's settings. staging_bytes: the host staging budget from DeepSpeed's
+    keys (offload_param.buffer_count x buffer_size elements, offload_optimizer.
+    buffer_count x the largest state partition): the same budgets, except that a
+    tensor larger than the budget streams through it in pieces instead of
+    failing ("More elements than buffer size"). None: sized from the model, two
+    of the largest files up to 32 MiB: the engine's own transfers are aligned
+    and skip staging (Note [direct transfers]); staging carries headers, small
+    tensors and the first write of each parameter."""
+    from offload.aio._memory import ALIGN
+    from offload.aio.swap_store import SwapConfig
 
-    rank_dir = _rank_dir(nvme_path, ctx.pg.rank)
-    if not os.path.exists(rank_dir):
-        created_dirs.append(rank_dir)
     # atomic=False: swap files are scratch, written and read back by this
     # process and removed at close; overwriting in place skips a rename and a
     # block reallocation per write (9 ms each on ext4, measured).
     swap_config = SwapConfig.for_tensors(nvme_path, sizes, in_flight=2, rank=ctx.pg.rank,
                                          aio=_aio_config(config), atomic=False)
-    if staging_bytes is not None:
-        from offload.aio._memory import ALIGN
+    if staging_bytes is None:
+        staging_bytes = min(swap_config.buffer_bytes, 32 << 20)
+    swap_config = dataclasses.replace(swap_config, buffer_bytes=max(staging_bytes, 2 * ALIGN))
+    return swap_config
 
-        swap_config = dataclasses.replace(swap_config, buffer_bytes=max(staging_bytes, 2 * ALIGN))
-    return SwapStore(swap_config)
+
+def _open_store(swap_config, ctx: ShardContext, created_dirs: list[str]):
+    from offload.aio.swap_store import SwapStore
+    from offload.engine.memory import TierLedger
+
+    rank_dir = _rank_dir(swap_config.nvme_path, ctx.pg.rank)
+    if not os.path.exists(rank_dir):
+        created_dirs.append(rank_dir)
+    return SwapStore(swap_config, ledger=TierLedger(ctx.account, Tier.HOST))
 
 
 def _aio_config(config: Config):

@@ -25,6 +25,7 @@ import torch
 from offload.config import Config, OffloadDevice, Precision
 from offload.engine.build import build_shards
 from offload.engine.loss_scaler import LossScaler
+from offload.engine.memory import ProcessMemory, release_free_host_memory
 from offload.optim.sharded_adam import ShardedAdam
 from offload.partition.accounting import MemoryAccount, Tier
 from offload.partition.collectives import ProcessGroupInfo
@@ -54,6 +55,8 @@ class Engine:
         if config.optimizer is None:
             raise ValueError("config has no 'optimizer' section: offload needs one "
                              "(for example {'type': 'AdamW', 'params': {'lr': 1e-4}})")
+        # Before anything is allocated: the OS view's baseline (Note [engine bytes and the OS]).
+        self._process_memory = ProcessMemory.at_start(model)
         self.config = config
         self.module = model
         self.pg = ProcessGroupInfo.current()
@@ -80,6 +83,7 @@ class Engine:
             # behind, and give the model its values back where we can.
             self._abort()
             raise
+        release_free_host_memory()  # the build's temporaries (Note [engine bytes and the OS])
 
     def _build(self, model: torch.nn.Module, config: Config, ctx: ShardContext) -> None:
         # First, so a class name missing from the model fails before anything moves.
@@ -102,7 +106,8 @@ class Engine:
             weight_decay=opt.weight_decay, adamw_mode=opt.decoupled_weight_decay, tier=self.optim_tier,
             device=self.device, account=self.account, state_store=built.state_store,
             param_store=built.param_writer,
-            sub_group_size=config.zero_optimization.sub_group_size, timeline=self._timeline)
+            sub_group_size=config.zero_optimization.sub_group_size, timeline=self._timeline,
+            pending_grad_elems=config.zero_optimization.reduce_bucket_size)
         built.finish()
         self.lr_scheduler = None
         if config.scheduler is not None:
@@ -209,6 +214,7 @@ class Engine:
         self._finish_step()
 
     def _finish_step(self) -> None:
+        release_free_host_memory()  # the step's temporaries (Note [engine bytes and the OS])
         self._zero_grads()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -279,9 +285,11 @@ class Engine:
         self._timeline.export_chrome_trace(path)
 
     def memory_report(self) -> dict:
-        """Bytes per tier the engine holds (now, peak, budget), and the process RSS."""
+        """Bytes per tier the engine holds (now, peak, budget), the process RSS,
+        and under "os" the OS's figures beside the engine's (ProcessMemory.report)."""
         report = self.account.report()
         report["process_rss"] = psutil.Process().memory_info().rss
+        report["os"] = self._process_memory.report(self.account, self.device)
         return report
 
     def activation_report(self) -> dict:

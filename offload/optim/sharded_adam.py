@@ -20,7 +20,8 @@ tensor per shard (NVME, where the masters are not in memory).
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +42,8 @@ class _Overlap:
     submitted: set[int]
     arrival: list[Shard]
     stream: StateStream | None = None
+    backlog: deque = field(default_factory=deque)  # (future, elements) submitted, maybe running
+    backlog_elems: int = 0
 
 
 class ShardedAdam(torch.optim.Optimizer):
@@ -48,7 +51,7 @@ class ShardedAdam(torch.optim.Optimizer):
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  adamw_mode: bool, tier: Tier, device: torch.device, account: MemoryAccount,
                  state_store=None, param_store=None, sub_group_size: int | None = None,
-                 timeline: Timeline | None = None):
+                 timeline: Timeline | None = None, pending_grad_elems: int | None = None):
         """initial_partition(shard) -> this rank's fp32 partition of the initial weights
         (called once per shard, in order; it also moves the parameter home)."""
         self.shards = shards
@@ -68,6 +71,11 @@ class ShardedAdam(torch.optim.Optimizer):
         self._overlap: _Overlap | None = None
         self._arrival_order: list[Shard] | None = None
         self._device_publishes: list[tuple[Shard, torch.Tensor]] = []
+        self._param_writes: deque = deque()  # handles of new parameter values being written
+        # Elements of final gradients waiting for their overlapped update
+        # (zero_optimization.reduce_bucket_size; at least the largest shard).
+        largest = max((s.part_numel for s in shards), default=1)
+        self.pending_grad_elems = max(pending_grad_elems or 2 * largest, largest)
         params = []
         self._states: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for shard in shards:
@@ -139,7 +147,11 @@ class ShardedAdam(torch.optim.Optimizer):
         if self.param_store is not None:
             # The next forward must read the new parameters, not a file
             # still being written.
-            self.param_store.store.wait_all()
+            try:
+                self.param_store.store.wait_all()
+            finally:
+                while self._param_writes:
+                    self._retire_param_write()
 
     # ---- updates overlapped with backward --------------------------------
     # Note [optimizer overlap]
@@ -180,7 +192,18 @@ class ShardedAdam(torch.optim.Optimizer):
             return
         ov.submitted.add(shard.index)
         ov.arrival.append(shard)
-        ov.futures.append(self._executor.submit(self._update_shard, shard, ov.group, ov.stream))
+        # Backpressure: gradients waiting for their update hold host memory
+        # (4 bytes/element); past the cap, backward waits for the oldest update.
+        while ov.backlog and ov.backlog_elems + shard.part_numel > self.pending_grad_elems:
+            future, numel = ov.backlog.popleft()
+            if not future.done():
+                with self.timeline.span("wait", "optimizer backlog"):
+                    future.exception()
+            ov.backlog_elems -= numel
+        future = self._executor.submit(self._update_shard, shard, ov.group, ov.stream)
+        ov.futures.append(future)
+        ov.backlog.append((future, shard.part_numel))
+        ov.backlog_elems += shard.part_numel
 
     def abandon_overlap(self) -> None:
         """After a failed backward: waits for the updates already submitted (their
@@ -261,7 +284,18 @@ class ShardedAdam(torch.optim.Optimizer):
             self._device_publishes.append((shard, written.to(shard.ctx.device)))
         elif shard.home is HomeKind.NVME:
             part = written if written.device.type == "cpu" else written.to("cpu")
-            self.param_store.write(shard, part, borrow=True)
+            nbytes = part.numel() * part.element_size()
+            self.account.charge(Tier.HOST, nbytes, f"new value of {shard.name} on its way to NVMe")
+            self._param_writes.append((self.param_store.write(shard, part, borrow=True), nbytes))
+            while len(self._param_writes) > 2:  # new values in flight: bounded host memory
+                self._retire_param_write()
+
+    def _retire_param_write(self) -> None:
+        handle, nbytes = self._param_writes.popleft()
+        try:
+            handle.wait()
+        finally:
+            self.account.credit(Tier.HOST, nbytes)
 
     def _flush_publishes(self) -> None:
         while self._device_publishes:

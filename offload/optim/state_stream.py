@@ -86,7 +86,8 @@ class StateStream:
         self._retire(block=False)
 
     def _retire(self, block: bool) -> None:
-        while self._writes and (block or self._writes[0][0].done()):
+        # At most `ahead` writes in flight: their buffers are host memory too.
+        while self._writes and (block or self._writes[0][0].done() or len(self._writes) > self._ahead):
             handle, nbytes, t0, name = self._writes.popleft()
             handle.wait()
             self._timeline.record("write", f"optimizer state {name}", t0)

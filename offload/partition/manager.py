@@ -90,11 +90,12 @@ class ParameterManager:
     # ---- holds -----------------------------------------------------------
     def _track(self, shard: Shard) -> None:
         ptr = shard.full_storage_ptr()  # reads param.data: callers hold _internal
+        # Never leave an address of a freed buffer behind: a saved activation
+        # allocated there later would be taken for this parameter.
+        for k in [k for k, v in self._live.items() if v is shard and k != ptr]:
+            del self._live[k]
         if ptr is not None:
             self._live[ptr] = shard
-        else:
-            for k in [k for k, v in self._live.items() if v is shard]:
-                del self._live[k]
 
     def hold(self, shard: Shard) -> torch.Tensor:
         self._internal = True
@@ -105,13 +106,14 @@ class ParameterManager:
                 # This parameter's own read goes first, then the reads ahead of
                 # it: the store finishes transfers in submission order.
                 shard.prefetch()
-                if self.prefetch.on_use(shard):
-                    shard.release()  # the reference kept for reuse passes to this hold
+                handed_over = self.prefetch.on_use(shard)
             if shard.residency is Residency.GATHERED:
                 data = shard.gather()
             else:
                 with self.timeline.span("wait", shard.name):
                     data = shard.gather()
+            if taken_into_use and handed_over:
+                shard.release()  # the reference kept for reuse passes to this hold
             self._track(shard)
         finally:
             self._internal = False

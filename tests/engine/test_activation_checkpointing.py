@@ -160,6 +160,8 @@ def test_no_holds_or_bytes_left_after_each_step(tmp_path, param, extra):
     model = build("tiny_gpt", seed=4)
     with offload.initialize(model, make_config(param, param, tmp_path, extra=extra)) as engine:
         resting = {tier: engine.memory_report()[tier]["now"] for tier in ("device", "host", "nvme")}
+        # Swap stores keep the staging buffers they allocate, up to their budgets.
+        staging = sum(store.config.buffer_bytes for store in engine._stores)
         for per_rank in batches(3, seed=4):
             x, y = per_rank[0]
             loss = lm_loss(engine(x), y)
@@ -168,7 +170,9 @@ def test_no_holds_or_bytes_left_after_each_step(tmp_path, param, extra):
             del loss
             engine.step()
             report = engine.memory_report()
-            assert {tier: report[tier]["now"] for tier in resting} == resting
+            now = {tier: report[tier]["now"] for tier in ("device", "host", "nvme")}
+            assert (now["device"], now["nvme"]) == (resting["device"], resting["nvme"])
+            assert resting["host"] <= now["host"] <= resting["host"] + staging
             assert engine.activation_report()["device_bytes"] == 0
             assert engine.activation_checkpointing.saver.held_storages() == 0
             assert not engine.manager._backward_holds and not engine.manager._on_demand
