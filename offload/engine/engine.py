@@ -46,7 +46,9 @@ def default_device() -> torch.device:
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, config: Config):
+    def __init__(self, model: torch.nn.Module, config: Config, *, builder=None, weights=None):
+        """builder: the offload.init ModelBuilder the model was built in (its shards
+        are adopted); weights: values for the parameters (offload/engine/weights.py)."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if config.optimizer is None:
@@ -65,6 +67,9 @@ class Engine:
         self._created_dirs: list[str] = []
 
         ctx = ShardContext(device=self.device, pg=self.pg, account=self.account)
+        if builder is not None:  # its shards already charge its account and live in its context
+            self.account, ctx = builder.account, builder.ctx
+        self._builder, self._weights = builder, weights
         self.shards, self._param_store, self._state_store, self.manager = [], None, None, None
         try:
             self._build(model, config, ctx)
@@ -76,7 +81,9 @@ class Engine:
 
     def _build(self, model: torch.nn.Module, config: Config, ctx: ShardContext) -> None:
         built = build_shards(model, config, ctx, self.compute_dtype, self.param_tier,
-                             self.optim_tier, self._created_dirs)
+                             self.optim_tier, self._created_dirs, builder=self._builder,
+                             weights=self._weights)
+        self._builder = self._weights = None
         self.shards = built.shards
         self._param_store = built.param_store
         self._state_store = built.state_store
@@ -260,12 +267,18 @@ class Engine:
         self.close()
 
 
-def initialize(model: torch.nn.Module, config) -> Engine:
+def initialize(model: torch.nn.Module, config, weights=None) -> Engine:
     """Wraps `model` for training with its state spread over device, host and NVMe.
 
     config: a dict, a path to a JSON file, or an offload.Config (DeepSpeed's
     keys where the concept is the same; see docs/CONFIG.md).
+    weights: values for the parameters (and buffers), read one tensor at a
+    time: a state dict, a .safetensors or .bin/.pt file, or a Hugging Face
+    directory (offload/engine/weights.py). Parameters on the meta device need
+    them. A model built under offload.init(config) is adopted where it lies.
     """
+    from offload.engine.init_context import claim
+
     config = Config.load(config)
     if config.has_auto():
         hf_config = getattr(model, "config", None)
@@ -273,4 +286,10 @@ def initialize(model: torch.nn.Module, config) -> Engine:
         num_params = sum(p.numel() for p in model.parameters())
         config = config.resolve_auto(hidden, max(num_params, 1),
                                      world_size=ProcessGroupInfo.current().world_size)
-    return Engine(model, config)
+    builder = claim(model, config)
+    try:
+        return Engine(model, config, builder=builder, weights=weights)
+    except BaseException:
+        if builder is not None:
+            builder.unclaim()  # refused before taking it over: initialize may be called again
+        raise
