@@ -18,7 +18,13 @@ monkeypatching; both removed when the context exits):
     initial values; every parameter of its subtree not yet homed goes home.
   parameter registration on a module already attached (`lm_head.weight =
     wte.weight`, a replaced nn.Parameter): that parameter goes home at once.
-A root module is never attached: its own parameters go home at context exit.
+  parameter registration on a module not attached yet: the parameters of
+    other unattached modules go home (`nn.Sequential(*(Block() for ...))`
+    builds every block before attaching any; without this the whole model
+    would be in memory first). One of those may be an ancestor still being
+    built; if it writes its parameters again, the mode below catches it.
+The root's own parameters go home at context exit (or earlier by the rule
+above).
 
 Parameters used after they went home. Constructors often initialise again
 after the children are attached (`self.apply(self._init_weights)`, Hugging
@@ -66,6 +72,7 @@ from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.shard import HomeKind, Residency, Shard, ShardContext
 
 _MIN_WINDOW = 64 << 20
+_TRIM_EVERY = 32 << 20  # bytes homed between returns of freed heap memory to the OS
 _DEFAULT_STAGING = 64 << 20
 _DATA_GET = torch.Tensor.data.__get__
 _DATA_SET = torch.Tensor.data.__set__
@@ -99,6 +106,29 @@ def claim(model: torch.nn.Module, config: Config) -> "ModelBuilder | None":
             _WAITING.remove(builder)
             return builder
     return None
+
+
+def _return_freed_memory() -> None:
+    """Hands freed heap memory back to the OS (glibc's malloc_trim; elsewhere nothing).
+
+    Why: a constructor allocates each weight before the previous one is
+    homed and freed, between small allocations; glibc then keeps the freed
+    chunks in its heap instead of reusing or returning them. Measured: 60
+    layers of 4 MB built in place left RSS 243 MB higher, 12 MB with this.
+    """
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 def _metadata_only(func) -> bool:
@@ -189,6 +219,7 @@ class ModelBuilder:
         self.opened: dict[Shard, bool] = {}  # open shard -> dirty, in opening order
         self._open_bytes = 0
         self._largest = 0
+        self._homed_since_trim = 0
         self._attached = weakref.WeakSet()  # modules registered on a parent
         self._roots = weakref.WeakSet()     # modules with parameters, not (yet) attached
         self._hooks = []
@@ -215,6 +246,7 @@ class ModelBuilder:
                 for module in list(self._roots):
                     self._home_subtree(module)
             self.close_open()
+            _return_freed_memory()
         finally:
             self._mode.__exit__(None, None, None)
             for h in self._hooks:
@@ -243,8 +275,16 @@ class ModelBuilder:
             return
         if module in self._attached:
             self._home(param, name)
-        else:
-            self._roots.add(module)
+            return
+        # A new module's parameter: modules built before it, not yet attached
+        # (nn.Sequential(*(Block() for ...)) builds every child first), are
+        # complete unless they are this one's ancestors still being built; a
+        # later write to those is caught by the mode and written back.
+        for other in list(self._roots):
+            if other is not module:
+                self._roots.discard(other)
+                self._home_subtree(other)
+        self._roots.add(module)
 
     def _home_subtree(self, module: torch.nn.Module) -> None:
         for name, p in module.named_parameters():
@@ -272,6 +312,10 @@ class ModelBuilder:
             self.shards.append(shard)
             self.shard_of[id(p)] = shard
             self._largest = max(self._largest, shard.padded_numel * shard.dtype.itemsize)
+            self._homed_since_trim += shard.numel * p.element_size()
+            if self._homed_since_trim >= _TRIM_EVERY:
+                _return_freed_memory()
+                self._homed_since_trim = 0
         finally:
             self.internal = False
 
