@@ -193,7 +193,8 @@ def _write_hf_dir(path, state, *, kind):
     return path
 
 
-@pytest.mark.parametrize("form", ["state_dict", "safetensors", "torch_file", "hf_safetensors", "hf_bin"])
+@pytest.mark.parametrize("form", ["state_dict", "safetensors", "torch_file", "hf_single", "hf_safetensors",
+                                  "hf_bin"])
 def test_meta_model_loads_weights_and_trains_like_plain(tmp_path, form):
     torch.manual_seed(11)
     plain = PostInitGPT()
@@ -209,6 +210,10 @@ def test_meta_model_loads_weights_and_trains_like_plain(tmp_path, form):
     elif form == "torch_file":
         weights = tmp_path / "w.bin"
         torch.save(state, weights)
+    elif form == "hf_single":  # a directory with one model.safetensors
+        weights = tmp_path / "hf"
+        weights.mkdir()
+        save_file({k: v.contiguous() for k, v in state.items()}, weights / "model.safetensors")
     else:
         weights = _write_hf_dir(tmp_path / "hf", state, kind=form[3:])
     model = _meta_model()
