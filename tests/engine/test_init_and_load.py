@@ -105,6 +105,10 @@ def test_built_in_place_trains_like_plain_construction(tmp_path, model_name, par
         initial = engine.full_state_dict()
         for name, p in plain.named_parameters():  # identical values, before any step
             torch.testing.assert_close(initial[name], p.detach(), rtol=0, atol=0)
+        # One parameter file per NVMe shard: the lm_head weight untied while
+        # building was dropped with its file.
+        nvme_shards = sum(s.home.value == "nvme" for s in engine.shards)
+        assert len(list(tmp_path.rglob("param.*.swp"))) == nvme_shards
         losses, weights = _train(engine, data)
     torch.testing.assert_close(losses, ref_losses[:, 0])
     _assert_weights(weights, ref_model)
