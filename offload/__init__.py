@@ -1,6 +1,7 @@
 """offload: train PyTorch models larger than the GPU, and larger than RAM.
 
     engine = offload.initialize(model, config)   # also offload.engine.initialize
+    with offload.init(config): model = Big()      # built straight into its home tiers
     loss = loss_fn(engine(inputs)); engine.backward(loss); engine.step()
 
 Parts: the engine (offload.engine), the partitioned parameter manager
@@ -12,6 +13,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "initialize": ("offload.engine", "initialize"),
+    "init": ("offload.engine.init_context", "init"),
     "Engine": ("offload.engine", "Engine"),
     "Config": ("offload.config", "Config"),
     "estimate": ("offload.estimate", "estimate"),
@@ -29,4 +31,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'offload' has no attribute {name!r}")
 
 
-__all__ = ["initialize", "Engine", "Config", "estimate", "checkpoint", "__version__"]
+__all__ = ["initialize", "init", "Engine", "Config", "estimate", "checkpoint", "__version__"]

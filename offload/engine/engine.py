@@ -49,7 +49,9 @@ def default_device() -> torch.device:
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, config: Config):
+    def __init__(self, model: torch.nn.Module, config: Config, *, builder=None, weights=None):
+        """builder: the offload.init ModelBuilder the model was built in (its shards
+        are adopted); weights: values for the parameters (offload/engine/weights.py)."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if config.optimizer is None:
@@ -71,9 +73,14 @@ class Engine:
 
         self._timeline = Timeline(enabled=True)
         grad_tier = Tier.DEVICE if self.optim_tier is Tier.DEVICE else Tier.HOST
-        ctx = ShardContext(device=self.device, pg=self.pg, account=self.account, grad_tier=grad_tier,
-                           grad_device=self.device if grad_tier is Tier.DEVICE else torch.device("cpu"),
-                           lazy_grads=self.optim_tier is Tier.NVME, timeline=self._timeline)
+        ctx = ShardContext(device=self.device, pg=self.pg, account=self.account)
+        if builder is not None:  # its shards already charge its account and live in its context
+            self.account, ctx = builder.account, builder.ctx
+        ctx.grad_tier = grad_tier
+        ctx.grad_device = self.device if grad_tier is Tier.DEVICE else torch.device("cpu")
+        ctx.lazy_grads = self.optim_tier is Tier.NVME
+        ctx.timeline = self._timeline
+        self._builder, self._weights = builder, weights
         self.shards, self._stores, self.manager, self.optimizer = [], [], None, None
         self.activation_checkpointing = None
         try:
@@ -92,7 +99,9 @@ class Engine:
         self.activation_checkpointing = ActivationCheckpointing(
             model, config.activation_checkpointing, self.account, self.device)
         built = build_shards(model, config, ctx, self.compute_dtype, self.param_tier,
-                             self.optim_tier, self._created_dirs)
+                             self.optim_tier, self._created_dirs, builder=self._builder,
+                             weights=self._weights)
+        self._builder = self._weights = None
         self.shards = built.shards
         self._stores = built.stores()
         self.manager = ParameterManager(model, self.shards, on_grad=self._take_grad,
@@ -348,12 +357,18 @@ class Engine:
         self.close()
 
 
-def initialize(model: torch.nn.Module, config) -> Engine:
+def initialize(model: torch.nn.Module, config, weights=None) -> Engine:
     """Wraps `model` for training with its state spread over device, host and NVMe.
 
     config: a dict, a path to a JSON file, or an offload.Config (DeepSpeed's
     keys where the concept is the same; see docs/CONFIG.md).
+    weights: values for the parameters (and buffers), read one tensor at a
+    time: a state dict, a .safetensors or .bin/.pt file, or a Hugging Face
+    directory (offload/engine/weights.py). Parameters on the meta device need
+    them. A model built under offload.init(config) is adopted where it lies.
     """
+    from offload.engine.init_context import claim
+
     config = Config.load(config)
     if config.has_auto():
         hf_config = getattr(model, "config", None)
@@ -361,4 +376,10 @@ def initialize(model: torch.nn.Module, config) -> Engine:
         num_params = sum(p.numel() for p in model.parameters())
         config = config.resolve_auto(hidden, max(num_params, 1),
                                      world_size=ProcessGroupInfo.current().world_size)
-    return Engine(model, config)
+    builder = claim(model, config)
+    try:
+        return Engine(model, config, builder=builder, weights=weights)
+    except BaseException:
+        if builder is not None:
+            builder.unclaim()  # refused before taking it over: initialize may be called again
+        raise

@@ -189,7 +189,11 @@ class ShardedAdam(torch.optim.Optimizer):
         """The shard's gradient is final: update it on the optimizer thread."""
         ov = self._overlap
         if shard.index in ov.submitted:
-            return
+            # Its update already ran with the gradient it had: a second one
+            # would be lost. Autograd accumulates a parameter once per backward.
+            raise RuntimeError(f"parameter {shard.name} received a second gradient in one backward "
+                               "after its overlapped update started; set zero_optimization.overlap_comm "
+                               "to false for this model")
         ov.submitted.add(shard.index)
         ov.arrival.append(shard)
         # Backpressure: gradients waiting for their update hold host memory

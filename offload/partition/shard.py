@@ -276,3 +276,17 @@ class Shard:
     def __repr__(self) -> str:
         return (f"Shard({self.name}, shape={tuple(self.shape)}, home={self.home.value}, "
                 f"{self.residency.value}, refs={self._refs})")
+
+    # ---- construction from a partition (offload.init; engine/build.py) ----
+    def adopt_partition(self, part: torch.Tensor) -> None:
+        """Takes this rank's partition of the initial value (any dtype) into a HOST or NVME home."""
+        if self.home is HomeKind.DEVICE:
+            raise ValueError(f"{self.name}: a device home takes the full value (adopt), not a partition")
+        part = part.detach().reshape(-1).to("cpu", self.dtype)
+        self.ctx.account.charge(Tier.HOST if self.home is HomeKind.HOST else Tier.NVME,
+                                self.part_numel * self.dtype.itemsize, self.name)
+        if self.home is HomeKind.HOST:
+            self.host_part = part.clone().contiguous()
+        else:
+            self.ctx.param_store.write(self, part.contiguous()).wait()
+        self.param.data = self._placeholder
