@@ -15,6 +15,7 @@ _LAZY = {
     "Engine": ("offload.engine", "Engine"),
     "Config": ("offload.config", "Config"),
     "estimate": ("offload.estimate", "estimate"),
+    "consolidate": ("offload.checkpoint_io", "consolidate"),
 }
 
 
@@ -28,4 +29,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'offload' has no attribute {name!r}")
 
 
-__all__ = ["initialize", "Engine", "Config", "estimate", "__version__"]
+__all__ = ["initialize", "Engine", "Config", "estimate", "consolidate", "__version__"]
