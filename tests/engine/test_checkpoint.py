@@ -21,11 +21,10 @@ from tests.engine.models import TinyGPT
 
 CASES_W1 = [
     # model, offload_param, offload_optimizer, precision
-    ("tiny_gpt", "none", "none", "fp32"),
-    ("tiny_gpt", "cpu", "cpu", "fp32"),
+    ("tiny_gpt", "cpu", "cpu", "fp32"),        # the fp32 host home is the master itself
     ("tiny_gpt", "nvme", "nvme", "fp32"),
-    ("with_unused", "nvme", "cpu", "fp32"),
-    ("shared_param", "cpu", "nvme", "bf16"),
+    ("with_unused", "none", "none", "fp32"),   # frozen and unused parameters, a buffer
+    ("shared_param", "cpu", "nvme", "bf16"),   # tied weights, mixed precision
 ]
 
 
