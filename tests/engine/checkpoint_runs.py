@@ -95,6 +95,14 @@ def resume_all(cases, root, out_path):
     torch.save(results, out_path)
 
 
+def fresh_process_context():
+    """New processes forked from a server that has imported torch (and torch._dynamo, which
+    torch.optim imports on first use: seconds) and nothing else: no engine, no RNG use."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "offload.engine", "tests.engine.checkpoint_runs"])
+    return ctx
+
+
 # ---- world size 2 -------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -120,7 +128,7 @@ def _dist_worker(rank, world, port, fn_name, cases, root, results):
 
 def run_world(fn_name, cases, root, world=2, timeout=240):
     """Runs fn(case, case_root, rank) on `world` fresh gloo processes; rank 0's results."""
-    ctx = mp.get_context("spawn")
+    ctx = fresh_process_context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_dist_worker, args=(r, world, port, fn_name, cases, str(root), results))

@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors import safe_open
 
 import offload
@@ -41,7 +40,7 @@ def _assert_resumed_equals_straight(straight, resumed, case):
 def test_resume_in_a_new_process_is_bitwise_exact(tmp_path):
     straight = {i: runs.straight_and_first_half(case, str(tmp_path / f"case{i}"))
                 for i, case in enumerate(CASES_W1)}
-    ctx = mp.get_context("spawn")
+    ctx = runs.fresh_process_context()
     out = tmp_path / "resumed.pt"
     child = ctx.Process(target=runs.resume_all, args=(CASES_W1, str(tmp_path), str(out)))
     child.start()

@@ -12,10 +12,10 @@ import random
 import time
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 import offload
+from tests.engine.checkpoint_runs import fresh_process_context
 
 ROUNDS = 6
 MAX_DELAY_S = 0.6
@@ -74,10 +74,7 @@ class _Reference:
 
 
 def test_sigkill_during_saves_leaves_latest_loadable_and_exact(tmp_path):
-    ctx = mp.get_context("forkserver")
-    # torch.optim imports torch._dynamo on first use (seconds): done once, in the server.
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "offload.engine",
-                                "tests.engine.test_checkpoint_crash"])
+    ctx = fresh_process_context()
     rng = random.Random(20261122)
     reference = _Reference(tmp_path)
     interrupted, loaded_steps, before = 0, [], {}
