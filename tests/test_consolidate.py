@@ -99,8 +99,8 @@ def test_streamed_safetensors_file_reads_back_with_the_library(tmp_path, shapes)
         for dtype in dtypes:
             value = torch.randn(shape, generator=gen) * 100
             tensors[f"t{i}.{str(dtype)[6:]}"] = value.to(dtype) if dtype is not torch.bool else value > 0
-    stream = SafetensorsStream(tmp_path / "x.safetensors", [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()],
-                               {"note": "streamed"})
+    plan = [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()]
+    stream = SafetensorsStream(tmp_path / "x.safetensors", plan, {"note": "streamed"})
     for name, value in tensors.items():
         stream.write(name, value)
     nbytes, _ = stream.close()
@@ -112,7 +112,8 @@ def test_streamed_safetensors_file_reads_back_with_the_library(tmp_path, shapes)
 
 
 def test_streamed_writer_refuses_out_of_plan_tensors(tmp_path):
-    stream = SafetensorsStream(tmp_path / "x.safetensors", [("a", torch.float32, (2,)), ("b", torch.float32, (3,))])
+    plan = [("a", torch.float32, (2,)), ("b", torch.float32, (3,))]
+    stream = SafetensorsStream(tmp_path / "x.safetensors", plan)
     with pytest.raises(ValueError, match="expected tensor 'a' torch.float32 \\[2\\] next, got 'b'"):
         stream.write("b", torch.zeros(3))
     stream.write("a", torch.zeros(2))

@@ -72,7 +72,9 @@ def straight_and_first_half(case, root, rank=0):
         with torch.no_grad():  # for tests/test_consolidate.py: the engine's output at the save
             straight["output_at_save"] = e(PROBE_INPUT).float()
         straight["at_save"] = snapshot(e)
-        e.save_checkpoint(os.path.join(root, "ckpt"), tag="at-half")  # another tag beside it
+        # Another tag beside it, saved asynchronously: the next save commits it (with
+        # several ranks, after all of them report their files).
+        e.save_checkpoint(os.path.join(root, "ckpt"), tag="at-half", async_save=True)
         e.save_checkpoint(os.path.join(root, "ckpt"), client_state={"half": MICRO_STEPS // 2})
     return straight
 
