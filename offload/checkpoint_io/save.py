@@ -27,6 +27,7 @@ agrees over the process group and rank 0 commits.
 from __future__ import annotations
 
 import io
+import json
 import random
 import shutil
 import threading
@@ -203,8 +204,6 @@ class SaveJob:
             merged.update({rel: {"bytes": n, "crc": crc} for rel, (n, crc) in entries.items()})
         manifest = {"format": mf.FORMAT, "version": mf.VERSION, "tag": self.tag,
                     "checksum": self.kind.name, "model": self.model, "files": merged}
-        import json
-
         files.write_bytes(self.tmp / mf.MANIFEST, json.dumps(manifest, indent=1).encode())
         files.fsync_path(self.tmp)
         final, old = self.root / self.tag, mf.old_dir(self.root, self.tag)
