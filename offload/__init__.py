@@ -18,6 +18,7 @@ _LAZY = {
     "Config": ("offload.config", "Config"),
     "estimate": ("offload.estimate", "estimate"),
     "checkpoint": ("offload.activations", "checkpoint"),
+    "consolidate": ("offload.checkpoint_io", "consolidate"),
 }
 
 
@@ -31,4 +32,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'offload' has no attribute {name!r}")
 
 
-__all__ = ["initialize", "init", "Engine", "Config", "estimate", "checkpoint", "__version__"]
+__all__ = ["initialize", "init", "Engine", "Config", "estimate", "checkpoint", "consolidate", "__version__"]

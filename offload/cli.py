@@ -2,6 +2,7 @@
 
   offload report            versions, native extension, SIMD, threads, I/O backends
   offload estimate ...      memory per tier for a model size and a config (offload/estimate.py)
+  offload consolidate ...   one safetensors file from a checkpoint (offload/checkpoint_io/consolidation.py)
   offload bench adam ...    CPU Adam benchmark (offload/bench/cpu_adam.py)
   offload bench io ...      NVMe path benchmark (offload/bench/io.py)
   offload bench train ...   whole training steps (offload/bench/train.py)
@@ -32,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     estimate.add_arguments(sub.add_parser(
         "estimate", help="bytes per tier (device, host, NVMe) for a model and a configuration"))
+    importlib.import_module("offload.checkpoint_io.consolidation").add_arguments(sub.add_parser(
+        "consolidate", help="write a checkpoint's full model as one safetensors file"))
     bench = sub.add_parser("bench", help="run a benchmark (prints JSON, writes a PNG)")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
     for name, (module_name, help_text) in BENCHMARKS.items():
@@ -56,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         from offload import estimate
 
         return estimate.run(args)
+    if args.command == "consolidate":
+        return importlib.import_module("offload.checkpoint_io.consolidation").run(args)
     if getattr(args, "bench_missing", False):
         print(f"offload bench {args.benchmark}: not available in this version", file=sys.stderr)
         return 2

@@ -136,6 +136,7 @@ class Engine:
         self.skipped_steps = 0
         self._pending_backward = False
         self._closed = False
+        self._checkpoint_job = None  # an async save in progress (offload/checkpoint_io)
 
     # ---- the training loop -------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -166,6 +167,9 @@ class Engine:
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         if self._can_overlap():
+            # Updates start during this backward: an async checkpoint must have
+            # read what it saves first (Note [consistent async checkpoint]).
+            self._before_update()
             self.optimizer.begin_overlap()
         try:
             with self._timeline.span("backward"):
@@ -219,6 +223,7 @@ class Engine:
             self.loss_scaler.update(False, self.global_steps + self.skipped_steps + 1)
         if self.config.gradient_clipping > 0:
             self._clip_grads(self.config.gradient_clipping)
+        self._before_update()  # Note [consistent async checkpoint] (offload/checkpoint_io/save.py)
         self.optimizer.step()
         self._finish_step()
 
@@ -312,11 +317,12 @@ class Engine:
         """Removes hooks and the swap files this engine created. Idempotent."""
         if self._closed:
             return
-        self._closed = True
         try:
+            self.wait_checkpoint()  # it may still be copying swap files
             if self.optimizer.overlapping:
                 self.optimizer.step()
         finally:
+            self._closed = True
             self.optimizer.close()
             self.manager.release_all()
             self.manager.remove_hooks()
@@ -355,6 +361,50 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # ---- checkpoints (offload/checkpoint_io) ---------------------------------
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state=None, *,
+                        async_save: bool = False) -> str:
+        """Saves every tier's state under save_dir/tag (default tag: global_step{N}); returns the tag.
+
+        Crash-safe: the checkpoint appears complete or not at all, and `latest`
+        names it only then. async_save=True returns once the small state is
+        captured; tensors are written while training goes on (the next
+        optimizer update waits until they are read). wait_checkpoint(), the
+        next save and close() wait for it. A collective with several ranks.
+        """
+        from offload.checkpoint_io import save_checkpoint
+
+        self._check_open()
+        self.wait_checkpoint()
+        job = save_checkpoint(self, save_dir, tag, client_state, async_save)
+        if async_save:
+            self._checkpoint_job = job
+        else:
+            job.finish()
+        return job.tag
+
+    def load_checkpoint(self, load_dir, tag: str | None = None):
+        """Restores everything save_checkpoint saved (tag default: `latest`); returns client_state.
+
+        The checkpoint is verified first (manifest, sizes, checksums, model,
+        world size); a bad one raises CheckpointError and changes nothing.
+        """
+        from offload.checkpoint_io import load_checkpoint
+
+        self._check_open()
+        self.wait_checkpoint()
+        return load_checkpoint(self, load_dir, tag)
+
+    def wait_checkpoint(self) -> None:
+        """Waits for an async save to be written and committed; raises its error, if any."""
+        job, self._checkpoint_job = self._checkpoint_job, None
+        if job is not None:
+            job.finish()
+
+    def _before_update(self) -> None:
+        if self._checkpoint_job is not None:
+            self._checkpoint_job.before_update()
 
 
 def initialize(model: torch.nn.Module, config, weights=None) -> Engine:

@@ -317,6 +317,36 @@ class ShardedAdam(torch.optim.Optimizer):
     def state_bytes(self) -> int:
         return sum(3 * s.part_numel * 4 for s in self.shards)
 
+    # ---- checkpoints (offload/checkpoint_io) --------------------------------
+    def state_tensors(self, shard: Shard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The live (master, exp_avg, exp_avg_sq) of a DEVICE/HOST-tier shard: not copies."""
+        if self.tier is Tier.NVME:
+            raise ValueError(f"optimizer state of {shard.name} is in a file on the NVMe tier: "
+                             "use state_file()")
+        return self._states[shard.index]
+
+    def state_file(self, shard: Shard):
+        """The NVMe-tier swap file holding [master | exp_avg | exp_avg_sq] of `shard`."""
+        if self.tier is not Tier.NVME:
+            raise ValueError(f"optimizer state of {shard.name} is on the {self.tier.value} tier, "
+                             "not in a file: use state_tensors()")
+        return self.state_store.path_of(self._key(shard))
+
+    @torch.no_grad()
+    def load_state_tensors(self, shard: Shard, master: torch.Tensor, exp_avg: torch.Tensor,
+                           exp_avg_sq: torch.Tensor) -> None:
+        """Replaces `shard`'s state with these values (part_numel fp32 elements each)."""
+        for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            if t.shape != (shard.part_numel,) or t.dtype != torch.float32:
+                raise ValueError(f"{name} of {shard.name}: expected {shard.part_numel} fp32 elements, "
+                                 f"got {tuple(t.shape)} {t.dtype}")
+        if self.tier is Tier.NVME:
+            packed = torch.cat([master.cpu(), exp_avg.cpu(), exp_avg_sq.cpu()])
+            self.state_store.swap_out(self._key(shard), packed).wait()
+            return
+        for dst, src in zip(self._states[shard.index], (master, exp_avg, exp_avg_sq)):
+            dst.copy_(src)
+
 
 def _fused_torch_adam(master, grad, m, v, step: int, group: dict) -> None:
     """torch's fused kernel, for state that lives on a CUDA device."""

@@ -76,3 +76,7 @@ class ParamStore:
 
     def close(self) -> None:
         self.store.close()
+
+    def path_of(self, shard):
+        """The swap file of `shard`'s partition (checkpoints copy it)."""
+        return self.store.path_of(_key(shard))

@@ -1,0 +1,36 @@
+"""Checkpoints: crash-safe, exactly resumable saves of an engine, and consolidation.
+
+    tag = engine.save_checkpoint("ckpts", client_state={"epoch": 3})   # every rank calls it
+    client_state = engine.load_checkpoint("ckpts")                     # the tag `latest` names
+    offload.consolidate("ckpts", "model.safetensors")                  # one file, plain PyTorch
+
+Layout and commit protocol: Note [checkpoint layout] (manifest.py). What is
+captured when, and how an async save stays consistent while training goes
+on: Note [consistent async checkpoint] (save.py).
+"""
+from offload.checkpoint_io.manifest import CheckpointError
+
+
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, async_save=False):
+    """Starts (async_save) or performs a save; returns the SaveJob (finish() commits)."""
+    from offload.checkpoint_io.save import SaveJob
+
+    return SaveJob(engine, save_dir, tag, client_state, async_save)
+
+
+def load_checkpoint(engine, load_dir, tag=None):
+    from offload.checkpoint_io.load import load_into
+
+    return load_into(engine, load_dir, tag)
+
+
+def consolidate(ckpt_dir, out_path, tag=None, dtype=None, progress=True):
+    import torch
+
+    from offload.checkpoint_io.consolidation import consolidate as _consolidate
+
+    return _consolidate(ckpt_dir, out_path, tag=tag, dtype=torch.float32 if dtype is None else dtype,
+                        progress=progress)
+
+
+__all__ = ["CheckpointError", "consolidate", "load_checkpoint", "save_checkpoint"]

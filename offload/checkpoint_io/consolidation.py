@@ -1,0 +1,132 @@
+"""One safetensors file of the whole model from a checkpoint of any world size.
+
+    offload.consolidate("ckpts", "model.safetensors")             # fp32 from the masters
+    offload consolidate ckpts model.safetensors --dtype bf16      # the same, from the shell
+
+Names are the module's state_dict names, so the file loads into the plain
+model (`safetensors.torch.load_model(model, path)`, or `load_file` and
+`model.load_state_dict`). Values: parameters from the fp32 master partitions
+of every rank, concatenated in rank order with the padding stripped, then
+cast to `dtype`; floating-point buffers cast too, others kept as saved.
+
+Tied weights (one parameter under several names): saved once, under the
+model's first name for it, as safetensors and Hugging Face do (safetensors
+refuses to store two names for one storage). The other names are listed in
+the header metadata, key "offload.tied" (JSON: alias -> saved name).
+`safetensors.torch.load_model` restores them; with `load_state_dict` use
+strict=False, or tie them afterwards as HF's `tie_weights()` does.
+
+Host memory is bounded by the largest tensor (its fp32 value and its cast):
+tensors are built and written one at a time (files.SafetensorsStream).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from offload.checkpoint_io import manifest as mf
+from offload.checkpoint_io.files import SafetensorsStream
+from offload.checkpoint_io.load import RankFiles
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def consolidate(ckpt_dir, out_path, tag: str | None = None, dtype: torch.dtype = torch.float32,
+                progress: bool = True) -> Path:
+    """Writes the checkpoint's full model to `out_path` (safetensors); returns the path."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+        dtype = DTYPES[dtype]
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype {dtype}: expected torch.float32, torch.bfloat16 or torch.float16")
+    # No model here: manifest["model"] describes it. Every rank's files are verified.
+    probe = mf.read_manifest(mf.resolve_tag_dir(ckpt_dir, tag))
+    world = probe["model"]["world_size"]
+    tag_dir, manifest = mf.load_verified(ckpt_dir, tag, None, range(world))
+    model = manifest["model"]
+    sources = [RankFiles(tag_dir, manifest, r) for r in range(world)]
+    params = {p["index"]: p for p in model["parameters"]}
+    buffers = {b["name"]: b for b in model["buffers"]}
+
+    def full_param(p: dict) -> torch.Tensor:
+        n = p["part_numel"]
+        full = torch.empty(n * world, dtype=torch.float32)
+        for r, src in enumerate(sources):
+            full[r * n:(r + 1) * n] = src.master(p["index"], n)
+        numel = 1
+        for d in p["shape"]:
+            numel *= d
+        return full[:numel].view(p["shape"]).to(dtype)
+
+    def buffer(name: str) -> torch.Tensor:
+        value = sources[0].tensor(f"buffer.{name}")
+        return value.to(dtype) if value.is_floating_point() else value
+
+    plan, make, tied, saved_as = [], [], {}, {}
+    for key, what, index in model["state_dict"]:
+        if what == "param":
+            if index in saved_as:
+                tied[key] = saved_as[index]
+                continue
+            saved_as[index] = key
+            plan.append((key, dtype, tuple(params[index]["shape"])))
+            make.append(lambda p=params[index]: full_param(p))
+        else:
+            b = buffers[key]
+            saved_dtype = getattr(torch, b["dtype"])
+            plan.append((key, dtype if saved_dtype.is_floating_point else saved_dtype, tuple(b["shape"])))
+            make.append(lambda key=key: buffer(key))
+    metadata = {"format": "pt", "offload.source": f"{tag_dir}"}
+    if tied:
+        metadata["offload.tied"] = json.dumps(tied)
+
+    out_path = Path(out_path)
+    tmp = out_path.with_name(f".{out_path.name}.tmp")
+    total = sum(dt.itemsize * _numel(shape) for _, dt, shape in plan)
+    stream = SafetensorsStream(tmp, plan, metadata)
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="consolidate",
+                  disable=not progress) as bar:
+            for (name, dt, shape), build in zip(plan, make):
+                stream.write(name, build())
+                bar.update(_numel(shape) * dt.itemsize)
+        stream.close()
+    except BaseException:
+        stream.abort()
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, out_path)
+    return out_path
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("checkpoint", help="directory given to engine.save_checkpoint")
+    parser.add_argument("out", help="the safetensors file to write")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one 'latest' names)")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
+                        help="dtype of the floating-point tensors written (default fp32, from the masters)")
+
+
+def run(args) -> int:
+    import sys
+
+    try:
+        path = consolidate(args.checkpoint, args.out, tag=args.tag, dtype=DTYPES[args.dtype])
+    except (mf.CheckpointError, OSError) as exc:
+        print(f"offload consolidate: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0

@@ -1,0 +1,197 @@
+"""Where a checkpoint's files are, what its manifest says, and whether to trust it.
+
+Note [checkpoint layout]
+    save_dir/
+      latest                    the newest complete tag (written last: temp + rename)
+      <tag>/
+        manifest.json           format, world size, the model's description, and every
+                                file below with its size and checksum
+        rank{r}/
+          engine_state.pt       counters, per-shard step counts, param groups, LR
+                                scheduler, loss scaler, RNG states, client_state
+          state.safetensors     this rank's partitions on the device/host tiers:
+                                param.{i} (compute dtype), master.{i}, exp_avg.{i},
+                                exp_avg_sq.{i}, and buffer.{name} (module buffers)
+          nvme/param.{i}.swp    NVMe-tier partitions: byte copies of the swap files
+          nvme/optim.{i}.swp    (Note [swap file format] in offload/aio/swap_store.py)
+A save writes everything under `.<tag>.tmp/`, fsyncs the files and
+directories, writes manifest.json, renames the directory to `<tag>` and only
+then rewrites `latest`. A crash at any moment leaves `latest` naming a
+complete checkpoint; a tag without manifest.json never exists under its
+final name. Re-saving an existing tag moves the old one to `.<tag>.old`
+first; a crash between the two renames is recovered on load (the old copy,
+complete and verified, is used).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from offload.aio.checksum import ChecksumKind
+from offload.checkpoint_io import files
+
+FORMAT = "offload-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]*$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, corrupt or does not fit this engine."""
+
+
+def check_tag(tag: str) -> str:
+    if not isinstance(tag, str) or not _TAG.match(tag) or tag == LATEST or len(tag) > 200:
+        raise ValueError(f"checkpoint tag {tag!r}: expected a plain directory name (letters, digits, "
+                         f"'_', '-', '.', '+', '=', not starting with '.', not {LATEST!r})")
+    return tag
+
+
+def tmp_dir(root: Path, tag: str) -> Path:
+    return root / f".{tag}.tmp"
+
+
+def old_dir(root: Path, tag: str) -> Path:
+    return root / f".{tag}.old"
+
+
+def rank_dir(tag_dir: Path, rank: int) -> Path:
+    return tag_dir / f"rank{rank}"
+
+
+def write_latest(root: Path, tag: str) -> None:
+    tmp = root / f".{LATEST}.tmp"
+    files.write_bytes(tmp, (tag + "\n").encode())
+    files.replace_durably(tmp, root / LATEST)
+
+
+def describe_model(engine) -> dict:
+    """What a checkpoint must match to be loaded into this engine (and what consolidation needs)."""
+    index_of = {id(s.param): s.index for s in engine.shards}
+    state_dict, buffers = [], []
+    for key, value in engine.module.state_dict(keep_vars=True).items():
+        if id(value) in index_of:
+            state_dict.append([key, "param", index_of[id(value)]])
+        else:
+            state_dict.append([key, "buffer", None])
+            buffers.append({"name": key, "dtype": str(value.dtype).removeprefix("torch."),
+                            "shape": list(value.shape)})
+    return {
+        "world_size": engine.pg.world_size,
+        "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
+        "optimizer_tier": engine.optim_tier.value,
+        "parameters": [{"index": s.index, "name": s.name, "shape": list(s.shape),
+                        "part_numel": s.part_numel, "home": s.home.value} for s in engine.shards],
+        "buffers": buffers,
+        "state_dict": state_dict,
+    }
+
+
+def mismatches(saved: dict, here: dict) -> list[str]:
+    """Why a checkpoint described by `saved` cannot be loaded into `here` (empty: it can)."""
+    problems = []
+    if saved["world_size"] != here["world_size"]:
+        problems.append(f"world size mismatch: saved with {saved['world_size']} ranks, "
+                        f"this run has {here['world_size']}")
+    if saved["compute_dtype"] != here["compute_dtype"]:
+        problems.append(f"precision mismatch: saved in {saved['compute_dtype']}, "
+                        f"this engine computes in {here['compute_dtype']}")
+    problems += _named_mismatches("parameter", saved["parameters"], here["parameters"])
+    problems += _named_mismatches("buffer", saved["buffers"], here["buffers"])
+    return problems
+
+
+def _named_mismatches(what: str, saved: list[dict], here: list[dict]) -> list[str]:
+    a = {e["name"]: e["shape"] for e in saved}
+    b = {e["name"]: e["shape"] for e in here}
+    out = []
+    if a.keys() - b.keys():
+        out.append(f"model mismatch: {what}s in the checkpoint but not in the model: "
+                   f"{sorted(a.keys() - b.keys())[:5]}")
+    if b.keys() - a.keys():
+        out.append(f"model mismatch: {what}s in the model but not in the checkpoint: "
+                   f"{sorted(b.keys() - a.keys())[:5]}")
+    for name in a.keys() & b.keys():
+        if a[name] != b[name]:
+            out.append(f"model mismatch: {what} {name!r} has shape {a[name]} in the checkpoint, "
+                       f"{b[name]} in the model")
+    if not out and [e["name"] for e in saved] != [e["name"] for e in here]:
+        out.append(f"model mismatch: the {what}s are in a different order than in the checkpoint")
+    return out
+
+
+def resolve_tag_dir(root, tag: str | None) -> Path:
+    """The directory of `tag` (or of the tag `latest` names), refusing what is not there."""
+    root = Path(root)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} does not exist")
+    if tag is None:
+        latest = root / LATEST
+        if not latest.is_file():
+            raise CheckpointError(f"no '{LATEST}' file in {root}: no checkpoint was completed "
+                                  f"there; pass tag= to load a specific one")
+        tag = latest.read_text().strip()
+    check_tag(tag)
+    tag_dir = root / tag
+    if tag_dir.is_dir():
+        return tag_dir
+    # Note [checkpoint layout]: a crash while re-saving the same tag.
+    if (old_dir(root, tag) / MANIFEST).is_file():
+        return old_dir(root, tag)
+    found = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    raise CheckpointError(f"checkpoint tag {tag!r} not found in {root} (tags there: {found})")
+
+
+def read_manifest(tag_dir: Path) -> dict:
+    path = tag_dir / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"incomplete checkpoint {tag_dir}: no {MANIFEST} (was the save "
+                              f"interrupted?)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"corrupt checkpoint {tag_dir}: {MANIFEST} is not valid JSON "
+                              f"({exc})") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise CheckpointError(f"{path}: not an offload checkpoint of format version {VERSION} "
+                              f"(format {manifest.get('format')!r}, version {manifest.get('version')!r})")
+    return manifest
+
+
+def verify_files(tag_dir: Path, manifest: dict, ranks) -> list[str]:
+    """Checks size and checksum of every file of `ranks`, and the presence and size of all."""
+    problems = []
+    kind_ = ChecksumKind[manifest["checksum"]]
+    prefixes = tuple(f"rank{r}/" for r in ranks)
+    for rel, entry in sorted(manifest["files"].items()):
+        path = tag_dir / rel
+        if not path.is_file():
+            problems.append(f"corrupt checkpoint {tag_dir}: file {rel} is missing")
+            continue
+        size = os.path.getsize(path)
+        if size != entry["bytes"]:
+            problems.append(f"corrupt checkpoint {tag_dir}: file {rel} has {size} bytes, "
+                            f"the manifest says {entry['bytes']}")
+            continue
+        if rel.startswith(prefixes):
+            _, crc = files.file_checksum(path, kind_)
+            if crc != entry["crc"]:
+                problems.append(f"corrupt checkpoint {tag_dir}: file {rel} fails its "
+                                f"{kind_.name} check (stored {entry['crc']:#010x}, "
+                                f"read {crc:#010x})")
+    return problems
+
+
+def load_verified(root, tag: str | None, here: dict | None, ranks) -> tuple[Path, dict]:
+    """Resolves, reads and verifies a checkpoint; raises CheckpointError naming every problem."""
+    tag_dir = resolve_tag_dir(root, tag)
+    manifest = read_manifest(tag_dir)
+    problems = mismatches(manifest["model"], here) if here is not None else []
+    if not problems:
+        problems = verify_files(tag_dir, manifest, ranks)
+    if problems:
+        raise CheckpointError("cannot load checkpoint: " + "; ".join(problems))
+    return tag_dir, manifest

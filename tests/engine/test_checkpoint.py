@@ -1,0 +1,281 @@
+"""Checkpoints: exact resume in a new process (world size 1 and 2, every tier),
+async saves that stay consistent while training goes on, and refusal of
+incomplete, corrupt or mismatched checkpoints before anything changes."""
+import json
+import os
+import random
+import shutil
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import offload
+from offload.checkpoint_io import CheckpointError, files
+from offload.checkpoint_io.load import read_swap_file
+from tests.engine import checkpoint_runs as runs
+from tests.engine.harness import build, make_config
+from tests.engine.models import TinyGPT
+
+CASES_W1 = [
+    # model, offload_param, offload_optimizer, precision
+    ("tiny_gpt", "cpu", "cpu", "fp32"),        # the fp32 host home is the master itself
+    ("tiny_gpt", "nvme", "nvme", "fp32"),
+    ("with_unused", "none", "none", "fp32"),   # frozen and unused parameters, a buffer
+    ("shared_param", "cpu", "nvme", "bf16"),   # tied weights, mixed precision
+]
+
+
+def _assert_resumed_equals_straight(straight, resumed, case):
+    for kind in ("master", "home"):
+        for name, value in straight[kind].items():
+            assert torch.equal(resumed[kind][name], value), f"{case} {kind} {name} differs after resume"
+    # The resumed run's own losses (its data came from the restored RNG states).
+    assert torch.equal(resumed["losses"], straight["losses"][runs.MICRO_STEPS // 2:]), case
+    assert resumed["client"] == {"half": runs.MICRO_STEPS // 2}
+    assert resumed["counters"] == (3, 6, 0)
+
+
+def test_resume_in_a_new_process_is_bitwise_exact(tmp_path):
+    straight = {i: runs.straight_and_first_half(case, str(tmp_path / f"case{i}"))
+                for i, case in enumerate(CASES_W1)}
+    ctx = runs.fresh_process_context()
+    out = tmp_path / "resumed.pt"
+    child = ctx.Process(target=runs.resume_all, args=(CASES_W1, str(tmp_path), str(out)))
+    child.start()
+    child.join(timeout=240)
+    assert child.exitcode == 0, f"resuming process failed (exit code {child.exitcode})"
+    resumed = torch.load(out, weights_only=False)
+    for i, case in enumerate(CASES_W1):
+        _assert_resumed_equals_straight(straight[i], resumed[i], case)
+
+
+def test_resume_world_size_two_is_bitwise_exact(tmp_path_factory):
+    cases, root, straight = runs.world2_checkpoints(tmp_path_factory)
+    resumed = runs.run_world("second_half", cases, root)  # new processes
+    for i, case in enumerate(cases):
+        _assert_resumed_equals_straight(straight[i], resumed[i], case)
+    # The same checkpoint into one rank: refused, naming the world sizes.
+    case = cases[0]
+    with offload.initialize(build(case[0]), runs.case_config(case, root / "w1")) as e:
+        with pytest.raises(CheckpointError, match="world size mismatch: saved with 2 ranks, this run has 1"):
+            e.load_checkpoint(root / "case0" / "ckpt")
+
+
+# ---- async saves --------------------------------------------------------------
+def _engine(tmp_path, param="cpu", optim="nvme", model="tiny_gpt", seed=0, **kw):
+    return offload.initialize(build(model, seed), make_config(param, optim, tmp_path / f"swap{seed}{param}",
+                                                              scheduler=runs.WARMUP, **kw))
+
+
+def _state(engine):
+    """Everything a failed load must leave alone, as plain values."""
+    opt = engine.optimizer
+    moments = {}
+    for s in engine.shards:
+        if opt.tier.value == "nvme":
+            packed = read_swap_file(opt.state_file(s), torch.float32, 3 * s.part_numel)
+            moments[s.name] = packed[s.part_numel:].clone()
+        else:
+            moments[s.name] = torch.cat([t.cpu() for t in opt.state_tensors(s)[1:]])
+    return {"weights": runs.snapshot(engine), "moments": moments, "steps": dict(opt.shard_steps),
+            "counters": (engine.global_steps, engine.micro_steps, engine.skipped_steps),
+            "lr": [g["lr"] for g in opt.param_groups],
+            "sched": engine.lr_scheduler.state_dict()["last_epoch"],
+            "rng": (torch.get_rng_state(), random.getstate())}
+
+
+def _assert_same_state(a, b):
+    for kind in ("master", "home"):
+        for name in a["weights"][kind]:
+            assert torch.equal(a["weights"][kind][name], b["weights"][kind][name]), name
+    for name in a["moments"]:
+        assert torch.equal(a["moments"][name], b["moments"][name]), name
+    keys = ("steps", "counters", "lr", "sched")
+    assert [a[k] for k in keys] == [b[k] for k in keys]
+    assert torch.equal(a["rng"][0], b["rng"][0]) and a["rng"][1] == b["rng"][1]
+
+
+class _SlowWrites:
+    """Slows the writer thread down (a sleep per file copy and per tensor), counting items."""
+
+    def __init__(self, monkeypatch, delay=0.02):
+        self.items = 0
+        copy, write = files.copy_file, files.SafetensorsStream.write
+
+        def slow_copy(*args):
+            self.items += 1
+            time.sleep(delay)
+            return copy(*args)
+
+        def slow_write(stream, *args):
+            self.items += 1
+            time.sleep(delay)
+            return write(stream, *args)
+
+        monkeypatch.setattr(files, "copy_file", slow_copy)
+        monkeypatch.setattr(files.SafetensorsStream, "write", slow_write)
+
+
+@pytest.mark.parametrize("param,optim", [("cpu", "nvme"), ("nvme", "cpu"), ("none", "none")])
+def test_async_save_snapshot_is_unchanged_by_steps_run_while_it_is_written(tmp_path, monkeypatch,
+                                                                           param, optim):
+    slow = _SlowWrites(monkeypatch)
+    with _engine(tmp_path, param, optim) as e:
+        runs.seed(0)
+        runs.train(e, 3)
+        at_save = _state(e)
+        e.save_checkpoint(tmp_path / "ck", client_state={"at": 3}, async_save=True)
+        job = e._checkpoint_job
+        assert job is not None and not job._snapshot_done.is_set(), "save did not return before writing"
+        assert not (tmp_path / "ck" / "latest").exists()
+        runs.train(e, 4)  # forward/backward overlap the write; each update waits for the snapshot
+        assert e.global_steps == 7
+        after = _state(e)
+        e.wait_checkpoint()
+    assert slow.items > 10
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "global_step3"
+    with _engine(tmp_path, param, optim, seed=5) as fresh:
+        assert fresh.load_checkpoint(tmp_path / "ck") == {"at": 3}
+        loaded = _state(fresh)
+    loaded["rng"] = at_save["rng"]  # compared separately: RNG moved on in this process
+    _assert_same_state(at_save, loaded)
+    # ...while the steps run during the write did change the weights.
+    assert not torch.equal(after["weights"]["master"]["wte.weight"],
+                           at_save["weights"]["master"]["wte.weight"])
+
+
+def test_close_waits_for_an_async_save(tmp_path, monkeypatch):
+    _SlowWrites(monkeypatch)
+    e = _engine(tmp_path, "nvme", "nvme")
+    runs.train(e, 1)
+    e.save_checkpoint(tmp_path / "ck", async_save=True)
+    e.close()  # removes the swap files the writer copies: only after it finished
+    with _engine(tmp_path, "nvme", "nvme", seed=3) as fresh:
+        fresh.load_checkpoint(tmp_path / "ck")
+        assert fresh.global_steps == 1
+
+
+def test_failed_async_save_is_reported_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    with _engine(tmp_path) as e:
+        runs.train(e, 1)
+        e.save_checkpoint(tmp_path / "ck")
+
+        def disk_full(*a):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(files, "copy_file", disk_full)
+        runs.train(e, 1)
+        e.save_checkpoint(tmp_path / "ck", async_save=True)
+        with pytest.raises(OSError, match="No space left"):
+            e.wait_checkpoint()
+        e.wait_checkpoint()  # reported once
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "global_step1"
+    assert sorted(os.listdir(tmp_path / "ck")) == ["global_step1", "latest"]
+
+
+# ---- layout and refusals --------------------------------------------------------
+def test_layout_manifest_and_atomic_names(tmp_path):
+    with _engine(tmp_path, "nvme", "cpu", model="with_unused") as e:
+        runs.train(e, 2)
+        tag = e.save_checkpoint(tmp_path / "ck")
+        e.save_checkpoint(tmp_path / "ck", tag=tag)  # re-saving a tag replaces it
+    root = tmp_path / "ck"
+    assert sorted(os.listdir(root)) == [tag, "latest"]  # no temporary or old directory left
+    manifest = json.loads((root / tag / "manifest.json").read_text())
+    on_disk = {str(p.relative_to(root / tag)) for p in (root / tag).rglob("*") if p.is_file()}
+    assert on_disk - {"manifest.json"} == set(manifest["files"])
+    for rel, entry in manifest["files"].items():
+        assert os.path.getsize(root / tag / rel) == entry["bytes"]
+    with safe_open(str(root / tag / "rank0" / "state.safetensors"), framework="pt") as f:
+        assert "buffer.bias_buf" in f.keys() and "exp_avg.0" in f.keys()
+
+
+def test_interrupted_overwrite_of_a_tag_falls_back_to_the_old_copy(tmp_path):
+    with _engine(tmp_path) as e:
+        runs.train(e, 1)
+        e.save_checkpoint(tmp_path / "ck", tag="t", client_state="one")
+    # As if killed between moving `t` aside and renaming the new one in.
+    os.rename(tmp_path / "ck" / "t", tmp_path / "ck" / ".t.old")
+    with _engine(tmp_path, seed=2) as fresh:
+        assert fresh.load_checkpoint(tmp_path / "ck") == "one"
+
+
+def test_save_inside_an_accumulation_window_is_refused(tmp_path):
+    with _engine(tmp_path, gas=2) as e:
+        runs.train(e, 1)
+        with pytest.raises(RuntimeError, match="inside a gradient accumulation window"):
+            e.save_checkpoint(tmp_path / "ck")
+        runs.train(e, 1)
+        with pytest.raises(ValueError, match="checkpoint tag '../x'"):
+            e.save_checkpoint(tmp_path / "ck", tag="../x")
+    assert not (tmp_path / "ck" / "latest").exists()
+
+
+def _flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+CORRUPTIONS = {
+    "missing file": (lambda d: (d / "global_step2/rank0/nvme/optim.1.swp").unlink(),
+                     "file rank0/nvme/optim.1.swp is missing"),
+    "wrong size": (lambda d: open(d / "global_step2/rank0/state.safetensors", "ab").write(b"\0"),
+                   "state.safetensors has .* bytes, the manifest says"),
+    "bad checksum": (lambda d: _flip_byte(d / "global_step2/rank0/nvme/optim.0.swp"),
+                     r"optim.0.swp fails its CRC32C? check"),
+    "missing manifest": (lambda d: (d / "global_step2/manifest.json").unlink(), "no manifest.json"),
+    "garbled manifest": (lambda d: (d / "global_step2/manifest.json").write_text("{"), "not valid JSON"),
+    "no latest": (lambda d: (d / "latest").unlink(), "no 'latest' file"),
+    "tag not found": (lambda d: (d / "latest").write_text("global_step9\n"), "'global_step9' not found"),
+    "world size": (lambda d: _edit_manifest(d, lambda m: m["model"].update(world_size=2)),
+                   "world size mismatch"),
+    "precision": (lambda d: _edit_manifest(d, lambda m: m["model"].update(compute_dtype="bfloat16")),
+                  "precision mismatch"),
+}
+
+
+def _edit_manifest(d, change):
+    path = d / "global_step2" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("saved")
+    with _engine(root, "cpu", "nvme") as e:
+        runs.train(e, 2)
+        e.save_checkpoint(root / "ck")
+    return root / "ck"
+
+
+@pytest.mark.parametrize("what", sorted(CORRUPTIONS))
+def test_bad_checkpoint_is_refused_before_anything_changes(tmp_path, saved, what):
+    corrupt, message = CORRUPTIONS[what]
+    ck = tmp_path / "ck"
+    shutil.copytree(saved, ck)
+    corrupt(ck)
+    with _engine(tmp_path, "cpu", "nvme", seed=4) as e:
+        runs.train(e, 1)
+        before = _state(e)
+        with pytest.raises(CheckpointError, match=message):
+            e.load_checkpoint(ck)
+        _assert_same_state(before, _state(e))
+        runs.train(e, 1)  # still trains
+
+
+@pytest.mark.parametrize("other", ["shape", "names"])
+def test_checkpoint_of_another_model_is_refused(tmp_path, saved, other):
+    model = TinyGPT(hidden=27) if other == "shape" else build("shared_param")
+    cfg = make_config("cpu", "nvme", tmp_path / "swap", scheduler=runs.WARMUP)
+    with offload.initialize(model, cfg) as e:
+        before = _state(e)
+        message = r"parameter 'wte.weight' has shape \[37, 24\] in the checkpoint, \[37, 27\]" \
+            if other == "shape" else "parameters in the checkpoint but not in the model"
+        with pytest.raises(CheckpointError, match=message):
+            e.load_checkpoint(saved)
+        _assert_same_state(before, _state(e))

@@ -1,0 +1,105 @@
+"""A process killed (SIGKILL) at a random moment of a save leaves `latest`
+naming a complete checkpoint, equal to what was saved at that step.
+
+A child trains a deterministic model and saves after every step, into one
+directory shared by every round (so rounds also overwrite each other's tags
+and find each other's leftovers); the parent kills it after a seeded random
+delay, loads through `latest`, and compares with its own run of the same
+steps. Children fork from a forkserver that has torch imported already, so a
+round costs the delay, not an interpreter start.
+"""
+import random
+import time
+
+import torch
+from torch import nn
+
+import offload
+from tests.engine.checkpoint_runs import fresh_process_context
+
+ROUNDS = 6
+MAX_DELAY_S = 0.6
+
+
+def _model():
+    torch.manual_seed(0)
+    # ~100k parameters: a save (about 1.6 MB in 10 files) takes far longer than a step.
+    return nn.Sequential(nn.Linear(96, 320), nn.Tanh(), nn.Linear(320, 192), nn.Tanh(), nn.Linear(192, 7))
+
+
+def _config(swap):
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(swap)},
+                              "offload_optimizer": {"device": "cpu"}},
+    }
+
+
+def _step(engine, k):
+    gen = torch.Generator().manual_seed(k)
+    x, y = torch.randn(4, 96, generator=gen), torch.randn(4, 7, generator=gen)
+    engine.backward(((engine(x) - y) ** 2).mean())
+    engine.step()
+
+
+def _saver(root, round_, ready):
+    torch.set_num_threads(1)
+    with offload.initialize(_model(), _config(f"{root}/swap{round_}")) as engine:
+        ready.set()
+        for k in range(1, 10_000):
+            _step(engine, k)
+            engine.save_checkpoint(f"{root}/ck", client_state={"step": k})
+
+
+def _leftovers(ck):
+    """Temporary and old directories of interrupted saves, with their modification times."""
+    if not ck.exists():
+        return {}
+    return {p.name: p.stat().st_mtime_ns for p in ck.iterdir() if p.name.startswith(".")}
+
+
+class _Reference:
+    """The same training in this process; masters after each step, computed as needed."""
+
+    def __init__(self, root):
+        self.engine = offload.initialize(_model(), _config(root / "swap_ref"))
+        self.masters = {0: self.engine.full_state_dict(master=True)}
+
+    def at(self, k):
+        while len(self.masters) <= k:
+            _step(self.engine, len(self.masters))
+            self.masters[len(self.masters)] = self.engine.full_state_dict(master=True)
+        return self.masters[k]
+
+
+def test_sigkill_during_saves_leaves_latest_loadable_and_exact(tmp_path):
+    ctx = fresh_process_context()
+    rng = random.Random(20261122)
+    reference = _Reference(tmp_path)
+    interrupted, loaded_steps, before = 0, [], {}
+    try:
+        for round_ in range(ROUNDS):
+            ready = ctx.Event()
+            child = ctx.Process(target=_saver, args=(str(tmp_path), round_, ready))
+            child.start()
+            assert ready.wait(timeout=60), "saver process did not start"
+            time.sleep(rng.uniform(0.05, MAX_DELAY_S))
+            child.kill()
+            child.join()
+            now = _leftovers(tmp_path / "ck")
+            interrupted += any(before.get(name) != stamp for name, stamp in now.items())
+            before = now
+            if not (tmp_path / "ck" / "latest").exists():  # killed before any save completed
+                assert not [p for p in (tmp_path / "ck").glob("global_step*")], "committed without latest"
+                continue
+            with offload.initialize(_model(), _config(tmp_path / f"swap_load{round_}")) as engine:
+                step = engine.load_checkpoint(tmp_path / "ck")["step"]
+                assert engine.global_steps == step
+                for name, value in reference.at(step).items():
+                    assert torch.equal(engine.full_state_dict(master=True)[name], value), (round_, step, name)
+            loaded_steps.append(step)
+    finally:
+        reference.engine.close()
+    # Kills that hit a save in progress, not only the gaps between saves.
+    assert interrupted >= 1, f"only {interrupted} of {ROUNDS} kills interrupted a save ({loaded_steps})"
