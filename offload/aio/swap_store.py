@@ -366,13 +366,17 @@ class SwapStore:
         except (OSError, ValueError) as exc:
             if h._error is None:
                 h._error = exc
+        except BaseException as exc:  # Ctrl-C in a callback: this handle fails, the interrupt goes on
+            if h._error is None:  # later waits on it raise this, not the interrupt again
+                h._error = InterruptedError(f"{h.op} of {h.key!r} interrupted ({type(exc).__name__})")
+            raise
         finally:
             # The pool buffer is only its own again when the kernel is done with it.
             if piece.buffer is not None:
                 self._pool.release(piece.buffer)
-        h._pieces_left -= 1
-        if h._pieces_left == 0 and not h._open:
-            self._complete(h)
+            h._pieces_left -= 1
+            if h._pieces_left == 0 and not h._open:
+                self._complete(h)
 
     def _opened(self, handle: SwapHandle) -> None:
         op = handle.op

@@ -31,7 +31,8 @@ from offload.partition.accounting import MemoryAccount, Tier
 from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.manager import ParameterManager
 from offload.partition.prefetch import prefetch_scheduler
-from offload.partition.shard import ShardContext
+from offload.aio._memory import BufferCache
+from offload.partition.shard import HomeKind, ShardContext
 from offload.timeline import Timeline
 
 log = logging.getLogger("offload")
@@ -80,6 +81,7 @@ class Engine:
         ctx.grad_device = self.device if grad_tier is Tier.DEVICE else torch.device("cpu")
         ctx.lazy_grads = self.optim_tier is Tier.NVME
         ctx.timeline = self._timeline
+        ctx.buffers = None  # set once the shards are known (_build)
         self._builder, self._weights = builder, weights
         self.shards, self._stores, self.manager, self.optimizer = [], [], None, None
         self.activation_checkpointing = None
@@ -104,6 +106,13 @@ class Engine:
         self._builder = self._weights = None
         self.shards = built.shards
         self._stores = built.stores()
+        offloaded = [s.padded_numel * s.dtype.itemsize for s in self.shards if s.home is not HomeKind.DEVICE]
+        if offloaded and not self.shards[0].ctx.buffers:
+            # Gathered buffers reused across steps: about as many as are live at once.
+            account = self.account
+            ctx.buffers = BufferCache(6 * max(offloaded),
+                                      charge=lambda n: account.charge(Tier.HOST, n, "idle gathered buffers"),
+                                      credit=lambda n: account.credit(Tier.HOST, n))
         self.manager = ParameterManager(model, self.shards, on_grad=self._take_grad,
                                         prefetch=prefetch_scheduler(config.zero_optimization, self.shards),
                                         timeline=self._timeline)
@@ -184,8 +193,13 @@ class Engine:
 
     def _can_overlap(self) -> bool:
         """Note [optimizer overlap]: updates may start during this backward when it
-        ends an accumulation window and no step-wide check needs every gradient first."""
-        return (self.config.zero_optimization.overlap_comm
+        ends an accumulation window, no step-wide check needs every gradient
+        first, and there is something to hide: NVMe transfers, or host Adam
+        beside a GPU's backward. Host Adam beside a CPU backward only takes
+        cores from it (measured: backward 0.79 s -> 1.06 s, GPT 67M, 2 cores)."""
+        worth_it = self.optim_tier is Tier.NVME or (self.optim_tier is Tier.HOST
+                                                    and self.device.type == "cuda")
+        return (worth_it and self.config.zero_optimization.overlap_comm
                 and (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
                 and self.loss_scaler is None and not self.config.gradient_clipping > 0)
 
@@ -325,6 +339,8 @@ class Engine:
             self._closed = True
             self.optimizer.close()
             self.manager.release_all()
+            if self.shards and self.shards[0].ctx.buffers is not None:
+                self.shards[0].ctx.buffers.clear()
             self.manager.remove_hooks()
             self.activation_checkpointing.remove()
             self._remove_swap_files()

@@ -19,18 +19,53 @@ tensor per shard (NVME, where the masters are not in memory).
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
+from concurrent.futures import Future
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from offload.aio._memory import aligned_tensor
+from offload.aio._memory import BufferCache
 from offload.ops import adam_step
 from offload.optim.state_stream import StateStream
 from offload.partition.accounting import MemoryAccount, Tier
 from offload.partition.shard import HomeKind, Shard
 from offload.timeline import Timeline
+
+
+class _OptimizerThread:
+    """One daemon thread running submitted calls in order (Note [optimizer overlap]).
+
+    Not a ThreadPoolExecutor: its threads are joined at interpreter exit, and
+    a Ctrl-C landing while it starts a thread can leave one unknown to it,
+    waiting forever, so the process never exits. A daemon thread never holds
+    the exit up (its swap files are scratch, removed by close or left to the OS)."""
+
+    def __init__(self):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="offload-optimizer", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
+                future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        self._calls.put(None)
+        self._thread.join()
 
 
 @dataclass
@@ -67,15 +102,24 @@ class ShardedAdam(torch.optim.Optimizer):
         # that got no gradient in a step is skipped and its count stays.
         self.shard_steps = {shard.index: 0 for shard in shards}
         self.timeline = timeline or Timeline(enabled=False)
-        self._executor: ThreadPoolExecutor | None = None
+        # Started with the engine, not on first use: see _OptimizerThread.
+        self._executor = _OptimizerThread() if tier is not Tier.DEVICE else None
         self._overlap: _Overlap | None = None
         self._arrival_order: list[Shard] | None = None
         self._device_publishes: list[tuple[Shard, torch.Tensor]] = []
         self._param_writes: deque = deque()  # handles of new parameter values being written
+        # Adam kernel threads: the default in a deferred step; one while
+        # updates overlap backward, which has the cores (Note [optimizer overlap]).
+        self._kernel_threads: int | None = None
         # Elements of final gradients waiting for their overlapped update
         # (zero_optimization.reduce_bucket_size; at least the largest shard).
         largest = max((s.part_numel for s in shards), default=1)
         self.pending_grad_elems = max(pending_grad_elems or 2 * largest, largest)
+        # State buffers and new values, reused across steps: as many as are in
+        # flight at once (the shard updated, two read ahead, two written back).
+        self.buffers = BufferCache(5 * 3 * 4 * largest + 3 * 4 * largest,
+                                   charge=lambda n: account.charge(Tier.HOST, n, "idle optimizer buffers"),
+                                   credit=lambda n: account.credit(Tier.HOST, n))
         params = []
         self._states: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for shard in shards:
@@ -137,7 +181,7 @@ class ShardedAdam(torch.optim.Optimizer):
         if self.tier is not Tier.NVME:
             return None
         stream = StateStream(self.state_store, self._key, order, account=self.account,
-                             timeline=self.timeline, cap_elems=self.sub_group_size)
+                             timeline=self.timeline, cap_elems=self.sub_group_size, buffers=self.buffers)
         stream.start()
         return stream
 
@@ -173,7 +217,8 @@ class ShardedAdam(torch.optim.Optimizer):
         if self._overlap is not None:
             raise RuntimeError("an overlapped optimizer step is already in progress")
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-optimizer")
+            self._executor = _OptimizerThread()
+        self._kernel_threads = 1
         order = self._arrival_order or list(reversed(self.shards))
         self._overlap = _Overlap(group=dict(self.param_groups[0]), futures=[], submitted=set(),
                                  arrival=[])
@@ -221,6 +266,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self._overlap = None
         try:
             with self.timeline.span("wait", "optimizer"):
+                self._kernel_threads = None  # backward is over: the late ones may use every core
                 late = [s for s in self._stepping() if s.index not in ov.submitted] if update_late else []
                 ov.futures += [self._executor.submit(self._update_shard, s, ov.group, ov.stream)
                                for s in late]
@@ -238,8 +284,9 @@ class ShardedAdam(torch.optim.Optimizer):
         self._flush_publishes()
 
     def close(self) -> None:
+        self.buffers.clear()
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            self._executor.shutdown()
             self._executor = None
 
     # ---- one shard --------------------------------------------------------
@@ -269,7 +316,7 @@ class ShardedAdam(torch.optim.Optimizer):
             fused_out = home_out if home_out is not None and home_out.dtype != torch.float32 else None
             adam_step(master, grad, m, v, step=step, lr=group["lr"], beta1=beta1,
                       beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                      adamw_mode=group["adamw_mode"], out=fused_out)
+                      adamw_mode=group["adamw_mode"], out=fused_out, num_threads=self._kernel_threads)
             if home_out is not None and fused_out is None:
                 home_out.copy_(master)
         self._publish(shard, master, home_out)
@@ -278,8 +325,10 @@ class ShardedAdam(torch.optim.Optimizer):
         """Where this shard's new compute-dtype partition is written, or None if the master is it."""
         if shard.home is HomeKind.HOST:
             return None if self._aliases_home(shard) else shard.host_part
+        if shard.home is HomeKind.NVME and shard.dtype == torch.float32 and self.state_device.type == "cpu":
+            return None  # the fp32 master is the value written home: no copy
         if self.state_device.type == "cpu":
-            return aligned_tensor(shard.part_numel, shard.dtype)  # written to NVMe with no copy
+            return self.buffers.take(shard.part_numel, shard.dtype)  # written to NVMe with no copy
         return torch.empty(shard.part_numel, dtype=shard.dtype, device=self.state_device)
 
     def _publish(self, shard: Shard, master: torch.Tensor, written: torch.Tensor | None) -> None:
@@ -287,19 +336,24 @@ class ShardedAdam(torch.optim.Optimizer):
             # Note [optimizer overlap]: the all-gather waits for the compute thread.
             self._device_publishes.append((shard, written.to(shard.ctx.device)))
         elif shard.home is HomeKind.NVME:
-            part = written if written.device.type == "cpu" else written.to("cpu")
-            nbytes = part.numel() * part.element_size()
+            if written is None:  # lent from the master, already charged where it lives
+                part, nbytes = master, 0
+            else:
+                part = written if written.device.type == "cpu" else written.to("cpu")
+                nbytes = part.numel() * part.element_size()
             self.account.charge(Tier.HOST, nbytes, f"new value of {shard.name} on its way to NVMe")
-            self._param_writes.append((self.param_store.write(shard, part, borrow=True), nbytes))
+            self._param_writes.append((self.param_store.write(shard, part, borrow=True), nbytes, part))
             while len(self._param_writes) > 2:  # new values in flight: bounded host memory
                 self._retire_param_write()
 
     def _retire_param_write(self) -> None:
-        handle, nbytes = self._param_writes.popleft()
+        handle, nbytes, part = self._param_writes.popleft()
         try:
             handle.wait()
         finally:
             self.account.credit(Tier.HOST, nbytes)
+        if nbytes:
+            self.buffers.give(part)
 
     def _flush_publishes(self) -> None:
         while self._device_publishes:

@@ -26,7 +26,7 @@ from offload.partition.accounting import Tier
 
 class StateStream:
     def __init__(self, store, key_of, order: list, *, account, timeline, ahead: int = 2,
-                 cap_elems: int | None = None):
+                 cap_elems: int | None = None, buffers=None):
         self.store = store
         self._key_of = key_of
         self._order = order
@@ -38,11 +38,13 @@ class StateStream:
         self._reads: dict[int, tuple[torch.Tensor, object, float]] = {}  # index -> buf, handle, t0
         self._next = 0  # next position in the order to consider reading
         self._writes: deque = deque()  # (handle, nbytes, t0) written back, buffers charged until done
+        self._buffers = buffers  # an offload.aio.BufferCache, or None
 
     def _start_read(self, shard) -> None:
         nbytes = 3 * shard.part_numel * 4
         self._account.charge(Tier.HOST, nbytes, f"optimizer state buffer of {shard.name}")
-        buf = aligned_tensor(3 * shard.part_numel, torch.float32)
+        buf = (self._buffers.take(3 * shard.part_numel, torch.float32) if self._buffers is not None
+               else aligned_tensor(3 * shard.part_numel, torch.float32))
         self._reads[shard.index] = (buf, self.store.swap_in(self._key_of(shard), out=buf),
                                     time.perf_counter())
 
@@ -83,6 +85,8 @@ class StateStream:
         """Writes the updated state back; the buffer is lent until written."""
         self._writes.append((self.store.swap_out(self._key_of(shard), buf, borrow=True),
                              buf.numel() * 4, time.perf_counter(), shard.name))
+        if self._buffers is not None:
+            self._buffers.give(buf)  # reused once the write no longer holds it
         self._retire(block=False)
 
     def _retire(self, block: bool) -> None:
@@ -101,6 +105,8 @@ class StateStream:
             for buf, handle, _ in self._reads.values():
                 try:
                     handle.wait()
+                except BaseException:  # noqa: BLE001 - a read nobody took: its error (or a
+                    pass               # Ctrl-C it recorded, raised already) changes nothing
                 finally:
                     self._account.credit(Tier.HOST, buf.numel() * 4)
             self._reads.clear()

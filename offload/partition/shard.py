@@ -67,6 +67,7 @@ class ShardContext:
     grad_device: torch.device = torch.device("cpu")
     lazy_grads: bool = False
     timeline: object | None = None  # offload.timeline.Timeline
+    buffers: object | None = None  # offload.aio.BufferCache for gathered buffers on a CPU device
 
 
 class Shard:
@@ -192,12 +193,17 @@ class Shard:
     def _alloc_full(self) -> torch.Tensor:
         self.ctx.account.charge(Tier.DEVICE, self.padded_numel * self.dtype.itemsize, self.name)
         if self.ctx.device.type == "cpu":
-            # Aligned, so an NVMe read lands in it with no staging copy.
+            # Aligned, so an NVMe read lands in it with no staging copy; reused
+            # from step to step (Note in offload/aio/_memory.py BufferCache).
+            if self.ctx.buffers is not None:
+                return self.ctx.buffers.take(self.padded_numel, self.dtype)
             return aligned_tensor(self.padded_numel, self.dtype)
         return torch.empty(self.padded_numel, dtype=self.dtype, device=self.ctx.device)
 
     def _drop_full(self) -> None:
         self.param.data = self._placeholder
+        if self.ctx.buffers is not None and not self._zero_copy and self._full.device.type == "cpu":
+            self.ctx.buffers.give(self._full)
         self._full = None
         if not self._zero_copy:
             self.ctx.account.credit(Tier.DEVICE, self.padded_numel * self.dtype.itemsize)

@@ -240,10 +240,6 @@ def test_memory_report_agrees_with_the_os(which, request):
         assert os_view["engine_bytes"] == report["host"]["now"] + report["device"]["now"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "glibc's dynamic mmap threshold: after a large block is freed, blocks up to 32 MiB come from "
-    "the heap and fragment it, so the OS peak exceeds what is live (with MALLOC_MMAP_THRESHOLD_="
-    "1048576 the same run peaks 60 MiB lower); docs/ARCHITECTURE.md, Memory budget"))
 def test_accounted_peaks_cover_the_os_peak(nvme_run):
     """Everything that scales with the model is charged: the OS's peak is
     within the accounted peaks plus activations (the model's own) and SLACK."""
