@@ -205,7 +205,11 @@ def _child(name: str, spec: dict) -> dict:
     res["rss_after_init"] = _rss()
 
     losses, times = [], []
+    stores = engine._stores if name.startswith("offload-") else []
+    moved = None
     for i in range(s["warmup"] + s["steps"]):
+        if i == s["warmup"]:
+            moved = [(st.stats.bytes_read, st.stats.bytes_written) for st in stores]
         t = time.perf_counter()
         loss = step(batches[i])
         dt = time.perf_counter() - t
@@ -214,6 +218,17 @@ def _child(name: str, spec: dict) -> dict:
             times.append(dt)
         print(f"[{name}] step {i} {'warmup' if i < s['warmup'] else 'timed'} "
               f"{dt:.3f} s loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+    if stores:
+        # Bytes moved per timed step, and where the last step's time went (Note [timeline]).
+        res["bytes_read_per_step"] = sum(st.stats.bytes_read - r for st, (r, _) in zip(stores, moved)) // s["steps"]
+        res["bytes_written_per_step"] = sum(st.stats.bytes_written - w
+                                            for st, (_, w) in zip(stores, moved)) // s["steps"]
+    if name.startswith("offload-"):
+        tl = engine.timeline()
+        res["timeline"] = {"wall_s": round(tl["wall_s"], 4),
+                           "seconds": {k: round(v, 4) for k, v in tl["seconds"].items()}}
+        if spec.get("trace_dir"):
+            engine.export_chrome_trace(os.path.join(spec["trace_dir"], f"{name}.trace.json"))
     res["step_times_s"] = [round(t, 4) for t in times]
     res["median_s"] = round(statistics.median(times), 4)
     res["tokens_per_s"] = round(s["batch"] * s["seq"] / res["median_s"], 1)
@@ -333,6 +348,64 @@ def _ratios(results: dict) -> dict:
     return out
 
 
+def _disk_gbps(directory: Path, nbytes: int = 512 << 20) -> dict:
+    """This disk's write and read bandwidth through our own store (direct I/O)."""
+    import torch
+
+    from offload.aio import aligned_tensor
+    from offload.aio.swap_store import SwapConfig, SwapStore
+
+    directory.mkdir(parents=True, exist_ok=True)
+    store = SwapStore(SwapConfig.for_tensors(str(directory), [nbytes], atomic=False))
+    buf = aligned_tensor(nbytes, torch.uint8).fill_(7)
+    try:
+        store.swap_out("probe", buf, borrow=True).wait()  # swap files are rewritten in place: time that
+        t = time.perf_counter()
+        store.swap_out("probe", buf, borrow=True).wait()
+        write = nbytes / (time.perf_counter() - t) / 1e9
+        t = time.perf_counter()
+        store.swap_in("probe", out=buf).wait()
+        read = nbytes / (time.perf_counter() - t) / 1e9
+    finally:
+        store.remove("probe")
+        store.close()
+    return {"write_gbps": round(write, 3), "read_gbps": round(read, 3)}
+
+
+def _roofline(results: dict, nvme_root: Path) -> dict:
+    """The I/O roofline of each NVMe contender of ours: max(in-memory compute time,
+    time to move its bytes at this disk's bandwidth, reads and writes in turn)."""
+    disk = _disk_gbps(nvme_root / "probe")
+    shutil.rmtree(nvme_root / "probe", ignore_errors=True)
+    compute = (results.get("torch") or {}).get("median_s")
+    out = {"disk": disk, "in_memory_s": compute, "contenders": {}}
+    for name, r in results.items():
+        if "bytes_read_per_step" not in r or "median_s" not in r:
+            continue
+        io_s = r["bytes_read_per_step"] / disk["read_gbps"] / 1e9 + r["bytes_written_per_step"] / disk["write_gbps"] / 1e9
+        roof = max(compute or 0.0, io_s)
+        out["contenders"][name] = {"io_s": round(io_s, 4), "roofline_s": round(roof, 4),
+                                   "step_over_roofline": round(r["median_s"] / roof, 3) if roof else None}
+    return out
+
+
+def _print_breakdown(results: dict, roofline: dict) -> None:
+    from offload.bench._common import log
+
+    for name, r in results.items():
+        if "timeline" not in r:
+            continue
+        sec = r["timeline"]["seconds"]
+        line = ", ".join(f"{k} {v:.3f}" for k, v in sec.items())
+        log(f"   {name} last step {r['timeline']['wall_s']:.3f} s: {line} (read/write overlap compute; "
+            f"'wait' is what compute waited)")
+        roof = roofline["contenders"].get(name)
+        if roof:
+            log(f"   {name}: {r['bytes_read_per_step'] / 1e9:.3f} GB read + {r['bytes_written_per_step'] / 1e9:.3f} "
+                f"GB written per step; I/O alone {roof['io_s']:.3f} s at {roofline['disk']}; roofline "
+                f"{roof['roofline_s']:.3f} s; step / roofline = {roof['step_over_roofline']}")
+
+
 def _plot(results: dict, out_dir: str, title: str):
     from offload.bench._common import pyplot, save_png
 
@@ -395,7 +468,7 @@ def run(args) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="offload-train-bench-"))
     try:
         for name in names:
-            spec = {"settings": settings, "profile": args.profile}
+            spec = {"settings": settings, "profile": args.profile, "trace_dir": args.out}
             if name != "torch":
                 mode = name.split("-", 1)[1]
                 spec["config"] = configs[mode]
@@ -413,6 +486,9 @@ def run(args) -> int:
         if own_nvme:
             shutil.rmtree(nvme_root, ignore_errors=True)
     report["ratios"] = _ratios(results)
+    if any(n.endswith("-nvme") and "median_s" in r for n, r in results.items()):
+        report["io_roofline"] = _roofline(results, nvme_root)
+        _print_breakdown(results, report["io_roofline"])
     report["machine"]["load_average_end"] = list(os.getloadavg())
     if args.out:
         title = (f"GPT {report['params'] / 1e6:.1f}M params, batch {settings['batch']} x seq "

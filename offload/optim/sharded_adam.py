@@ -117,7 +117,11 @@ class ShardedAdam(torch.optim.Optimizer):
         self.pending_grad_elems = max(pending_grad_elems or 2 * largest, largest)
         # State buffers and new values, reused across steps: as many as are in
         # flight at once (the shard updated, two read ahead, two written back).
-        self.buffers = BufferCache(5 * 3 * 4 * largest + 3 * 4 * largest,
+        # Reads of NVMe state ahead of the shard updated, and writes in flight:
+        # two each, or one where sub_group_size is under three of the largest
+        # shards (large models: each buffer is 12 bytes per element of a shard).
+        self.ahead = 2 if sub_group_size is None or sub_group_size >= 3 * largest else 1
+        self.buffers = BufferCache((1 + 2 * self.ahead) * 3 * 4 * largest + 3 * 4 * largest,
                                    charge=lambda n: account.charge(Tier.HOST, n, "idle optimizer buffers"),
                                    credit=lambda n: account.credit(Tier.HOST, n))
         params = []
@@ -181,7 +185,8 @@ class ShardedAdam(torch.optim.Optimizer):
         if self.tier is not Tier.NVME:
             return None
         stream = StateStream(self.state_store, self._key, order, account=self.account,
-                             timeline=self.timeline, cap_elems=self.sub_group_size, buffers=self.buffers)
+                             timeline=self.timeline, cap_elems=self.sub_group_size, buffers=self.buffers,
+                             ahead=self.ahead)
         stream.start()
         return stream
 

@@ -1,0 +1,197 @@
+"""Prefetch in the learned order and optimizer updates overlapped with backward
+(Note [prefetch order], Note [optimizer overlap]) change nothing numerically:
+every combination trains exactly like plain PyTorch, on models built to break
+them: an order that changes every step, and many tiny layers whose updates
+race the next forward."""
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from tests.engine.harness import batches, build, lm_loss, make_config, run_engine, run_reference
+
+STEPS = 8
+SWITCHES = {
+    "prefetch+overlap": {},
+    "prefetch only": {"overlap_comm": False},
+    "overlap only": {"stage3_prefetch_bucket_size": 0},
+    "neither": {"overlap_comm": False, "stage3_prefetch_bucket_size": 0},
+}
+
+
+def _config(param, optim, path, switches, **kw):
+    cfg = make_config(param, optim, path, **kw)
+    cfg["zero_optimization"].update(switches)
+    return cfg
+
+
+@pytest.mark.parametrize("switches", SWITCHES.values(), ids=SWITCHES.keys())
+@pytest.mark.parametrize("param,optim", [("nvme", "nvme"), ("cpu", "nvme"), ("nvme", "cpu")])
+@pytest.mark.parametrize("gas", [1, 3])
+def test_every_switch_matches_pytorch(tmp_path, switches, param, optim, gas):
+    model = build("tiny_gpt")
+    data = batches(STEPS, seed=3)
+    ref_model, ref_losses = run_reference(model, data, gas=gas, clip=0.0, lr=1e-2, weight_decay=0.01)
+    weights, losses, engine = run_engine(model, data, _config(param, optim, tmp_path, switches, gas=gas))
+    torch.testing.assert_close(losses, ref_losses[:, 0])
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{name}: {m}")
+
+
+def test_prefetch_and_overlap_actually_ran(tmp_path):
+    """The parity above would hold trivially if nothing were read ahead or overlapped."""
+    model = build("tiny_gpt")
+    with offload.initialize(copy.deepcopy(model), make_config("nvme", "nvme", tmp_path)) as engine:
+        for per_rank in batches(4, seed=1):
+            x, y = per_rank[0]
+            engine.backward(lm_loss(engine(x), y))
+            assert engine.optimizer.overlapping  # updates started during that backward
+            engine.step()
+        stats = engine.manager.prefetch.stats
+        timeline = engine.timeline()
+    assert stats["prefetched"] > 0 and stats["hits"] > 0 and stats["diverged_passes"] == 0
+    assert stats["retained"] > 0  # the last layers kept from forward to backward
+    kinds = {s["kind"] for s in timeline["spans"]}
+    assert {"forward", "backward", "read", "write", "optimizer"} <= kinds
+    threads = {s["thread"] for s in timeline["spans"] if s["kind"] == "optimizer"}
+    assert threads == {"offload-optimizer"}
+
+
+def test_clipping_defers_updates_and_stays_exact(tmp_path):
+    """Clipping needs the global norm before any update: the step is deferred
+    (reads still streamed) and equals torch.nn.utils.clip_grad_norm_ + AdamW."""
+    model = build("tiny_gpt")
+    data = batches(STEPS, seed=5)
+    ref_model, ref_losses = run_reference(model, data, gas=1, clip=0.05, lr=1e-2, weight_decay=0.01)
+    weights, losses, _ = run_engine(model, data, make_config("nvme", "nvme", tmp_path, clip=0.05))
+    torch.testing.assert_close(losses, ref_losses[:, 0])
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{name}: {m}")
+
+
+class Shuffled(nn.Module):
+    """Its layers run in a different order every step (and some steps skip one):
+    a learned prefetch order is wrong every time."""
+
+    def __init__(self, n=6, width=33):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+        self.head = nn.Linear(width, 5)
+        self.order = list(range(n))
+
+    def forward(self, x):
+        for i in self.order:
+            x = torch.tanh(self.layers[i](x))
+        return self.head(x)
+
+
+def test_a_model_whose_order_changes_every_step_trains_exactly(tmp_path):
+    torch.manual_seed(0)
+    model = Shuffled()
+    gen = torch.Generator().manual_seed(1)
+    orders = [torch.randperm(6, generator=gen).tolist()[: 6 - (i % 2)] for i in range(10)]
+    data = [(torch.randn(4, 33, generator=gen), torch.randint(0, 5, (4,), generator=gen)) for _ in orders]
+
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    ref_losses = []
+    for order, (x, y) in zip(orders, data):
+        ref.order = order
+        loss = nn.functional.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.detach())
+
+    cfg = make_config("nvme", "nvme", tmp_path)
+    with offload.initialize(model, cfg) as engine:
+        losses = []
+        for order, (x, y) in zip(orders, data):
+            model.order = order
+            loss = nn.functional.cross_entropy(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach())
+        assert engine.manager.prefetch.stats["diverged_passes"] > 0  # it did diverge, and went on
+        weights = engine.full_state_dict(master=True)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{name}: {m}")
+
+
+class ManyTiny(nn.Module):
+    """Forty 3x3 layers: updates finish in microseconds, so a forward that read
+    a stale or half-written value would show at once."""
+
+    def __init__(self, n=40):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + torch.sin(layer(x))
+        return x
+
+
+def _train_tiny(cfg, data):
+    torch.manual_seed(0)
+    model = ManyTiny()
+    with offload.initialize(model, cfg) as engine:
+        losses = []
+        for x in data:
+            loss = engine(x).square().mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach())
+        return torch.stack(losses), engine.full_state_dict(master=True)
+
+
+def test_many_tiny_layers_never_read_a_stale_value(tmp_path):
+    """Bitwise: parameters and state on NVMe with reads ahead and updates
+    racing backward give exactly what host memory with neither gives (the
+    kernel is elementwise: its thread count changes nothing). This model
+    amplifies any difference ~10x per step, so a stale or torn read shows."""
+    gen = torch.Generator().manual_seed(2)
+    data = [torch.randn(2, 3, generator=gen) for _ in range(8)]
+    fast = make_config("nvme", "nvme", tmp_path / "a", lr=5e-2, weight_decay=0.0)
+    plain = _config("cpu", "cpu", tmp_path / "b", SWITCHES["neither"], lr=5e-2, weight_decay=0.0)
+    losses, weights = _train_tiny(fast, data)
+    ref_losses, ref_weights = _train_tiny(plain, data)
+    assert torch.equal(losses, ref_losses), (losses - ref_losses)
+    for name, w in ref_weights.items():
+        assert torch.equal(weights[name], w), name
+
+
+def test_forward_before_step_is_refused_while_updates_run(tmp_path):
+    model = build("tiny_gpt")
+    (x, y), = batches(1)[0]
+    with offload.initialize(model, make_config("nvme", "nvme", tmp_path)) as engine:
+        engine.backward(lm_loss(engine(x), y))
+        with pytest.raises(RuntimeError, match=r"engine.step\(\) must follow engine.backward\(\)"):
+            engine(x)
+        with pytest.raises(RuntimeError, match="backward\\(\\) called twice"):
+            engine.backward(lm_loss(torch.zeros(3, 7, 37, requires_grad=True), y))
+        engine.step()
+        engine(x)  # fine again
+
+
+def test_timeline_and_chrome_trace(tmp_path):
+    model = build("tiny_gpt")
+    with offload.initialize(model, make_config("nvme", "nvme", tmp_path / "swap")) as engine:
+        assert engine.timeline()["spans"] == []  # no complete step yet
+        for per_rank in batches(2, seed=1):
+            x, y = per_rank[0]
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        tl = engine.timeline()
+        engine.export_chrome_trace(tmp_path / "trace.json")
+    assert tl["wall_s"] > 0 and tl["seconds"]["forward"] > 0 and tl["seconds"]["backward"] > 0
+    for span in tl["spans"]:
+        assert span["seconds"] >= 0 and span["start_s"] >= -1e-3
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(complete) == len(tl["spans"])
+    assert {e["cat"] for e in complete} >= {"forward", "backward", "read", "write", "optimizer"}
