@@ -248,6 +248,16 @@ class Engine:
             self.lr_scheduler.step()
         self.global_steps += 1
         self._timeline.end_step()
+        # DeepSpeed's logging keys; with wall_clock_breakdown and no steps_per_print, its default of 10.
+        every = self.config.steps_per_print or (10 if self.config.wall_clock_breakdown else None)
+        if every and self.global_steps % every == 0 and self.pg.rank == 0:
+            scale = f", loss scale {self.loss_scaler.scale:g}" if self.loss_scaler is not None else ""
+            log.info("step %d: lr %g%s, %d skipped", self.global_steps, self.optimizer.param_groups[0]["lr"],
+                     scale, self.skipped_steps)
+            if self.config.wall_clock_breakdown:
+                tl = self._timeline.last_step()
+                log.info("step %d took %.3f s: %s", self.global_steps, tl["wall_s"],
+                         ", ".join(f"{k} {v:.3f} s" for k, v in tl["seconds"].items()))
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
@@ -394,11 +404,24 @@ class Engine:
         self._check_open()
         self.wait_checkpoint()
         job = save_checkpoint(self, save_dir, tag, client_state, async_save)
+        job.save_dir = save_dir
         if async_save:
             self._checkpoint_job = job
         else:
-            job.finish()
+            self._finish_checkpoint(job)
         return job.tag
+
+    def _finish_checkpoint(self, job) -> None:
+        job.finish()
+        if self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save and self.pg.rank == 0:
+            # DeepSpeed's key: the consolidated 16-bit weights beside the checkpoint,
+            # one safetensors file streamed from every rank's files (offload.consolidate).
+            from offload.checkpoint_io import consolidate
+
+            dtype = self.compute_dtype if self.compute_dtype != torch.float32 else torch.bfloat16
+            save_dir = os.fspath(job.save_dir)
+            consolidate(save_dir, os.path.join(save_dir, job.tag, "model_16bit.safetensors"), tag=job.tag,
+                        dtype=dtype)
 
     def load_checkpoint(self, load_dir, tag: str | None = None):
         """Restores everything save_checkpoint saved (tag default: `latest`); returns client_state.
@@ -416,7 +439,7 @@ class Engine:
         """Waits for an async save to be written and committed; raises its error, if any."""
         job, self._checkpoint_job = self._checkpoint_job, None
         if job is not None:
-            job.finish()
+            self._finish_checkpoint(job)
 
     def _before_update(self) -> None:
         if self._checkpoint_job is not None:

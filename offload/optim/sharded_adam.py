@@ -117,11 +117,11 @@ class ShardedAdam(torch.optim.Optimizer):
         self.pending_grad_elems = max(pending_grad_elems or 2 * largest, largest)
         # State buffers and new values, reused across steps: as many as are in
         # flight at once (the shard updated, two read ahead, two written back).
-        # Reads of NVMe state ahead of the shard updated, and writes in flight:
-        # two each, or one where sub_group_size is under three of the largest
-        # shards (large models: each buffer is 12 bytes per element of a shard).
+        # Reads of NVMe state ahead of the shard updated: two, or one where
+        # sub_group_size is under three of the largest shards (large models:
+        # each buffer is 12 bytes per element of a shard); one write in flight.
         self.ahead = 2 if sub_group_size is None or sub_group_size >= 3 * largest else 1
-        self.buffers = BufferCache((1 + 2 * self.ahead) * 3 * 4 * largest + 3 * 4 * largest,
+        self.buffers = BufferCache((2 + self.ahead) * 3 * 4 * largest + 3 * 4 * largest,
                                    charge=lambda n: account.charge(Tier.HOST, n, "idle optimizer buffers"),
                                    credit=lambda n: account.credit(Tier.HOST, n))
         params = []

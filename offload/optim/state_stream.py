@@ -90,8 +90,9 @@ class StateStream:
         self._retire(block=False)
 
     def _retire(self, block: bool) -> None:
-        # At most `ahead` writes in flight: their buffers are host memory too.
-        while self._writes and (block or self._writes[0][0].done() or len(self._writes) > self._ahead):
+        # One write in flight: its buffer is host memory too, and a write of a
+        # state partition finishes while the next shard is read and updated.
+        while self._writes and (block or self._writes[0][0].done() or len(self._writes) > 1):
             handle, nbytes, t0, name = self._writes.popleft()
             handle.wait()
             self._timeline.record("write", f"optimizer state {name}", t0)

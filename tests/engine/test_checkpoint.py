@@ -279,3 +279,28 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, saved, other):
         with pytest.raises(CheckpointError, match=message):
             e.load_checkpoint(saved)
         _assert_same_state(before, _state(e))
+
+
+def test_gather_16bit_weights_on_model_save_writes_the_consolidated_weights(tmp_path):
+    """DeepSpeed's stage3_gather_16bit_weights_on_model_save: the 16-bit weights,
+    consolidated into one safetensors file beside the checkpoint."""
+    from safetensors.torch import load_file
+
+    import offload
+    from tests.engine.harness import batches as make_batches, build as build_model, lm_loss as loss_of
+    from tests.engine.harness import make_config as config_of
+
+    cfg = config_of("nvme", "cpu", tmp_path / "swap")
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    with offload.initialize(build_model("tiny_gpt"), cfg) as engine:
+        for per_rank in make_batches(2, seed=2):
+            x, y = per_rank[0]
+            engine.backward(loss_of(engine(x), y))
+            engine.step()
+        tag = engine.save_checkpoint(tmp_path / "ckpt")
+        masters = engine.full_state_dict(master=True)
+    weights = load_file(tmp_path / "ckpt" / tag / "model_16bit.safetensors")
+    assert set(weights) >= {"wte.weight", "wpe", "blocks.0.qkv.weight"}
+    for name, w in weights.items():
+        assert w.dtype == torch.bfloat16
+        torch.testing.assert_close(w, masters[name].to(torch.bfloat16), rtol=0, atol=0)

@@ -195,3 +195,17 @@ def test_timeline_and_chrome_trace(tmp_path):
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(complete) == len(tl["spans"])
     assert {e["cat"] for e in complete} >= {"forward", "backward", "read", "write", "optimizer"}
+
+
+def test_logging_keys_log_the_step_and_its_breakdown(tmp_path, caplog):
+    model = build("tiny_gpt")
+    cfg = make_config("nvme", "nvme", tmp_path, extra={"steps_per_print": 2, "wall_clock_breakdown": True})
+    with caplog.at_level("INFO", logger="offload"), offload.initialize(model, cfg) as engine:
+        for per_rank in batches(4, seed=1):
+            x, y = per_rank[0]
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+    lines = [r.getMessage() for r in caplog.records if r.name == "offload"]
+    assert [m.split(":")[0] for m in lines if m.startswith("step") and "lr" in m] == ["step 2", "step 4"]
+    took = [m for m in lines if " took " in m]
+    assert len(took) == 2 and all("forward" in m and "optimizer" in m and "wait" in m for m in took)
