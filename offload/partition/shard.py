@@ -238,8 +238,8 @@ class Shard:
     # ---- gradients ------------------------------------------------------
     # Note [gradient partitions]
     # With optimizer state on the host or device, each shard keeps an fp32
-    # gradient partition for the whole run (allocate_grad_part at initialize;
-    # zeroed after each step). With optimizer state on NVMe (lazy_grads) host
+    # gradient partition for the whole run (allocated at initialize; the first
+    # gradient of each accumulation window replaces it). With optimizer state on NVMe (lazy_grads) host
     # memory is what offload is short of: a partition exists only from the
     # shard's first gradient of an accumulation window until its update, and
     # with one rank an fp32 gradient is taken over from autograd, not copied.
@@ -258,26 +258,26 @@ class Shard:
             padded[:self.numel] = flat
             flat = padded
         mine = self.ctx.pg.average_and_slice(flat, self.part_numel)
-        if self.grad_part is None:
+        if self.has_grad:
+            self.grad_part.add_(mine.to(self.grad_part.device, torch.float32))
+        else:
+            # The window's first gradient replaces the partition (no zeroing
+            # pass between steps); an fp32 one is taken over from autograd.
             ctx = self.ctx
-            ctx.account.charge(ctx.grad_tier, self.part_numel * 4, f"gradient of {self.name}")
+            if self.grad_part is None:
+                ctx.account.charge(ctx.grad_tier, self.part_numel * 4, f"gradient of {self.name}")
             part = mine.to(ctx.grad_device, torch.float32)
             if part.untyped_storage().nbytes() > self.part_numel * 4 or not part.is_contiguous():
                 part = part.clone()  # a slice of a larger buffer would keep all of it alive
             self.grad_part = part
-        else:
-            self.grad_part.add_(mine.to(self.grad_part.device, torch.float32))
         self.has_grad = True
 
     def clear_grad(self) -> None:
         """After the shard's update (or a skipped step): zero or free the partition."""
-        if self.grad_part is not None:
-            if self.ctx.lazy_grads:
-                self.ctx.account.credit(self.ctx.grad_tier, self.part_numel * 4)
-                self.grad_part = None
-            elif self.has_grad:
-                self.grad_part.zero_()
-        self.has_grad = False
+        if self.grad_part is not None and self.ctx.lazy_grads:
+            self.ctx.account.credit(self.ctx.grad_tier, self.part_numel * 4)
+            self.grad_part = None
+        self.has_grad = False  # the next gradient replaces the partition
 
     def __repr__(self) -> str:
         return (f"Shard({self.name}, shape={tuple(self.shape)}, home={self.home.value}, "
