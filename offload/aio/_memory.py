@@ -76,19 +76,27 @@ class BufferCache:
         self.max_bytes = max_bytes
         self._charge, self._credit = charge, credit
         self._idle: list[torch.Tensor] = []  # uint8, oldest first
+        self._lent: dict[int, torch.Tensor] = {}  # address -> whole buffer, for a slice lent out
         self.idle_bytes = 0
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of `numel` elements: the smallest idle one that fits and is
+        at most twice the size (shards come in a few sizes), else a new one."""
         nbytes = numel * dtype.itemsize
-        for i, buf in enumerate(self._idle):
-            if buf.numel() == nbytes and _unshared(buf):
-                del self._idle[i]
-                self._uncharge(nbytes)
-                return buf.view(dtype)
+        fits = [(buf.numel(), i) for i, buf in enumerate(self._idle)
+                if nbytes <= buf.numel() <= 2 * nbytes and _unshared(buf)]
+        if fits:
+            _, i = min(fits)
+            buf = self._idle.pop(i)
+            self._uncharge(buf.numel())
+            self._lent[buf.data_ptr()] = buf
+            return buf[:nbytes].view(dtype)
         return aligned_tensor(numel, dtype)
 
     def give(self, tensor: torch.Tensor) -> None:
-        buf = tensor.view(torch.uint8) if tensor.dtype != torch.uint8 else tensor
+        buf = self._lent.pop(tensor.data_ptr(), None)
+        if buf is None:
+            buf = tensor.view(torch.uint8) if tensor.dtype != torch.uint8 else tensor
         if buf.numel() == 0 or buf.numel() > self.max_bytes or buf.data_ptr() % ALIGN:
             return
         while self._idle and self.idle_bytes + buf.numel() > self.max_bytes:
@@ -99,6 +107,7 @@ class BufferCache:
         self.idle_bytes += buf.numel()
 
     def clear(self) -> None:
+        self._lent.clear()
         while self._idle:
             self._uncharge(self._idle.pop().numel())
 

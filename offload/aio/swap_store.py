@@ -423,6 +423,11 @@ class SwapStore:
             if h._error is not None:
                 raise h._error
 
+    def trim(self) -> None:
+        """Frees the staging buffers the pool keeps idle for reuse (after a
+        burst of staged transfers, such as the first write of every tensor)."""
+        self._pool.clear()
+
     def remove(self, key: str) -> None:
         self._index.pop(key, None)
         _unlink_quietly(self.path_of(key))

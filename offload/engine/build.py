@@ -92,6 +92,7 @@ class Built:
     def finish(self) -> None:
         for store in self.stores():
             store.wait_all()
+            store.trim()  # the first writes were staged; later transfers are mostly direct
         if self._plan is not None:
             self._plan.source.close()
 
@@ -307,7 +308,7 @@ def _swap_config(nvme_path, sizes, staging_bytes, config, ctx):
     swap_config = SwapConfig.for_tensors(nvme_path, sizes, in_flight=2, rank=ctx.pg.rank,
                                          aio=_aio_config(config), atomic=False)
     if staging_bytes is None:
-        staging_bytes = min(swap_config.buffer_bytes, 32 << 20)
+        staging_bytes = min(swap_config.buffer_bytes, 8 << 20)
     swap_config = dataclasses.replace(swap_config, buffer_bytes=max(staging_bytes, 2 * ALIGN))
     return swap_config
 

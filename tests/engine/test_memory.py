@@ -225,15 +225,16 @@ def test_initialize_returns_the_models_tensors_to_the_os(nvme_run):
 @pytest.mark.parametrize("which", ["nvme_run", "cpu_run"])
 def test_memory_report_agrees_with_the_os(which, request):
     """Within 10% of the RSS growth. With parameters and optimizer state on
-    NVMe the engine holds little at rest (33 MiB here: no gradients between
-    steps, Note [gradient partitions]), less than the constant first-use
-    library state, so after steps that run is held to 10% plus SLACK."""
+    NVMe the engine holds little at rest (nothing after initialize, no
+    gradients between steps: Note [gradient partitions]), less than the
+    constant first-use library state, so that run is held to 10% plus SLACK."""
     run = request.getfixturevalue(which)
     for when, report in [("initialize", run["init"])] + [(f"step {i + 1}", r) for i, r in enumerate(run["steps"])]:
         os_view = report["os"]
         grown = os_view["rss"] - os_view["baseline_rss"]
-        slack = SLACK if which == "nvme_run" and when != "initialize" else 0
-        assert grown >= 30 * MiB, os_view  # big enough for the comparison to mean something
+        slack = SLACK if which == "nvme_run" else 0
+        if which == "cpu_run":
+            assert grown >= 100 * MiB, os_view  # big enough for 10% to mean something
         assert abs(os_view["unaccounted"]) <= 0.10 * grown + slack, (
             f"after {when}: engine accounts {os_view['engine_bytes'] / MiB:.1f} MiB, "
             f"the OS shows {grown / MiB:.1f} MiB over the baseline")
