@@ -17,9 +17,9 @@ TINY = ["--steps", "8", "--hidden", "32", "--layers", "1", "--heads", "2", "--se
         "--no-progress"]
 
 
-def run_example(*args, timeout=120):
+def run_example(*args, timeout=120, path_first=None):
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [path_first, str(ROOT), env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=ROOT)
 
@@ -48,15 +48,15 @@ def test_finetune_existing_nvme_dir_is_kept_but_emptied(tmp_path):
     assert tmp_path.is_dir() and list(tmp_path.iterdir()) == []
 
 
-def test_finetune_hf_without_transformers_is_a_clear_error():
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        proc = run_example(*TINY, "--model", "hf", "--offload", "cpu")
-        assert proc.returncode != 0
-        assert "pip install transformers" in proc.stderr
-    else:
-        pytest.skip("transformers is installed")
+def test_finetune_hf_without_transformers_is_a_clear_error(tmp_path):
+    # Whether or not transformers is installed here: a package of that name
+    # first on the path that fails to import, as a missing one does.
+    (tmp_path / "transformers").mkdir()
+    (tmp_path / "transformers" / "__init__.py").write_text(
+        "raise ImportError('No module named transformers (test stand-in)')\n")
+    proc = run_example(*TINY, "--model", "hf", "--offload", "cpu", path_first=str(tmp_path))
+    assert proc.returncode != 0
+    assert "pip install transformers" in proc.stderr
 
 
 # ---- the corpus --------------------------------------------------------------
