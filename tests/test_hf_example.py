@@ -3,7 +3,6 @@
 plain transformers + torch AdamW. Needs transformers (the [hf] extra); the
 same directory-loading path without transformers is tested in
 tests/engine/test_init_and_load.py."""
-import copy
 import importlib.util
 from pathlib import Path
 

@@ -503,7 +503,7 @@ def _parse_meta(buf: torch.Tensor, path, key: str) -> _Meta:
     nbytes, _, _ = _parse_header(buf, path, key)
     page = bytes(buf[:HEADER_BYTES].numpy())
     fields = _FIXED.unpack_from(page)
-    dtype, ndim, key_len = fields[6].rstrip(b"\0").decode(), fields[7], fields[8]
+    dtype, ndim = fields[6].rstrip(b"\0").decode(), fields[7]
     shape = struct.unpack_from(f"<{ndim}Q", page, _FIXED.size)
     return _Meta(nbytes, getattr(torch, dtype), tuple(shape))
 
