@@ -110,7 +110,7 @@ class Engine:
         if offloaded and not self.shards[0].ctx.buffers:
             # Gathered buffers reused across steps: about as many as are live at once.
             account = self.account
-            ctx.buffers = BufferCache(4 * max(offloaded),
+            ctx.buffers = BufferCache(3 * max(offloaded),
                                       charge=lambda n: account.charge(Tier.HOST, n, "idle gathered buffers"),
                                       credit=lambda n: account.credit(Tier.HOST, n))
         self.manager = ParameterManager(model, self.shards, on_grad=self._take_grad,

@@ -71,7 +71,7 @@ def test_device_tier_holds_one_layer_at_a_time(tmp_path):
 @pytest.mark.parametrize("live_layers", [None, 2])
 def test_prefetch_stays_within_the_live_limit(tmp_path, live_layers):
     """Parameters gathered, read ahead or kept for reuse stay within
-    stage3_max_live_parameters (by default four of the largest parameters,
+    stage3_max_live_parameters (by default three of the largest parameters,
     Note [prefetch order]); the one read always allowed ahead can add a layer."""
     torch.manual_seed(0)
     layer = (1024 * 1024 + 1024) * 4
@@ -85,7 +85,7 @@ def test_prefetch_stays_within_the_live_limit(tmp_path, live_layers):
     stats = engine.manager.prefetch.stats
     engine.close()
     assert stats["hits"] > 0
-    live = 4 * 1024 * 1024 * 4 if live_layers is None else live_layers * layer
+    live = 3 * 1024 * 1024 * 4 if live_layers is None else live_layers * layer
     assert layer + 8 * act < report["device"]["peak"] <= live + layer + 9 * act, report
     assert report["device"]["now"] == 0
 
@@ -177,8 +177,8 @@ def closed_form_peak(layers: int, width: int, batch: int, staging_bytes: int,
     largest = width * width            # the largest parameter (shard), P
     return {
         # Parameters gathered, read ahead or kept for reuse: the live limit
-        # (4 P by default) plus the one read always allowed ahead.
-        "parameters on the device tier": 5 * largest * itemsize,
+        # (3 P by default) plus the one read always allowed ahead.
+        "parameters on the device tier": 4 * largest * itemsize,
         # Final gradients waiting for their overlapped update: the backlog cap
         # (reduce_bucket_size, 2 P by default) plus the one arriving.
         "fp32 gradients awaiting update": 3 * largest * 4,
