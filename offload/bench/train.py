@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contenders", default=",".join(CONTENDERS),
                    help=f"comma-separated, in run order (default: all: {','.join(CONTENDERS)})")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; --quick: 1)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps, median kept (default 5; --quick: 3)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps, median kept (default 10; --quick: 3)")
     p.add_argument("--batch", type=int, default=None, help="micro batch (default 4; --quick: 2)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 128; --quick: 32)")
     p.add_argument("--lr", type=float, default=1e-4)
@@ -112,7 +112,7 @@ def _settings(args) -> dict:
     return {
         "model": QUICK_MODEL if quick else FULL_MODEL,
         "warmup": args.warmup if args.warmup is not None else (1 if quick else 2),
-        "steps": args.steps if args.steps is not None else (3 if quick else 5),
+        "steps": args.steps if args.steps is not None else (3 if quick else 10),
         "batch": args.batch if args.batch is not None else (2 if quick else 4),
         "seq": args.seq if args.seq is not None else (32 if quick else 128),
         "lr": args.lr,
@@ -466,6 +466,8 @@ def run(args) -> int:
     }
     results = report["results"]
     workdir = Path(tempfile.mkdtemp(prefix="offload-train-bench-"))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)  # the contenders write traces there
     try:
         for name in names:
             spec = {"settings": settings, "profile": args.profile, "trace_dir": args.out}

@@ -242,7 +242,10 @@ class Engine:
         self._finish_step()
 
     def _finish_step(self) -> None:
-        release_free_host_memory()  # the step's temporaries (Note [engine bytes and the OS])
+        if Tier.NVME in (self.param_tier, self.optim_tier):
+            # Host memory is what an NVMe run is short of, and its step waits on
+            # the disk anyway (Note [engine bytes and the OS]).
+            release_free_host_memory()
         self._zero_grads()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()

@@ -14,8 +14,13 @@ three things are taken out of the process RSS:
     threshold (which glibc raises up to 32 MiB after a large block is freed)
     come from the heap, and freed heap chunks stay resident until trimmed.
     The engine calls `release_free_host_memory()` (malloc_trim) after
-    initialize and after each optimizer step, the two points where it has
-    just freed its temporaries, so RSS follows what is live.
+    initialize, where it has just freed the build's temporaries, and before
+    it reads the RSS for `memory_report()`, so that figure follows what is
+    live. After each step only when a tier is NVMe: pages handed back come
+    back zeroed through a page fault each on the next step's first touch,
+    which cost 10% of a 1.4 s step with everything on the host (GPT 67M, 2
+    cores), while a disk-bound step hides it and the trim kept its peak RSS
+    50-75 MiB lower (0.91 vs 0.97 GiB, same model on NVMe).
 """
 from __future__ import annotations
 
@@ -129,6 +134,7 @@ class ProcessMemory:
         """rss/peak_rss: the OS's figures now. engine_bytes: the host tier as
         accounted, plus the device tier when `device` is the CPU (a CPU-only
         host). unaccounted: rss - baseline_rss - engine_bytes."""
+        release_free_host_memory()  # freed heap chunks are not the engine's
         rss = rss_bytes()
         engine_bytes = account.usage(Tier.HOST).now
         if device.type == "cpu":
