@@ -69,7 +69,11 @@ class RankFiles:
     def state_source(self, index: int) -> str | None:
         if all(f"{w}.{index}" in self.keys for w in ("master", "exp_avg", "exp_avg_sq")):
             return "tensor"
-        return "file" if self.has_file(f"nvme/optim.{index}.swp") else None
+        if self.has_file(f"nvme/optim.{index}.swp"):
+            return "file"
+        if self.has_file(f"nvme/moments.{index}.swp") and self.has_file(f"nvme/param.{index}.swp"):
+            return "moments"  # the master is the fp32 parameter file (Note [shared fp32 master])
+        return None
 
     def param(self, index: int, dtype: torch.dtype, n: int) -> torch.Tensor:
         source = self.param_source(index)
@@ -80,15 +84,22 @@ class RankFiles:
         return self.state(index, n)[0].to(dtype)
 
     def state(self, index: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.state_source(index) == "tensor":
+        source = self.state_source(index)
+        if source == "tensor":
             return tuple(self.tensor(f"{w}.{index}") for w in ("master", "exp_avg", "exp_avg_sq"))
+        if source == "moments":
+            moments = read_swap_file(self.dir / f"nvme/moments.{index}.swp", torch.float32, 2 * n)
+            return self.master(index, n), moments[:n], moments[n:]
         packed = read_swap_file(self.dir / f"nvme/optim.{index}.swp", torch.float32, 3 * n)
         return packed[:n], packed[n:2 * n], packed[2 * n:]
 
     def master(self, index: int, n: int) -> torch.Tensor:
         if f"master.{index}" in self.keys:
             return self.tensor(f"master.{index}")
-        return read_swap_file(self.dir / f"nvme/optim.{index}.swp", torch.float32, n)
+        if self.has_file(f"nvme/optim.{index}.swp"):
+            return read_swap_file(self.dir / f"nvme/optim.{index}.swp", torch.float32, n)
+        # A shared master: the parameter's own file, fp32 (read_swap_file checks the dtype).
+        return read_swap_file(self.dir / f"nvme/param.{index}.swp", torch.float32, n)
 
 
 def _missing(src: RankFiles, engine) -> list[str]:

@@ -13,7 +13,9 @@ Note [checkpoint layout]
                                 param.{i} (compute dtype), master.{i}, exp_avg.{i},
                                 exp_avg_sq.{i}, and buffer.{name} (module buffers)
           nvme/param.{i}.swp    NVMe-tier partitions: byte copies of the swap files
-          nvme/optim.{i}.swp    (Note [swap file format] in offload/aio/swap_store.py)
+          nvme/optim.{i}.swp    (Note [swap file format] in offload/aio/swap_store.py);
+          nvme/moments.{i}.swp  [exp_avg | exp_avg_sq] where param.{i} is the fp32 master
+                                (Note [shared fp32 master] in offload/optim/sharded_adam.py)
 A save writes everything under `.<tag>.tmp/`, fsyncs the files and
 directories, writes manifest.json, renames the directory to `<tag>` and only
 then rewrites `latest`. A crash at any moment leaves `latest` naming a

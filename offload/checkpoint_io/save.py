@@ -102,7 +102,10 @@ def plan_items(engine) -> list[_Item]:
                 state[0].data_ptr() == s.host_part.data_ptr()
             if not aliased:
                 items.append(_Item(f"param.{s.index}", s.dtype, n, read=lambda s=s: _home_view(s)))
-        if state is None:
+        if state is None and opt.shares_master(s):
+            # Note [shared fp32 master]: the master is the parameter's file, saved above.
+            items.append(_Item(f"nvme/moments.{s.index}.swp", copy_from=opt.state_file(s)))
+        elif state is None:
             items.append(_Item(f"nvme/optim.{s.index}.swp", copy_from=opt.state_file(s)))
         else:
             for j, what in enumerate(("master", "exp_avg", "exp_avg_sq")):

@@ -5,9 +5,10 @@ Each shard's optimizer state is an fp32 master partition and two fp32
 moments, kept on the tier `offload_optimizer.device` names:
   DEVICE  tensors on the device; updated with torch's fused Adam
   HOST    host tensors; updated with the native fused kernel (offload.ops)
-  NVME    one file per shard holding [master | exp_avg | exp_avg_sq]; the step
-          streams them: the reads of shards i+1 and i+2 are in flight while
-          shard i is updated, and writes are asynchronous
+  NVME    one file per shard holding [master | exp_avg | exp_avg_sq], or only
+          [exp_avg | exp_avg_sq] when the parameter's own file is the master
+          (Note [shared fp32 master]); the step streams them: reads of the
+          next shards are in flight while one is updated, writes are asynchronous
 After a shard's update its compute-dtype copy is refreshed at the parameter's
 home (see Note [shard layout] in offload/partition/shard.py): the fused
 kernel writes the rounded value straight into a host home; a device home
@@ -29,9 +30,9 @@ import torch
 
 from offload.aio._memory import BufferCache
 from offload.ops import adam_step
-from offload.optim.state_stream import StateStream
+from offload.optim.state_stream import StateLayout, StateStream
 from offload.partition.accounting import MemoryAccount, Tier
-from offload.partition.shard import HomeKind, Shard
+from offload.partition.shard import HomeKind, Residency, Shard
 from offload.timeline import Timeline
 
 
@@ -56,12 +57,13 @@ class _OptimizerThread:
     def _run(self) -> None:
         while (call := self._calls.get()) is not None:
             future, fn, args = call
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
-                future.set_exception(exc)
+            del call  # nothing lent to a call (a gathered master's view) outlives it
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
+                    future.set_exception(exc)
+            del fn, args
 
     def shutdown(self) -> None:
         self._calls.put(None)
@@ -79,6 +81,7 @@ class _Overlap:
     stream: StateStream | None = None
     backlog: deque = field(default_factory=deque)  # (future, elements) submitted, maybe running
     backlog_elems: int = 0
+    masters_brought: set[int] = field(default_factory=set)  # Note [shared fp32 master]
 
 
 class ShardedAdam(torch.optim.Optimizer):
@@ -106,6 +109,9 @@ class ShardedAdam(torch.optim.Optimizer):
         self._executor = _OptimizerThread() if tier is not Tier.DEVICE else None
         self._overlap: _Overlap | None = None
         self._arrival_order: list[Shard] | None = None
+        # Shards whose shared master the last overlapped backward brought from
+        # the gathered parameter (Note [shared fp32 master]): not read again.
+        self._masters_from_gather: frozenset[int] = frozenset()
         self._device_publishes: list[tuple[Shard, torch.Tensor]] = []
         self._param_writes: deque = deque()  # handles of new parameter values being written
         # Adam kernel threads: the default in a deferred step; one while
@@ -130,9 +136,12 @@ class ShardedAdam(torch.optim.Optimizer):
             init = initial_partition(shard)
             nbytes = 3 * shard.part_numel * 4
             if tier is Tier.NVME:
+                shared = self.shares_master(shard)  # then the parameter's file holds `init`
+                nbytes = (2 if shared else 3) * shard.part_numel * 4
                 self.account.charge(Tier.NVME, nbytes, f"optimizer state of {shard.name}")
-                packed = torch.zeros(3 * shard.part_numel, dtype=torch.float32)
-                packed[:shard.part_numel].copy_(init)
+                packed = torch.zeros(nbytes // 4, dtype=torch.float32)
+                if not shared:
+                    packed[:shard.part_numel].copy_(init)
                 self.state_store.swap_out(self._key(shard), packed).wait()
                 params.append(torch.empty(0))
                 continue
@@ -153,6 +162,26 @@ class ShardedAdam(torch.optim.Optimizer):
     def _aliases_home(self, shard: Shard) -> bool:
         return (self.tier is Tier.HOST and shard.home is HomeKind.HOST
                 and shard.dtype == torch.float32)
+
+    # Note [shared fp32 master]
+    # With state on NVMe and an fp32 parameter homed on NVMe, the parameter's
+    # file holds exactly the master's bits (it is written from the master
+    # after each update). So the master is kept once, there: the state file
+    # holds only the two moments. That saves a write of 4 bytes/element per
+    # step, and usually a read too: when the gradient arrives during an
+    # overlapped backward, the parameter is gathered (its backward read it),
+    # and the update takes the master from that copy instead of the disk.
+    # The stream learns which shards arrive so (as it learns their order),
+    # and reads the master of any that does not.
+    def shares_master(self, shard: Shard) -> bool:
+        return (self.tier is Tier.NVME and shard.home is HomeKind.NVME
+                and shard.dtype == torch.float32 and self.param_store is not None)
+
+    def _layout(self, shard: Shard) -> StateLayout:
+        return StateLayout(shard.part_numel, self.shares_master(shard))
+
+    def _read_master(self, shard: Shard, out: torch.Tensor):
+        return self.param_store.read_part(shard, out)
 
     @staticmethod
     def _key(shard: Shard) -> str:
@@ -181,12 +210,13 @@ class ShardedAdam(torch.optim.Optimizer):
     def _stepping(self) -> list[Shard]:
         return [s for s in self.shards if s.has_grad]
 
-    def _stream(self, order: list[Shard]) -> StateStream | None:
+    def _stream(self, order: list[Shard], skip_master: frozenset = frozenset()) -> StateStream | None:
         if self.tier is not Tier.NVME:
             return None
         stream = StateStream(self.state_store, self._key, order, account=self.account,
                              timeline=self.timeline, cap_elems=self.sub_group_size, buffers=self.buffers,
-                             ahead=self.ahead)
+                             ahead=self.ahead, layout_of=self._layout, read_master=self._read_master,
+                             skip_master=skip_master)
         stream.start()
         return stream
 
@@ -228,7 +258,8 @@ class ShardedAdam(torch.optim.Optimizer):
         self._overlap = _Overlap(group=dict(self.param_groups[0]), futures=[], submitted=set(),
                                  arrival=[])
         stream_order = [s for s in order if s.has_grad or s.param.requires_grad]
-        self._overlap.stream = self._executor.submit(self._stream, stream_order).result() \
+        self._overlap.stream = self._executor.submit(self._stream, stream_order,
+                                                     self._masters_from_gather).result() \
             if self.tier is Tier.NVME else None
 
     @property
@@ -254,7 +285,11 @@ class ShardedAdam(torch.optim.Optimizer):
                 with self.timeline.span("wait", "optimizer backlog"):
                     future.exception()
             ov.backlog_elems -= numel
-        future = self._executor.submit(self._update_shard, shard, ov.group, ov.stream)
+        master = self._gathered_master(shard)
+        if master is not None:
+            ov.masters_brought.add(shard.index)
+            self.account.charge(Tier.HOST, shard.part_numel * 4, f"master of {shard.name} from its gathered copy")
+        future = self._executor.submit(self._update_shard, shard, ov.group, ov.stream, master)
         ov.futures.append(future)
         ov.backlog.append((future, shard.part_numel))
         ov.backlog_elems += shard.part_numel
@@ -286,6 +321,7 @@ class ShardedAdam(torch.optim.Optimizer):
                 raise error
         finally:
             self._arrival_order = ov.arrival + [s for s in self.shards if s.index not in ov.submitted]
+            self._masters_from_gather = frozenset(ov.masters_brought)
         self._flush_publishes()
 
     def close(self) -> None:
@@ -294,16 +330,34 @@ class ShardedAdam(torch.optim.Optimizer):
             self._executor.shutdown()
             self._executor = None
 
+    def _gathered_master(self, shard: Shard) -> torch.Tensor | None:
+        """This rank's partition of the gathered parameter, as the shared master
+        (Note [shared fp32 master]); None when it is not gathered now. On the
+        host it is a view: the gathered buffer is not reused while the view
+        lives (offload/aio/_memory.py BufferCache)."""
+        if not self.shares_master(shard) or shard.residency is not Residency.GATHERED:
+            return None
+        start = shard.ctx.pg.rank * shard.part_numel
+        flat = shard.param.data.reshape(-1)
+        if flat.numel() < start + shard.part_numel:
+            return None  # the last rank's padding is not in param.data
+        return flat[start:start + shard.part_numel].to("cpu")
+
     # ---- one shard --------------------------------------------------------
-    def _update_shard(self, shard: Shard, group: dict, stream: StateStream | None) -> None:
+    def _update_shard(self, shard: Shard, group: dict, stream: StateStream | None,
+                      master_value: torch.Tensor | None = None) -> None:
         with self.timeline.span("optimizer", shard.name):
             if stream is None:
                 master, m, v = self._states[shard.index]
                 self._update(shard, master, m, v, group)
             else:
-                buf = stream.take(shard)
-                n = shard.part_numel
-                self._update(shard, buf[:n], buf[n:2 * n], buf[2 * n:], group)
+                try:
+                    buf = stream.take(shard, master_value)
+                finally:
+                    if master_value is not None:
+                        del master_value  # the gathered buffer may be reused from here
+                        self.account.credit(Tier.HOST, shard.part_numel * 4)
+                self._update(shard, *stream.layout(shard).views(buf), group)
                 stream.put(shard, buf)
             shard.clear_grad()
 
@@ -367,6 +421,8 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def master_partition(self, shard: Shard) -> torch.Tensor:
         """This rank's fp32 master partition of `shard` (a copy, on the host)."""
+        if self.shares_master(shard):
+            return shard.home_partition()
         if self.tier is Tier.NVME:
             buf = torch.empty(3 * shard.part_numel, dtype=torch.float32)
             self.state_store.swap_in(self._key(shard), out=buf).wait()
@@ -374,7 +430,7 @@ class ShardedAdam(torch.optim.Optimizer):
         return self._states[shard.index][0].detach().to("cpu", copy=True)
 
     def state_bytes(self) -> int:
-        return sum(3 * s.part_numel * 4 for s in self.shards)
+        return sum((2 if self.shares_master(s) else 3) * s.part_numel * 4 for s in self.shards)
 
     # ---- checkpoints (offload/checkpoint_io) --------------------------------
     def state_tensors(self, shard: Shard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -385,7 +441,8 @@ class ShardedAdam(torch.optim.Optimizer):
         return self._states[shard.index]
 
     def state_file(self, shard: Shard):
-        """The NVMe-tier swap file holding [master | exp_avg | exp_avg_sq] of `shard`."""
+        """The NVMe-tier swap file holding [master | exp_avg | exp_avg_sq] of `shard`, or
+        [exp_avg | exp_avg_sq] where shares_master(shard) (the master is the parameter's file)."""
         if self.tier is not Tier.NVME:
             raise ValueError(f"optimizer state of {shard.name} is on the {self.tier.value} tier, "
                              "not in a file: use state_tensors()")
@@ -399,6 +456,11 @@ class ShardedAdam(torch.optim.Optimizer):
             if t.shape != (shard.part_numel,) or t.dtype != torch.float32:
                 raise ValueError(f"{name} of {shard.name}: expected {shard.part_numel} fp32 elements, "
                                  f"got {tuple(t.shape)} {t.dtype}")
+        if self.shares_master(shard):
+            shard.ctx.param_store.write(shard, master.cpu().contiguous()).wait()
+            packed = torch.cat([exp_avg.cpu(), exp_avg_sq.cpu()])
+            self.state_store.swap_out(self._key(shard), packed).wait()
+            return
         if self.tier is Tier.NVME:
             packed = torch.cat([master.cpu(), exp_avg.cpu(), exp_avg_sq.cpu()])
             self.state_store.swap_out(self._key(shard), packed).wait()

@@ -75,8 +75,9 @@ def _state(engine):
     moments = {}
     for s in engine.shards:
         if opt.tier.value == "nvme":
-            packed = read_swap_file(opt.state_file(s), torch.float32, 3 * s.part_numel)
-            moments[s.name] = packed[s.part_numel:].clone()
+            own_master = 0 if opt.shares_master(s) else 1  # Note [shared fp32 master]
+            packed = read_swap_file(opt.state_file(s), torch.float32, (2 + own_master) * s.part_numel)
+            moments[s.name] = packed[own_master * s.part_numel:].clone()
         else:
             moments[s.name] = torch.cat([t.cpu() for t in opt.state_tensors(s)[1:]])
     return {"weights": runs.snapshot(engine), "moments": moments, "steps": dict(opt.shard_steps),
