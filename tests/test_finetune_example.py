@@ -129,6 +129,7 @@ def test_finetune_ctrl_c_removes_swap_files(tmp_path):
     nvme = tmp_path / "swap" / "nvme"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT prints every thread's stack
     args = [a if a != "8" else "100000" for a in TINY]  # --steps 100000: runs until interrupted
     proc = subprocess.Popen([sys.executable, str(EXAMPLE), *args, "--nvme-path", str(nvme)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
@@ -142,7 +143,12 @@ def test_finetune_ctrl_c_removes_swap_files(tmp_path):
         assert any((nvme / "rank0").glob("*.swp"))
         time.sleep(0.5)  # inside the training loop
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            err = proc.communicate(timeout=30)[1]
+            pytest.fail(f"the example still ran 60 s after Ctrl-C; its stderr and threads:\n{err[-8000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -11,6 +11,16 @@ runs, or when the graph is dropped) releases its reference; the last one
 credits the storage. So the device tier reads "bytes kept alive for
 backward", whatever the model does with its own references.
 
+Note [credits owed by the garbage collector]
+A holder's death is seen through a weakref whose callback is `list.append`
+(C, no Python frame), and the credit is settled on the next charge or read
+of the account (MemoryAccount.add_settler): every charge sees exactly what
+an immediate credit would have left, so peaks and budgets are unchanged.
+Why not a Python callback (weakref.finalize): autograd frees saved tensors
+thousands of times a step, and a Ctrl-C whose KeyboardInterrupt is raised
+inside a weakref callback is printed as "Exception ignored" and lost: the
+run went on training (1 in ~25 Ctrl-Cs of examples/finetune.py).
+
 Parameters are never charged here: an offloaded one is replaced by the
 manager's record before it reaches the saver, and a device-home one is
 already charged where it lives (Shard.adopt).
@@ -78,8 +88,13 @@ class ActivationSaver:
         self.profile = profile
         self.timings = {"checkpointed_forward_s": 0.0, "recompute_s": 0.0,
                         "checkpointed_calls": 0, "recomputations": 0}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # account.charge under it settles (Note [credits owed ...])
         self._charges: dict[tuple, _Charge] = {}  # storage key -> its charge
+        # Note [credits owed by the garbage collector]: id(weakref) -> (weakref, storage key)
+        # for live holders; `_died` gets each weakref as its holder dies.
+        self._watched: dict[int, tuple[weakref.ref, tuple]] = {}
+        self._died: list[weakref.ref] = []
+        account.add_settler(self._settle)
         self._local = threading.local()  # .inputs: inside checkpoint_inputs()
 
     # ---- the manager's hook point (Note [activation bytes]) ---------------
@@ -115,10 +130,12 @@ class ActivationSaver:
     # ---- bytes ---------------------------------------------------------------
     def device_bytes(self) -> int:
         """Bytes of saved activations now charged to the device tier."""
+        self._settle()
         with self._lock:
             return sum(c.nbytes for c in self._charges.values() if c.tier is Tier.DEVICE)
 
     def held_storages(self) -> int:
+        self._settle()
         with self._lock:
             return len(self._charges)
 
@@ -140,6 +157,7 @@ class ActivationSaver:
         if nbytes == 0:
             return
         key = (storage.device.type, storage.device.index, storage.data_ptr())
+        self._settle()  # a dead storage's charge at this address goes first
         with self._lock:
             charge = self._charges.get(key)
             if charge is None:
@@ -147,7 +165,19 @@ class ActivationSaver:
                 self.account.charge(tier, nbytes, f"saved activation ({tuple(t.shape)}, {t.dtype})")
                 charge = self._charges[key] = _Charge(tier, nbytes, 0)
             charge.refs += 1
-        weakref.finalize(anchor, self._release, key)
+            ref = weakref.ref(anchor, self._died.append)
+            self._watched[id(ref)] = (ref, key)
+
+    def _settle(self) -> None:
+        """Credits the storages whose last holder died since the last call."""
+        while self._died:
+            try:
+                ref = self._died.pop()
+            except IndexError:  # another thread settled it
+                return
+            with self._lock:
+                _, key = self._watched.pop(id(ref))
+            self._release(key)
 
     def _release(self, key: tuple) -> None:
         with self._lock:

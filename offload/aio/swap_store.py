@@ -25,6 +25,7 @@ import hashlib
 import os
 import shutil
 import struct
+import sys
 import time
 import urllib.parse
 import zlib
@@ -143,6 +144,7 @@ class SwapHandle:
         self._pieces_left = 0
         self._open = True  # pieces still being added; not complete even at zero left
         self._error: BaseException | None = None
+        self._interrupt: BaseException | None = None  # the Ctrl-C that failed it, if one did
         self._result = None
         self._finished = False
         self._finish: Callable[[], object] | None = None
@@ -154,9 +156,18 @@ class SwapHandle:
     def wait(self):
         if not self._finished:
             self._store._finish_through(self)
-        if self._error is not None:
-            raise self._error
+        self._raise_error()
         return self._result
+
+    def _raise_error(self) -> None:
+        if self._error is None:
+            return
+        if self._interrupt is not None and sys.exc_info()[1] is self._interrupt:
+            # Waited on by cleanup (a finally) while the Ctrl-C that failed it
+            # propagates: that interrupt goes on; an InterruptedError, an
+            # OSError, would replace it and turn the Ctrl-C into an I/O error.
+            raise self._interrupt
+        raise self._error
 
 
 def _quote(key: str) -> str:
@@ -369,6 +380,7 @@ class SwapStore:
         except BaseException as exc:  # Ctrl-C in a callback: this handle fails, the interrupt goes on
             if h._error is None:  # later waits on it raise this, not the interrupt again
                 h._error = InterruptedError(f"{h.op} of {h.key!r} interrupted ({type(exc).__name__})")
+                h._interrupt = exc  # except in cleanup while it propagates (SwapHandle._raise_error)
             raise
         finally:
             # The pool buffer is only its own again when the kernel is done with it.
@@ -420,8 +432,7 @@ class SwapStore:
             handles.append(piece.handle)
             self._finish_piece(piece)
         for h in handles:
-            if h._error is not None:
-                raise h._error
+            h._raise_error()
 
     def trim(self) -> None:
         """Frees the staging buffers the pool keeps idle for reuse (after a

@@ -36,8 +36,20 @@ class MemoryAccount:
         budgets = budgets or {}
         self._lock = threading.Lock()
         self._usage = {tier: TierUsage(budget=budgets.get(tier)) for tier in Tier}
+        self._settlers: list = []
+
+    def add_settler(self, settle) -> None:
+        """settle() is called before every charge and read: it credits bytes freed
+        since its last call (Note [credits owed by the garbage collector] in
+        offload/activations/saver.py)."""
+        self._settlers.append(settle)
+
+    def _settle(self) -> None:
+        for settle in self._settlers:
+            settle()
 
     def charge(self, tier: Tier, nbytes: int, what: str) -> None:
+        self._settle()
         with self._lock:
             usage = self._usage[tier]
             if usage.budget is not None and usage.now + nbytes > usage.budget:
@@ -55,11 +67,13 @@ class MemoryAccount:
             assert usage.now >= 0, f"{tier.value} tier accounting went negative"
 
     def usage(self, tier: Tier) -> TierUsage:
+        self._settle()
         with self._lock:
             u = self._usage[tier]
             return TierUsage(now=u.now, peak=u.peak, budget=u.budget)
 
     def reset_peak(self) -> None:
+        self._settle()
         with self._lock:
             for u in self._usage.values():
                 u.peak = u.now
