@@ -25,7 +25,7 @@ import torch
 from offload.config import Config, OffloadDevice, Precision
 from offload.engine.build import build_shards
 from offload.engine.loss_scaler import LossScaler
-from offload.engine.memory import ProcessMemory, release_free_host_memory
+from offload.engine.memory import ProcessMemory, map_large_allocations, release_free_host_memory
 from offload.optim.sharded_adam import ShardedAdam
 from offload.partition.accounting import MemoryAccount, Tier
 from offload.partition.collectives import ProcessGroupInfo
@@ -93,6 +93,8 @@ class Engine:
             self._abort()
             raise
         release_free_host_memory()  # the build's temporaries (Note [engine bytes and the OS])
+        if Tier.NVME in (self.param_tier, self.optim_tier):
+            map_large_allocations()  # host memory is what an NVMe run is short of
 
     def _build(self, model: torch.nn.Module, config: Config, ctx: ShardContext) -> None:
         # First, so a class name missing from the model fails before anything moves.

@@ -183,9 +183,12 @@ def closed_form_peak(layers: int, width: int, batch: int, staging_bytes: int,
         # (reduce_bucket_size, 2 P by default) plus the one arriving.
         "fp32 gradients awaiting update": 3 * largest * 4,
         "swap staging buffers": staging_bytes,
-        # The shard being updated, two read ahead and one written back,
-        # [master | m | v] each.
-        "optimizer state buffers": 4 * 3 * 4 * largest,
+        # The shard being updated, one largest shard's elements read ahead
+        # and one written back, [master | m | v] each.
+        "optimizer state buffers": 3 * 3 * 4 * largest,
+        # fp32 masters taken from gathered parameters (Note [shared fp32
+        # master]), held until their update: at most the gradient backlog.
+        "masters from gathered parameters": 3 * largest * 4,
         # New compute-dtype values on their way home: at most 3 in flight.
         "new values being written": 3 * itemsize * largest,
         # Saved: each layer's tanh output and the input; in flight in
