@@ -135,11 +135,14 @@ class ActivationSaver:
 
     def _acquire(self, t: torch.Tensor, tier: Tier, anchor) -> None:
         """Charges t's storage (first reference) until `anchor` dies."""
-        storage = t.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes == 0:
-            return
-        key = (storage.device.type, storage.device.index, storage.data_ptr())
+        # Outside the forward's TorchFunctionMode: Note [bookkeeping outside the
+        # mode] in offload/partition/manager.py.
+        with torch._C.DisableTorchFunction():
+            storage = t.untyped_storage()
+            nbytes = storage.nbytes()
+            if nbytes == 0:
+                return
+            key = (storage.device.type, storage.device.index, storage.data_ptr())
         with self._lock:
             charge = self._charges.get(key)
             if charge is None:
