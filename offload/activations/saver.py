@@ -152,11 +152,14 @@ class ActivationSaver:
 
     def _acquire(self, t: torch.Tensor, tier: Tier, anchor) -> None:
         """Charges t's storage (first reference) until `anchor` dies."""
-        storage = t.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes == 0:
-            return
-        key = (storage.device.type, storage.device.index, storage.data_ptr())
+        # Outside the forward's TorchFunctionMode: Note [bookkeeping outside the
+        # mode] in offload/partition/manager.py.
+        with torch._C.DisableTorchFunction():
+            storage = t.untyped_storage()
+            nbytes = storage.nbytes()
+            if nbytes == 0:
+                return
+            key = (storage.device.type, storage.device.index, storage.data_ptr())
         self._settle()  # a dead storage's charge at this address goes first
         with self._lock:
             charge = self._charges.get(key)

@@ -11,6 +11,10 @@ less; at least one shard is always read ahead. An update out of the expected ord
 that came early, or a shard that was not expected) reads on demand and the
 stream continues after it. The buffers are 4096-aligned, so reads and the
 writes back go straight between disk and them (Note [direct transfers]).
+Writes back stay in flight up to the state bytes of the largest shard in the
+order (one write of it at a time, as the memory budget counts): a model of
+many small parameters would otherwise wait out each small write's latency
+in turn before the next update (GPT 3.3M, deferred step: 117 -> 104 ms).
 
 All calls come from one thread: the optimizer thread while updates overlap
 backward, the compute thread in a deferred step, never both at once.
@@ -78,7 +82,9 @@ class StateStream:
         self._budget = min(ahead * largest, cap_elems or float("inf"))
         self._reads: dict[int, tuple[torch.Tensor, list, float]] = {}  # index -> buf, handles, t0
         self._next = 0  # next position in the order to consider reading
-        self._writes: deque = deque()  # (handle, nbytes, t0) written back, buffers charged until done
+        self._writes: deque = deque()  # (handle, nbytes, t0, name) written back, charged until done
+        self._writing_bytes = 0
+        self._write_cap = max((self._layout_of(s).buffer_numel * 4 for s in order), default=0)
         self._buffers = buffers  # an offload.aio.BufferCache, or None
 
     def layout(self, shard) -> StateLayout:
@@ -143,18 +149,23 @@ class StateStream:
 
     def put(self, shard, buf: torch.Tensor) -> None:
         """Writes the updated moments (and an own master) back; the buffer is lent until written."""
+        nbytes = buf.numel() * 4
         self._writes.append((self.store.swap_out(self._key_of(shard), self._layout_of(shard).file_part(buf),
                                                  borrow=True),
-                             buf.numel() * 4, time.perf_counter(), shard.name))
+                             nbytes, time.perf_counter(), shard.name))
+        self._writing_bytes += nbytes
         if self._buffers is not None:
             self._buffers.give(buf)  # reused once the write no longer holds it
         self._retire(block=False)
 
     def _retire(self, block: bool) -> None:
-        # One write in flight: its buffer is host memory too, and a write of a
-        # state partition finishes while the next shard is read and updated.
-        while self._writes and (block or self._writes[0][0].done() or len(self._writes) > 1):
+        # Writes in flight are bounded by bytes (their buffers are host memory
+        # too): the newest alone may be the largest; older ones finish while
+        # the next shard is read and updated.
+        while self._writes and (block or self._writes[0][0].done()
+                                or (len(self._writes) > 1 and self._writing_bytes > self._write_cap)):
             handle, nbytes, t0, name = self._writes.popleft()
+            self._writing_bytes -= nbytes
             handle.wait()
             self._timeline.record("write", f"optimizer state {name}", t0)
             self._account.credit(Tier.HOST, nbytes)

@@ -15,6 +15,17 @@ parameter stays resident between forward and backward, whatever the module
 structure, and none is gathered in backward unless backward needs its value.
 A parameter's backward holds end in its post-accumulate-grad hook, which
 also moves the gradient into the shard's fp32 partition and frees it.
+
+Note [bookkeeping outside the mode]
+While the forward runs, every torch call made in Python goes through the
+TorchFunctionMode above, which costs about 2 us a call. The model makes a
+few hundred such calls per step; the manager's own hooks, the shards, the
+swap store and the saver made about 3,400 (numel, views, data_ptr of I/O
+buffers), taxing a 3.3M-parameter GPT's step 7-10 ms. So the hooks run their
+bookkeeping with torch function handling disabled (`_bookkeeping`): the mode
+would only have passed those calls through (the `_internal` flag keeps it from
+gathering), and a user's mode around the forward (`with torch.device(...)`)
+has no business placing the engine's I/O buffers either.
 """
 from __future__ import annotations
 
@@ -27,6 +38,10 @@ from torch.overrides import TorchFunctionMode
 from offload.timeline import Timeline
 from offload.partition.prefetch import PrefetchScheduler
 from offload.partition.shard import HomeKind, Residency, Shard
+
+
+# Note [bookkeeping outside the mode]
+_bookkeeping = torch._C.DisableTorchFunction
 
 
 @dataclass(frozen=True)
@@ -146,15 +161,17 @@ class ParameterManager:
 
     def _make_pre_hook(self, own: list[Shard]):
         def pre_hook(module, args):
-            for shard in own:
-                self.hold(shard)
+            with _bookkeeping():
+                for shard in own:
+                    self.hold(shard)
         return pre_hook
 
     def _make_post_hook(self, own: list[Shard]):
         def post_hook(module, args, output):
-            for shard in own:
-                if shard.held:
-                    self.drop(shard)
+            with _bookkeeping():
+                for shard in own:
+                    if shard.held:
+                        self.drop(shard)
         return post_hook
 
     def _make_grad_hook(self, shard: Shard):
@@ -176,23 +193,27 @@ class ParameterManager:
     activations = None
 
     def _pack(self, t: torch.Tensor):
-        shard = None
-        if self._live and t.layout == torch.strided and t.device.type != "meta":
-            shard = self._live.get(t.untyped_storage().data_ptr())
-        if shard is None:
-            return t if self.activations is None else self.activations.pack(t)
-        if t.dtype != shard.dtype or shard.home is HomeKind.DEVICE:
-            return t
-        # The offset from the start of the gathered buffer: the next gather's
-        # buffer starts at its own place in its own storage (aligned buffers).
-        return _SavedParamView(shard, t.size(), t.stride(), t.storage_offset() - shard.full_storage_offset())
+        with _bookkeeping():
+            shard = None
+            if self._live and t.layout == torch.strided and t.device.type != "meta":
+                shard = self._live.get(t.untyped_storage().data_ptr())
+            if shard is not None:
+                if t.dtype != shard.dtype or shard.home is HomeKind.DEVICE:
+                    return t
+                # The offset from the start of the gathered buffer: the next gather's
+                # buffer starts at its own place in its own storage (aligned buffers).
+                return _SavedParamView(shard, t.size(), t.stride(),
+                                       t.storage_offset() - shard.full_storage_offset())
+        # Outside _bookkeeping: the saver detaches t, which keeps a subclass its type.
+        return t if self.activations is None else self.activations.pack(t)
 
     def _unpack(self, saved):
         if not isinstance(saved, _SavedParamView):
             return saved if self.activations is None else self.activations.unpack(saved)
-        data = self.hold(saved.shard)
-        self._backward_holds[saved.shard] = self._backward_holds.get(saved.shard, 0) + 1
-        return data.as_strided(saved.size, saved.stride, saved.shard.full_storage_offset() + saved.offset)
+        with _bookkeeping():  # a recomputation's unpack runs inside forward_context
+            data = self.hold(saved.shard)
+            self._backward_holds[saved.shard] = self._backward_holds.get(saved.shard, 0) + 1
+            return data.as_strided(saved.size, saved.stride, saved.shard.full_storage_offset() + saved.offset)
 
     @contextlib.contextmanager
     def forward_context(self, new_pass: bool = True):
