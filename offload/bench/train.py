@@ -489,7 +489,11 @@ def run(args) -> int:
             shutil.rmtree(nvme_root, ignore_errors=True)
     report["ratios"] = _ratios(results)
     if any(n.endswith("-nvme") and "median_s" in r for n, r in results.items()):
-        report["io_roofline"] = _roofline(results, nvme_root)
+        try:
+            report["io_roofline"] = _roofline(results, nvme_root)
+        finally:
+            if own_nvme:  # the disk probe made the directory again
+                shutil.rmtree(nvme_root, ignore_errors=True)
         _print_breakdown(results, report["io_roofline"])
     report["machine"]["load_average_end"] = list(os.getloadavg())
     if args.out:
