@@ -210,6 +210,7 @@ def _child(name: str, spec: dict) -> dict:
     for i in range(s["warmup"] + s["steps"]):
         if i == s["warmup"]:
             moved = [(st.stats.bytes_read, st.stats.bytes_written) for st in stores]
+            usage = resource.getrusage(resource.RUSAGE_SELF)
         t = time.perf_counter()
         loss = step(batches[i])
         dt = time.perf_counter() - t
@@ -218,6 +219,12 @@ def _child(name: str, spec: dict) -> dict:
             times.append(dt)
         print(f"[{name}] step {i} {'warmup' if i < s['warmup'] else 'timed'} "
               f"{dt:.3f} s loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+    # CPU seconds (user, system) and page faults per timed step: on 2 cores a
+    # step whose CPU time nears twice its wall time is short of cores, not disk.
+    end = resource.getrusage(resource.RUSAGE_SELF)
+    res["cpu_s_per_step"] = {"user": round((end.ru_utime - usage.ru_utime) / s["steps"], 3),
+                             "system": round((end.ru_stime - usage.ru_stime) / s["steps"], 3)}
+    res["page_faults_per_step"] = (end.ru_minflt - usage.ru_minflt) // s["steps"]
     if stores:
         # Bytes moved per timed step, and where the last step's time went (Note [timeline]).
         res["bytes_read_per_step"] = sum(st.stats.bytes_read - r for st, (r, _) in zip(stores, moved)) // s["steps"]
