@@ -166,14 +166,23 @@ class StateStream:
                                 or (len(self._writes) > 1 and self._writing_bytes > self._write_cap)):
             handle, nbytes, t0, name = self._writes.popleft()
             self._writing_bytes -= nbytes
-            handle.wait()
+            try:
+                handle.wait()
+            finally:  # failed or not, the write no longer holds its buffer's bytes
+                self._account.credit(Tier.HOST, nbytes)
             self._timeline.record("write", f"optimizer state {name}", t0)
-            self._account.credit(Tier.HOST, nbytes)
 
     def close(self) -> None:
-        """Waits for every write, and for reads nobody took (their buffers are freed)."""
+        """Waits for every write, and for reads nobody took (their buffers are
+        freed); raises the first write error once all of them are waited for,
+        so no write is left in flight from a buffer about to be reused."""
+        error = None
         try:
-            self._retire(block=True)
+            while self._writes:
+                try:
+                    self._retire(block=True)
+                except Exception as exc:  # noqa: BLE001 - raised below, after the others
+                    error = error or exc
         finally:
             for buf, handles, _ in self._reads.values():
                 for handle in handles:
@@ -183,3 +192,5 @@ class StateStream:
                         pass               # Ctrl-C it recorded, raised already) changes nothing
                 self._account.credit(Tier.HOST, buf.numel() * 4)
             self._reads.clear()
+        if error is not None:
+            raise error

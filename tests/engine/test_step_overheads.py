@@ -5,6 +5,7 @@ not wait for each other."""
 import copy
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -117,3 +118,36 @@ def test_state_writes_in_flight_are_bounded_by_bytes_not_count():
     stream.close()
     assert account.usage(Tier.HOST).now == 0
 
+
+
+def test_a_failed_state_write_still_waits_for_and_credits_every_other_write():
+    """A write that fails (a full disk) must not leave the writes after it in
+    flight: their buffers go back to the cache for reuse, and the host account
+    would keep their bytes forever. close() waits for all, then raises the first error."""
+    small = [SimpleNamespace(index=i, part_numel=7, name=f"s{i}") for i in range(1, 4)]
+    big = SimpleNamespace(index=0, part_numel=1000, name="big")  # sets the bytes cap: small writes stay in flight
+
+    class _FailingWrite(_FakeStore):
+        def swap_out(self, key, buf, borrow=False):
+            handle = super().swap_out(key, buf, borrow)
+            if key == "optim.1":
+                inner_wait = handle.wait
+
+                def wait():
+                    inner_wait()
+                    raise OSError(28, "No space left on device", key)
+
+                handle.wait = wait
+            return handle
+
+    store, account = _FailingWrite(), MemoryAccount()
+    stream = StateStream(store, lambda s: f"optim.{s.index}", small + [big], account=account,
+                         timeline=Timeline(enabled=False), ahead=len(small) + 1)
+    stream.start()
+    for shard in small:
+        stream.put(shard, stream.take(shard))
+    assert store.writes_waited() == []  # all three in flight when close() comes
+    with pytest.raises(OSError, match="optim.1"):
+        stream.close()
+    assert store.writes_waited() == ["optim.1", "optim.2", "optim.3"]
+    assert account.usage(Tier.HOST).now == 0
