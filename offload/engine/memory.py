@@ -131,12 +131,10 @@ def parameter_storage_bytes(model: torch.nn.Module) -> int:
 
 
 def _import_lazy_dependencies() -> None:
-    # torch.optim.Optimizer.__init__ imports torch._dynamo on first use (its
-    # methods are wrapped by torch._disable_dynamo); importing it here puts
-    # that one-time library cost before the baseline instead of in the
-    # engine's share. Same for the engine's own modules imported on demand.
-    import torch._dynamo  # noqa: F401
-
+    # The engine's own modules imported on demand: their one-time cost goes
+    # before the baseline instead of into the engine's share. Not torch._dynamo,
+    # which torch.optim.Optimizer's wrapped methods import on first call (70
+    # MiB): the engine's optimizer does without it (ShardedAdam.add_param_group).
     import offload.aio.swap_store  # noqa: F401
     import offload.partition.nvme_home  # noqa: F401
     import offload.schedulers  # noqa: F401

@@ -162,6 +162,15 @@ class ShardedAdam(torch.optim.Optimizer):
                         adamw_mode=adamw_mode)
         super().__init__(params, defaults)
 
+    def add_param_group(self, param_group: dict) -> None:
+        """The one group over every shard, made by __init__. torch's own version
+        is wrapped in torch._disable_dynamo, whose first call imports torch._dynamo
+        (70 MiB of RSS, sympy included) into a process that may never compile."""
+        if self.param_groups:
+            raise RuntimeError("the engine's optimizer updates every parameter in one group; "
+                               "give each parameter's settings in the config instead")
+        self.param_groups.append({**self.defaults, **param_group, "params": list(param_group["params"])})
+
     def _aliases_home(self, shard: Shard) -> bool:
         return (self.tier is Tier.HOST and shard.home is HomeKind.HOST
                 and shard.dtype == torch.float32)
