@@ -57,20 +57,25 @@ def _glibc():
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-LARGE_ALLOCATION_BYTES = 1 << 20
+LARGE_ALLOCATION_BYTES = 8 << 20
 
 
 def map_large_allocations() -> bool:
-    """Serves allocations of 1 MiB and more from their own mappings, so that
+    """Serves allocations of 8 MiB and more from their own mappings, so that
     freeing one returns its pages to the OS at once (glibc mallopt).
 
     Called when a tier is NVMe, where host memory is what the run is short
     of. glibc's default threshold starts at 128 KiB and rises to 32 MiB as
     large blocks are freed, after which activations come from the heap and
     stay resident when freed, until the next trim: at the end of backward
-    they sat beside the optimizer's buffers (GPT 67M on NVMe: peak RSS 0.94
-    GiB with the default, 0.81 with this). The cost is a page fault per
-    page of each large allocation, which a step waiting on the disk hides.
+    they sat beside the optimizer's buffers. The cost is a page fault per
+    page of each mapped allocation, taken by the compute threads. GPT 67M on
+    NVMe, same build, nvme contender alone, median step / peak RSS:
+    1 MiB 2.17-2.29 s / 0.74-0.75 GiB; 8 MiB 1.98-2.14 s / 0.82-0.84 GiB;
+    16 MiB 1.84-2.08 s / 0.86-0.90 GiB; 32 MiB (the dynamic maximum) 1.95 s
+    / 0.89 GiB. 8 MiB keeps the large activations (the MLP's, the logits)
+    and the gradients of the large weights returning at once, and serves
+    the many smaller ones from the heap without a fault each time.
     Process-wide and kept after the engine closes (glibc cannot go back to
     the dynamic threshold). Returns whether it could be set."""
     libc = _glibc()
