@@ -214,7 +214,14 @@ def build_shards(model: torch.nn.Module, config: Config, ctx: ShardContext, dtyp
         staging = oo.buffer_count * max(s.part_numel for s in shards) * 4 if oo.buffer_count else None
         configs["state"] = _swap_config(state_path, [3 * s.part_numel * 4 for s in shards], staging, config, ctx)
     if nvme_shards and state_path != param_path:
-        configs["writer"] = _swap_config(param_path, [], None, config, ctx)
+        # Writes the same files as the parameter store, which holds their disk
+        # space: no capacity of its own, but the same staging budget. Sized from
+        # no tensors it had 8 KiB, and a new value not aligned for a direct
+        # write went through in 4 KiB pieces (GPT 67M, optimizer state on the
+        # host: a 7 s step).
+        writer = _swap_config(param_path, [s.part_numel * dtype.itemsize for s in nvme_shards], None,
+                              config, ctx)
+        configs["writer"] = dataclasses.replace(writer, capacity_bytes=0)
     _preflight_budgets(shards, config, dtype, optim_tier, ctx, sum(c.buffer_bytes for c in configs.values()))
     if builder is not None:
         builder.hand_over(keep={id(s.param) for s in shards}, created_dirs=created_dirs)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.aio._memory import BufferCache
+from offload.aio._memory import BufferCache, aligned_tensor
 from offload.ops import adam_step
 from offload.optim.state_stream import StateLayout, StateStream
 from offload.partition.accounting import MemoryAccount, Tier
@@ -151,6 +151,10 @@ class ShardedAdam(torch.optim.Optimizer):
             if self._aliases_home(shard):
                 master = shard.host_part  # fp32 host home is the master itself
                 nbytes -= shard.part_numel * 4
+            elif self.state_device.type == "cpu":
+                # Aligned: a new value homed on NVMe is written from it straight
+                # to disk, with no staging copy (Note [direct transfers]).
+                master = aligned_tensor(shard.part_numel, torch.float32).copy_(init.reshape(-1))
             else:
                 master = init.to(self.state_device, torch.float32, copy=True)
             self.account.charge(tier, nbytes, f"optimizer state of {shard.name}")
