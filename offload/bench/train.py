@@ -17,7 +17,11 @@ resident memory is its own: VmHWM of that process (the high-water mark of its
 address space, which starts afresh at exec; `ru_maxrss` is recorded too, but
 Linux carries the parent's RSS at fork into it). A step is forward + loss +
 backward + optimizer step; `--warmup` steps untimed, then the median of
-`--steps` timed steps. A contender that fails has its error in the JSON and
+`--steps` timed steps. With `--rounds N` the contenders run N times in
+rotation (torch, ours, DeepSpeed, torch, ...) and each one's figure is the
+median of its round medians: this VM's speed drifts by 10-20% over minutes,
+and a rotation spreads the drift over every contender instead of handing it
+to whichever ran during a slow spell. A contender that fails has its error in the JSON and
 the run goes on. JSON on stdout (progress and the contenders' logs on
 stderr), train.json and train.png under --out.
 """
@@ -63,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "DeepSpeed needs one buffer per parameter swapped in at once; see below)")
     p.add_argument("--buffer-size", type=float, default=None,
                    help="zero_optimization.offload_param.buffer_size, elements (default: the largest parameter)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the contenders this many times in rotation; median of round medians (default 1)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per contender before it is stopped")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="cProfile one extra step of the offload contenders; keep the top N functions")
@@ -117,6 +123,7 @@ def _settings(args) -> dict:
         "seq": args.seq if args.seq is not None else (32 if quick else 128),
         "lr": args.lr,
         "seed": args.seed,
+        "rounds": args.rounds,
     }
 
 
@@ -332,6 +339,25 @@ def _run_one(name: str, spec: dict, timeout: int, workdir: Path) -> dict:
     return res
 
 
+def _merge_rounds(rounds: list[dict]) -> dict:
+    """One contender's figures over rounds: the last round's details (timeline,
+    memory report), the median of the round medians, the highest peak RSS."""
+    failed = next((r for r in rounds if "median_s" not in r), None)
+    if failed is not None:
+        return failed
+    if len(rounds) == 1:
+        return rounds[0]
+    merged = dict(rounds[-1])
+    merged["median_s"] = round(statistics.median(r["median_s"] for r in rounds), 4)
+    merged["tokens_per_s"] = round(rounds[-1]["tokens_per_s"] * rounds[-1]["median_s"] / merged["median_s"], 1)
+    merged["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in rounds)
+    merged["step_times_s"] = [t for r in rounds for t in r["step_times_s"]]
+    merged["other_load_share"] = max(r["other_load_share"] for r in rounds)
+    merged["rounds"] = [{k: r.get(k) for k in ("median_s", "peak_rss_bytes", "other_load_share", "wall_s")}
+                        for r in rounds]
+    return merged
+
+
 def _ratio(a, b):
     return round(a / b, 3) if a and b else None
 
@@ -475,21 +501,28 @@ def run(args) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="offload-train-bench-"))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)  # the contenders write traces there
+    if args.rounds < 1:
+        log(f"--rounds must be at least 1, got {args.rounds}")
+        return 2
+    rounds: dict[str, list[dict]] = {name: [] for name in names}
     try:
-        for name in names:
-            spec = {"settings": settings, "profile": args.profile, "trace_dir": args.out}
-            if name != "torch":
-                mode = name.split("-", 1)[1]
-                spec["config"] = configs[mode]
-                if mode == "nvme":
-                    (nvme_root / "swap").mkdir(parents=True, exist_ok=True)
-            if name.startswith("deepspeed-"):
-                spec["port"] = _free_port()
-            results[name] = _run_one(name, spec, args.timeout, workdir)
-            shutil.rmtree(nvme_root / "swap", ignore_errors=True)
-            r = results[name]
-            if "median_s" in r:
-                log(f"   {name}: {r['median_s']:.3f} s/step, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
+        for round_index in range(args.rounds):
+            for name in names:
+                spec = {"settings": settings, "profile": args.profile, "trace_dir": args.out}
+                if name != "torch":
+                    mode = name.split("-", 1)[1]
+                    spec["config"] = configs[mode]
+                    if mode == "nvme":
+                        (nvme_root / "swap").mkdir(parents=True, exist_ok=True)
+                if name.startswith("deepspeed-"):
+                    spec["port"] = _free_port()
+                r = _run_one(name, spec, args.timeout, workdir)
+                rounds[name].append(r)
+                shutil.rmtree(nvme_root / "swap", ignore_errors=True)
+                if "median_s" in r:
+                    log(f"   {name} (round {round_index + 1}/{args.rounds}): {r['median_s']:.3f} s/step, "
+                        f"peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
+        results.update({name: _merge_rounds(rs) for name, rs in rounds.items()})
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         if own_nvme:
@@ -505,7 +538,8 @@ def run(args) -> int:
     report["machine"]["load_average_end"] = list(os.getloadavg())
     if args.out:
         title = (f"GPT {report['params'] / 1e6:.1f}M params, batch {settings['batch']} x seq "
-                 f"{settings['seq']}, fp32; median of {settings['steps']} steps; "
+                 f"{settings['seq']}, fp32; median of {settings['steps']} steps"
+                 f"{f' x {args.rounds} rounds' if args.rounds > 1 else ''}; "
                  f"{report['machine']['cpu_model']}, {report['machine']['cpu_count']} cores")
         png = _plot(results, args.out, title)
         if png:
