@@ -134,3 +134,28 @@ def test_backend_report_lists_every_backend():
     assert set(report) == {"native", "libaio", "threads", "auto"}
     assert report["threads"] == "available"
     assert report["auto"].startswith("uses ")
+
+
+@pytest.mark.parametrize("n", [(2 << 20) - 1, 2 << 20, (2 << 20) + 4097, 5 * (2 << 20) + 1])
+def test_large_aligned_buffers_are_their_own_mappings_and_hold_their_bytes(n):
+    """Note [huge pages for swap buffers]: 2 MiB and more come from a mapping
+    of their own, still 4096-aligned, exactly n bytes long, and writable."""
+    t = aio.aligned_empty(n, pin=False)
+    assert t.numel() == n and t.dtype == torch.uint8 and t.data_ptr() % 4096 == 0
+    values = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    t.copy_(values)
+    assert torch.equal(t, values)
+    as_float = aio.aligned_tensor(n // 4, torch.float32, pin=False)
+    assert as_float.numel() == n // 4 and as_float.data_ptr() % 4096 == 0
+
+
+def test_a_mapping_the_kernel_refuses_is_a_memory_error_naming_the_size(monkeypatch):
+    import errno
+    import mmap
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    with pytest.raises(MemoryError, match=r"could not map 8388608 bytes \(8.0 MiB\).*Cannot allocate memory"):
+        aio.aligned_empty(8 << 20, pin=False)

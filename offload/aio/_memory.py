@@ -53,7 +53,11 @@ def aligned_empty(nbytes: int, pin: bool | None = None) -> torch.Tensor:
 # RSS unchanged (0.81 GiB). The advice is only advice: with transparent huge
 # pages set to "never" the mapping is served in base pages, still aligned.
 def _huge_page_mapping(nbytes: int) -> torch.Tensor:
-    mapping = mmap.mmap(-1, round_up(nbytes, HUGE_PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping = mmap.mmap(-1, round_up(nbytes, HUGE_PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as exc:  # ENOMEM: say what was asked, as torch's allocator would
+        raise MemoryError(f"could not map {nbytes} bytes ({nbytes / 2**20:.1f} MiB) for an aligned "
+                          f"host buffer: {exc.strerror or exc}") from exc
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # a kernel built without transparent huge pages
