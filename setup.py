@@ -8,6 +8,7 @@ feature falls back to a pure-PyTorch path (`offload report` says which).
 """
 import glob
 import os
+import runpy
 import sys
 
 from setuptools import find_packages, setup
@@ -48,6 +49,10 @@ class OptionalBuildExt(build_ext):
         )
 
 
+# One list of runtime dependencies, shared with `offload report` (which checks
+# them); loaded as a file so that building never imports offload or torch.
+RUNTIME_REQUIREMENTS = runpy.run_path(os.path.join("offload", "requirements.py"))["install_requires"]()
+
 ext_modules = []
 if Pybind11Extension is not None:
     sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
@@ -71,9 +76,7 @@ setup(
     packages=find_packages(include=["offload", "offload.*"]),
     ext_modules=ext_modules,
     cmdclass={"build_ext": OptionalBuildExt},
-    # torch is satisfied by the 2.13.0 already installed (never a new download);
-    # libaio is the pure-Python py-libaio wrapper for the `libaio` I/O backend.
-    install_requires=["torch>=2.1", "psutil", "tqdm", "safetensors", 'libaio>=0.9; sys_platform == "linux"'],
+    install_requires=RUNTIME_REQUIREMENTS,  # offload/requirements.py says what each is for
     extras_require={
         "bench": ["matplotlib"],
         "test": ["pytest"],

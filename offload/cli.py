@@ -50,6 +50,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except ModuleNotFoundError as exc:
+        # A runtime dependency missing from this Python: say which and how to
+        # install it, as `offload report` does, instead of a traceback.
+        from offload import report
+        from offload.requirements import RUNTIME
+
+        missing = [r for r in RUNTIME if r.module == (exc.name or "").split(".")[0]]
+        if not missing:
+            raise
+        print(report.explain_missing(missing), file=sys.stderr)
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "report":
         from offload import report

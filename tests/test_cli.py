@@ -55,3 +55,51 @@ def test_native_extension_does_not_link_libtorch():
     if proc.returncode != 0:
         pytest.skip(f"ldd unavailable: {proc.stderr.strip()}")
     assert "libtorch" not in proc.stdout and "libc10" not in proc.stdout, proc.stdout
+
+
+def _stand_in(tmp_path, module):
+    """A package named `module`, first on the path, that fails to import as a missing one does."""
+    (tmp_path / module).mkdir()
+    (tmp_path / module / "__init__.py").write_text(
+        f"raise ModuleNotFoundError('No module named {module}', name='{module}')\n")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+
+
+def test_report_lists_every_runtime_dependency_with_its_version():
+    from importlib.metadata import version
+
+    from offload.requirements import RUNTIME
+
+    proc = _run("report", "--json")
+    assert proc.returncode == 0, proc.stderr
+    deps = json.loads(proc.stdout)["dependencies"]
+    assert set(deps) == {r.distribution for r in RUNTIME if r.applies()}
+    for name in ("torch", "numpy", "psutil", "safetensors"):
+        assert deps[name] == version(name)
+
+
+@pytest.mark.parametrize("module", ["numpy", "safetensors", "torch"])
+def test_report_fails_loudly_on_a_missing_dependency(tmp_path, module):
+    proc = _run("report", env_extra=_stand_in(tmp_path, module))
+    assert proc.returncode == 1, proc.stdout
+    assert f"  {module}: ModuleNotFoundError" in proc.stderr
+    assert "pip install" in proc.stderr and module in proc.stderr.splitlines()[-1]
+
+
+def test_other_commands_name_a_missing_dependency_instead_of_a_traceback(tmp_path):
+    proc = _run("estimate", "--params", "1M", env_extra=_stand_in(tmp_path, "torch"))
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "torch: ModuleNotFoundError" in proc.stderr and "pip install" in proc.stderr
+
+
+def test_setup_declares_exactly_the_runtime_requirements():
+    """setup.py's install_requires is the list `offload report` checks (one source)."""
+    import runpy
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    listed = runpy.run_path(str(root / "offload" / "requirements.py"))["install_requires"]()
+    assert "numpy>=1.22" in listed  # the code calls Tensor.numpy() (checksums, swap headers)
+    assert "RUNTIME_REQUIREMENTS = runpy.run_path" in (root / "setup.py").read_text()
+    assert "install_requires=RUNTIME_REQUIREMENTS" in (root / "setup.py").read_text()
