@@ -156,22 +156,144 @@ def test_unknown_key_names_closest():
 
 
 @pytest.mark.parametrize("path", [
-    "zero_optimization.round_robin_gradients", "zero_optimization.allgather_bucket_size",
-    "zero_optimization.cpu_offload", "zero_optimization.stage3_gather_fp16_weights_on_model_save",
-    "zero_optimization.zero_quantized_weights", "zero_optimization.offload_optimizer.pipeline_read",
-    "zero_optimization.offload_optimizer.ratio", "aio.use_gds", "fp16.auto_cast",
-    "bf16.bf16_master_weights_and_grads", "optimizer.params.torch_adam", "optimizer.params.amsgrad",
-    "bfloat16", "zero_allow_untested_optimizer",
+    "fp16.auto_cast", "fp16.consecutive_hysteresis", "optimizer.params.amsgrad",
+    "optimizer.params.bias_correction", "amp", "pipeline", "elasticity", "tensor_parallel",
 ])
 def test_refused_deepspeed_keys_name_key_and_reason(path):
+    """Ignoring these would change what the user gets: errors saying what to do."""
     with pytest.raises(ConfigError, match=rf"^'{path.replace('.', r'.')}' is a DeepSpeed key offload does "
                                           r"not support: \S"):
         Config.load(with_(path, True))
 
 
-def test_thread_count_points_to_intra_op_parallelism():
-    with pytest.raises(ConfigError, match=r"'aio\.thread_count' is a DeepSpeed key .*'intra_op_parallelism'"):
+# Every key of DeepSpeed's ZeRO-3 / ZeRO-Infinity reference (docs/config-json,
+# "ZeRO Optimizations", "Parameter offloading", "Optimizer offloading",
+# "Asynchronous I/O") that offload does not read, with a typical value.
+INERT_DS_KEYS = {
+    "zero_optimization.round_robin_gradients": True,
+    "zero_optimization.allgather_partitions": True,
+    "zero_optimization.allgather_bucket_size": 5e8,
+    "zero_optimization.reduce_scatter": True,
+    "zero_optimization.use_multi_rank_bucket_allreduce": True,
+    "zero_optimization.ignore_unused_parameters": True,
+    "zero_optimization.elastic_checkpoint": False,
+    "zero_optimization.legacy_stage1": False,
+    "zero_optimization.load_from_fp32_weights": True,
+    "zero_optimization.cpu_offload_use_pin_memory": True,
+    "zero_optimization.stage3_model_persistence_threshold": 1e9,
+    "zero_optimization.stage3_module_granularity_threshold": 0,
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params": False,
+    "zero_optimization.zero_hpz_partition_size": 8,
+    "zero_optimization.zero_quantized_weights": True,
+    "zero_optimization.zero_quantized_nontrainable_weights": False,
+    "zero_optimization.zero_quantized_gradients": True,
+    "zero_optimization.mics_shard_size": 8,
+    "zero_optimization.mics_hierarchical_params_gather": False,
+    "zero_optimization.memory_efficient_linear": True,
+    "zero_optimization.override_module_apply": True,
+    "zero_optimization.log_trace_cache_warnings": False,
+    "zero_optimization.offload_optimizer.pipeline_read": False,
+    "zero_optimization.offload_optimizer.pipeline_write": False,
+    "zero_optimization.offload_optimizer.fast_init": False,
+    "zero_optimization.offload_optimizer.ratio": 0.3,
+    "aio.use_gds": False,
+    "bf16.bf16_master_weights_and_grads": True,
+    "bf16.immediate_grad_update": True,
+    "fp16.fp16_master_weights_and_grads": False,
+    "optimizer.params.torch_adam": True,
+    "optimizer.params.fused": True,
+    "zero_allow_untested_optimizer": True,
+    "zero_force_ds_cpu_optimizer": False,
+    "prescale_gradients": False,
+    "communication_data_type": "fp32",
+    "tensorboard": {"enabled": True, "output_path": "logs/"},
+    "wandb": {"enabled": True, "project": "p"},
+    "flops_profiler": {"enabled": False},
+    "checkpoint": {"tag_validation": "Warn"},
+    "data_types": {"grad_accum_dtype": "fp32"},
+}
+
+
+@pytest.mark.parametrize("path", sorted(INERT_DS_KEYS))
+def test_inert_deepspeed_keys_load_and_are_named_with_a_reason(path):
+    c = Config.load(with_(path, INERT_DS_KEYS[path]))
+    assert c == Config.load(DS_ZERO_INFINITY)  # no effect on any setting
+    notes = dict(c.no_effect())
+    assert path in notes and len(notes[path]) > 10
+    line = c.no_effect_line()
+    assert line.startswith("config keys accepted with no effect here") and f"{path}: " in line
+
+
+def test_all_inert_keys_at_once_give_one_line_naming_each():
+    d = copy.deepcopy(DS_ZERO_INFINITY)
+    for path, value in INERT_DS_KEYS.items():
+        d = with_(path, value, base=d)
+    c = Config.load(d)
+    assert sorted(k for k, _ in c.no_effect()) == sorted(INERT_DS_KEYS)
+    assert c.no_effect_line().count(": ") >= len(INERT_DS_KEYS)
+    assert Config.from_dict(c.to_dict()) == c and "inert" not in c.to_dict()
+
+
+def test_a_config_with_only_honoured_keys_has_no_note():
+    assert Config.load(DS_ZERO_INFINITY).no_effect() == []
+    assert Config.load(DS_ZERO_INFINITY).no_effect_line() is None
+
+
+@pytest.mark.parametrize("path, value, why", [
+    ("zero_optimization.contiguous_gradients", False, "false has no effect"),
+    ("aio.single_submit", True, "true has no effect"),
+    ("aio.overlap_events", False, "false has no effect"),
+])
+def test_values_offload_does_not_act_on_are_named(path, value, why):
+    notes = dict(Config.load(with_(path, value)).no_effect())
+    assert notes[path].startswith(why)
+
+
+def test_thread_count_is_mapped_to_intra_op_parallelism():
+    d = with_("aio.intra_op_parallelism", DELETE)
+    assert Config.load(with_("aio.thread_count", 4, base=d)).aio.intra_op_parallelism == 4
+    assert Config.load(with_("aio.thread_count", 1)).aio.intra_op_parallelism == 1  # same value twice: fine
+    with pytest.raises(ConfigError, match=r"^'aio\.thread_count' \(4\) and 'aio\.intra_op_parallelism' \(1\) "
+                                          r"are one setting under two names"):
         Config.load(with_("aio.thread_count", 4))
+    with pytest.raises(ConfigError, match=r"aio\.intra_op_parallelism: 0 is not an integer"):
+        Config.load(with_("aio.thread_count", 0, base=d))
+
+
+@pytest.mark.parametrize("old", ["stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"])
+def test_old_gather_names_are_mapped(old):
+    d = with_("zero_optimization.stage3_gather_16bit_weights_on_model_save", DELETE)
+    c = Config.load(with_(f"zero_optimization.{old}", True, base=d))
+    assert c.zero_optimization.stage3_gather_16bit_weights_on_model_save is True
+
+
+def test_bfloat16_is_mapped_to_bf16():
+    d = with_("bf16", DELETE)
+    assert Config.load(with_("bfloat16", {"enabled": True}, base=d)).precision is Precision.BF16
+
+
+@pytest.mark.parametrize("old, section", [("cpu_offload", "offload_optimizer"),
+                                          ("cpu_offload_param", "offload_param")])
+def test_deprecated_cpu_offload_booleans_are_mapped(old, section):
+    d = {"zero_optimization": {"stage": 3, old: True}}
+    assert getattr(Config.load(d).zero_optimization, section).device is OffloadDevice.CPU
+    d = {"zero_optimization": {"stage": 3, old: False}}
+    assert getattr(Config.load(d).zero_optimization, section).device is OffloadDevice.NONE
+    d = {"zero_optimization": {"stage": 3, old: True, section: {"device": "cpu", "pin_memory": True}}}
+    assert getattr(Config.load(d).zero_optimization, section).pin_memory is True
+    with pytest.raises(ConfigError, match=rf"'zero_optimization\.{old}': true .* contradicts "
+                                          rf"'zero_optimization\.{section}'"):
+        Config.load(with_(f"zero_optimization.{old}", True))  # the base offloads to nvme
+
+
+def test_a_misspelt_deepspeed_key_is_still_an_error():
+    with pytest.raises(ConfigError, match=r"unknown key 'aio\.thread_cout' \(did you mean 'thread_count'"):
+        Config.load(with_("aio.thread_cout", 1))
+    with pytest.raises(ConfigError, match=r"unknown key 'zero_optimization\.round_robin_gradient' "
+                                          r"\(did you mean 'round_robin_gradients'"):
+        Config.load(with_("zero_optimization.round_robin_gradient", True))
+    with pytest.raises(ConfigError, match=r"unknown key 'inert'"):
+        Config.load({"inert": []})
 
 
 def test_max_grad_norm_points_to_gradient_clipping():
@@ -192,8 +314,6 @@ def test_max_grad_norm_points_to_gradient_clipping():
      r"zero_optimization\.stage3_max_live_parameters: 1\.5 is not an integer"),
     ("zero_optimization.reduce_bucket_size", True, r"zero_optimization\.reduce_bucket_size: True is not"),
     ("zero_optimization.overlap_comm", 1, r"zero_optimization\.overlap_comm: 1 is not true or false"),
-    ("zero_optimization.contiguous_gradients", False,
-     r"zero_optimization\.contiguous_gradients: false is not supported"),
     ("zero_optimization.offload_param.buffer_count", 0,
      r"zero_optimization\.offload_param\.buffer_count: 0 is not an integer >= 1"),
     ("zero_optimization.offload_param.buffer_size", "3", r"offload_param\.buffer_size: '3' is not an integer"),
@@ -241,8 +361,6 @@ def test_max_grad_norm_points_to_gradient_clipping():
     ("aio.block_size", 4096 * 3 + 1, r"^aio\.block_size: 12289 is not a positive multiple of 4096"),
     ("aio.queue_depth", 0, r"^aio\.queue_depth: 0 is not an integer in \[1, 1024\]"),
     ("aio.intra_op_parallelism", 65, r"^aio\.intra_op_parallelism: 65 is not an integer in \[1, 64\]"),
-    ("aio.single_submit", True, r"^aio\.single_submit: true is not supported"),
-    ("aio.overlap_events", False, r"^aio\.overlap_events: false is not supported"),
     ("aio.backend", "io_uring", r"^aio\.backend: 'io_uring' is not one of auto, native, libaio, threads"),
     ("memory", {"host_budget": "8 gigs"}, r"^memory\.host_budget: '8 gigs' is not a byte size"),
     ("memory", {"device_budget": -1}, r"^memory\.device_budget: -1 is not an integer >= 0"),

@@ -6,9 +6,12 @@
 Each section is a frozen, keyword-only dataclass validated once, when it is
 built (from a dict or directly). Every error is a `ConfigError` naming the
 full dotted key, the value and what is accepted. An unknown key is an error
-with the closest accepted key; a DeepSpeed key offload does not implement is
-an error saying why. Nothing is silently ignored. docs/CONFIG.md lists every
-key, which DeepSpeed keys are accepted or refused, and our own keys.
+with the closest accepted key. A DeepSpeed config loads unchanged: each of
+its keys is honoured, mapped to ours, or accepted as having no effect here
+(`Config.no_effect()` names those, and initialize logs them once), or, where
+ignoring it would change the results, refused with the reason (Note
+[DeepSpeed keys] in base.py). Nothing is silently ignored. docs/CONFIG.md
+lists every key and what happens to it.
 
 Note [strict values]: bool is not an int and "3" is not an int. A float with
 no fractional part is accepted where an int is expected, because DeepSpeed
@@ -25,7 +28,7 @@ from typing import Any, ClassVar, Mapping
 
 from offload.config.activations import ActivationCheckpointingConfig
 from offload.config.base import (AUTO, ConfigError, OffloadDevice, OptimizerType, Precision,
-                                 SchedulerType, WarmupType, _bool, _check_keys, _fail, _float,
+                                 SchedulerType, WarmupType, _apply_renames, _bool, _fail, _float,
                                  _int, _Section, _to_json, parse_bytes)
 from offload.config.sections import (AioConfig, BF16Config, FP16Config, MemoryConfig,
                                      OffloadOptimizerConfig, OffloadParamConfig, OptimizerConfig,
@@ -42,37 +45,41 @@ __all__ = [
 
 # --------------------------------------------------------------------------- top level
 
+_NOT_HERE_LOG = "offload does not log to it; log from the training script"
 _TOP_REFUSED = {
-    "bfloat16": "deprecated DeepSpeed spelling; write 'bf16'",
     "amp": "NVIDIA apex AMP is not supported; use 'bf16' or 'fp16'",
+    "elasticity": "elastic batch sizes are not implemented; give the batch sizes",
+    "pipeline": "pipeline parallelism is not implemented",
+    "tensor_parallel": "tensor parallelism is not implemented",
+    "sparse_attention": "DeepSpeed's sparse attention kernels are not implemented",
+    "data_efficiency": "DeepSpeed's curriculum and data routing are not implemented",
+    "compression_training": "compression training is not implemented",
+}
+_TOP_INERT = {
     "zero_allow_untested_optimizer": "the optimizer is always offload's Adam/AdamW",
     "zero_force_ds_cpu_optimizer": "the optimizer is always offload's Adam/AdamW",
-    "prescale_gradients": "not implemented; gradients are averaged after the reduce-scatter",
-    "gradient_predivide_factor": "not implemented; gradients are averaged after the reduce-scatter",
-    "communication_data_type": "not implemented; gradients are reduced in the compute dtype",
-    "flops_profiler": "not implemented",
-    "tensorboard": "not implemented; log from the training script",
-    "wandb": "not implemented; log from the training script",
-    "csv_monitor": "not implemented; log from the training script",
-    "comet": "not implemented; log from the training script",
-    "comms_logger": "not implemented",
-    "checkpoint": "checkpoints are always complete-or-absent and resumable; no options",
-    "data_types": "gradient accumulation is always fp32",
-    "elasticity": "not implemented",
-    "pipeline": "pipeline parallelism is not implemented",
-    "sparse_attention": "not implemented",
-    "data_efficiency": "not implemented",
-    "compression_training": "not implemented",
-    "autotuning": "not implemented",
-    "dump_state": "not implemented",
-    "memory_breakdown": "use 'offload estimate' and the engine's memory report",
-    "sparse_gradients": "not implemented",
-    "disable_allgather": "not implemented",
-    "fp32_reduce_scatter": "not implemented",
+    "prescale_gradients": "gradients are averaged once, after the reduce-scatter",
+    "gradient_predivide_factor": "gradients are averaged once, after the reduce-scatter",
+    "communication_data_type": "gradients are reduced in the compute dtype",
+    "fp32_reduce_scatter": "gradients are reduced in the compute dtype",
+    "data_types": "gradients are always accumulated in fp32",
+    "sparse_gradients": "gradients are reduced dense",
+    "disable_allgather": "parameters are always all-gathered per module",
     "seq_parallel_communication_data_type": "sequence parallelism is not implemented",
-    "tensor_parallel": "tensor parallelism is not implemented",
+    "flops_profiler": _NOT_HERE_LOG,
+    "tensorboard": _NOT_HERE_LOG,
+    "wandb": _NOT_HERE_LOG,
+    "csv_monitor": _NOT_HERE_LOG,
+    "comet": _NOT_HERE_LOG,
+    "comms_logger": _NOT_HERE_LOG,
+    "memory_breakdown": "use 'offload estimate' and engine.memory_report()",
+    "dump_state": "use engine.memory_report() and engine.timeline()",
+    "checkpoint": "checkpoints are always complete-or-absent, per rank, and resume bit-exactly",
+    "autotuning": "DeepSpeed's autotuner is a launcher of its own; offload sizes buffers from the model",
     "compile": "compile the model with torch.compile before handing it over",
 }
+# Old DeepSpeed spellings of a key we read.
+_TOP_RENAMED = {"bfloat16": "bf16"}
 
 _SECTIONS = {"bf16": BF16Config, "fp16": FP16Config, "zero_optimization": ZeroConfig,
              "aio": AioConfig, "memory": MemoryConfig,
@@ -85,6 +92,9 @@ class Config(_Section):
 
     SECTION: ClassVar[str] = ""
     REFUSED: ClassVar[dict] = _TOP_REFUSED
+    INERT: ClassVar[dict] = _TOP_INERT
+    RENAMED: ClassVar[dict] = _TOP_RENAMED
+    CHILDREN: ClassVar[dict] = {**_SECTIONS, "optimizer": OptimizerConfig}
     train_batch_size: Any = None
     train_micro_batch_size_per_gpu: Any = None
     gradient_accumulation_steps: Any = 1
@@ -100,6 +110,9 @@ class Config(_Section):
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig)
+    # (dotted key, why) for each key of the source dict with no effect here;
+    # filled by from_dict, read through no_effect(). Not a config key.
+    inert: tuple = field(default=(), compare=False, repr=False)
 
     def __post_init__(self):
         self._set("train_batch_size", _int("train_batch_size", self.train_batch_size, lo=1, auto=True, none=True))
@@ -132,12 +145,30 @@ class Config(_Section):
     def from_dict(cls, d: Mapping) -> "Config":
         """From a DeepSpeed-style dict. Absent gradient_accumulation_steps with both batch sizes
         given is derived as DeepSpeed does (it becomes AUTO until `resolve_auto`)."""
-        _check_keys("", d, cls._accepted(), _TOP_REFUSED)
-        d = dict(d)
+        raw, d = d, cls._fields_of(d)
         if ("gradient_accumulation_steps" not in d and isinstance(d.get("train_batch_size"), (int, float))
                 and isinstance(d.get("train_micro_batch_size_per_gpu"), (int, float))):
             d["gradient_accumulation_steps"] = AUTO
-        return cls(**d)
+        config = cls(**d)
+        config._set("inert", tuple(cls.inert_keys(_apply_renames("", raw, cls.RENAMED))))
+        return config
+
+    @classmethod
+    def _accepted(cls) -> list[str]:
+        return [name for name in super()._accepted() if name != "inert"]
+
+    def no_effect(self) -> list[tuple[str, str]]:
+        """(dotted key, why) for each key given that has no effect here: inert keys of the
+        source dict, and accepted keys set to a value offload does not act on."""
+        return list(self.inert) + self.zero_optimization.value_notes() + self.aio.value_notes()
+
+    def no_effect_line(self) -> str | None:
+        """One line for the log at initialize, or None when every key given takes effect."""
+        notes = self.no_effect()
+        if not notes:
+            return None
+        return ("config keys accepted with no effect here (DeepSpeed keys; docs/CONFIG.md): "
+                + "; ".join(f"{key}: {why}" for key, why in notes))
 
     @classmethod
     def load(cls, source: "Mapping | str | os.PathLike | Config") -> "Config":
@@ -168,6 +199,7 @@ class Config(_Section):
     def to_dict(self) -> dict:
         """A DeepSpeed-style dict; `Config.from_dict(c.to_dict()) == c`."""
         out = super().to_dict()
+        out.pop("inert", None)
         out["gradient_accumulation_steps"] = _to_json(self.gradient_accumulation_steps)
         return out
 

@@ -209,28 +209,60 @@ def parse_bytes(value: Any, key: str = "size") -> int:
     return _int(key, value, lo=0)
 
 
-def _check_keys(path: str, d: Mapping, accepted: list[str], refused: Mapping[str, str] = {}) -> None:
-    """Unknown keys are errors naming the closest accepted key; refused ones say why."""
+def _check_keys(path: str, d: Mapping, accepted: list[str], refused: Mapping[str, str] = {},
+                inert: Mapping[str, str] = {}, renamed: Mapping[str, str] = {}) -> None:
+    """Unknown keys are errors naming the closest accepted key; refused ones say why.
+
+    Note [DeepSpeed keys]: a DeepSpeed config loads unchanged. Each DeepSpeed
+    key is one of: accepted (a field: honoured); renamed (an old or documented
+    spelling of one of ours, mapped to it); inert (accepted, has no effect
+    here, and `Config.no_effect` names it with the reason, logged once at
+    initialize); refused (ignoring it would change what the user gets, so it
+    is an error saying what to do). Keys of none of these are typos or
+    unknown: errors naming the closest accepted key.
+    """
     if not isinstance(d, Mapping):
         raise ConfigError(f"{path or 'config'}: {d!r} is not a JSON object")
     for key in d:
         if not isinstance(key, str):
             raise ConfigError(f"{path or 'config'}: key {key!r} is not a string")
-        if key in accepted:
+        if key in accepted or key in inert or key in renamed:
             continue
         full = _join(path, key)
         if key in refused:
             raise ConfigError(f"'{full}' is a DeepSpeed key offload does not support: {refused[key]}")
-        close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
+        close = difflib.get_close_matches(key, [*accepted, *inert, *renamed], n=1, cutoff=0.6)
         if close:
             raise ConfigError(f"unknown key '{full}' (did you mean '{close[0]}'?)")
         raise ConfigError(f"unknown key '{full}' (accepted: {', '.join(accepted)})")
+
+
+def _apply_renames(path: str, d: Mapping, renamed: Mapping[str, str]) -> dict:
+    """`d` with each old spelling moved to its new key (Note [DeepSpeed keys]); both given
+    with different values is an error naming both."""
+    d = dict(d)
+    for old, new in renamed.items():
+        if old not in d:
+            continue
+        value = d.pop(old)
+        if new in d and d[new] != value:
+            raise ConfigError(f"'{_join(path, old)}' ({_show(value)}) and '{_join(path, new)}' "
+                              f"({_show(d[new])}) are one setting under two names with different values; "
+                              f"keep '{_join(path, new)}'")
+        d[new] = value
+    return d
 
 
 class _Section:
     """Shared by every section: SECTION is its dotted place in the config, for errors."""
 
     SECTION: ClassVar[str] = ""
+    # Note [DeepSpeed keys]: key -> reason, or old name -> our name.
+    REFUSED: ClassVar[dict] = {}
+    INERT: ClassVar[dict] = {}
+    RENAMED: ClassVar[dict] = {}
+    # Nested sections, by key, for `inert_keys`.
+    CHILDREN: ClassVar[dict] = {}
 
     def _key(self, name: str) -> str:
         return _join(self.SECTION, name)
@@ -246,8 +278,25 @@ class _Section:
     def from_dict(cls, d: Mapping | None):
         if d is None:
             return cls()
-        _check_keys(cls.SECTION, d, cls._accepted(), getattr(cls, "REFUSED", {}))
-        return cls(**d)
+        return cls(**cls._fields_of(d))
+
+    @classmethod
+    def _fields_of(cls, d: Mapping) -> dict:
+        """The constructor arguments in `d`: keys checked, old names mapped, inert keys dropped."""
+        _check_keys(cls.SECTION, d, cls._accepted(), cls.REFUSED, cls.INERT, cls.RENAMED)
+        d = _apply_renames(cls.SECTION, d, cls.RENAMED)
+        return {k: v for k, v in d.items() if k not in cls.INERT}
+
+    @classmethod
+    def inert_keys(cls, d: Mapping | None) -> list[tuple[str, str]]:
+        """(dotted key, why it has no effect) for each inert key in the raw dict `d`, nested
+        sections included; run after `from_dict` has checked `d`."""
+        if not isinstance(d, Mapping):
+            return []
+        found = [(_join(cls.SECTION, k), cls.INERT[k]) for k in d if k in cls.INERT]
+        for key, child in cls.CHILDREN.items():
+            found += child.inert_keys(d.get(key))
+        return found
 
     def to_dict(self) -> dict:
         out = {}

@@ -16,7 +16,7 @@ from offload.config.base import (_HF_AUTO, AUTO, ConfigError, OffloadDevice, Opt
 
 # --------------------------------------------------------------------------- precision
 
-_BF16_REFUSED = {
+_BF16_INERT = {
     "immediate_grad_update": "gradients always go to the optimizer's fp32 accumulation buffer as they "
                              "are produced; there is no deferred variant to choose",
     "check_grad_overflow": "bf16 training does not check for overflow (no loss scaling)",
@@ -30,7 +30,7 @@ class BF16Config(_Section):
     """`bf16`: compute in bfloat16, with fp32 master weights and moments."""
 
     SECTION: ClassVar[str] = "bf16"
-    REFUSED: ClassVar[dict] = _BF16_REFUSED
+    INERT: ClassVar[dict] = _BF16_INERT
     enabled: bool = False
 
     def __post_init__(self):
@@ -40,6 +40,8 @@ class BF16Config(_Section):
 _FP16_REFUSED = {
     "auto_cast": "offload does not autocast inputs; the model runs in the compute dtype",
     "consecutive_hysteresis": "not implemented; hysteresis counts overflows as DeepSpeed's default does",
+}
+_FP16_INERT = {
     "fp16_master_weights_and_grads": "master weights and gradient accumulation are always fp32",
 }
 
@@ -55,6 +57,7 @@ class FP16Config(_Section):
 
     SECTION: ClassVar[str] = "fp16"
     REFUSED: ClassVar[dict] = _FP16_REFUSED
+    INERT: ClassVar[dict] = _FP16_INERT
     enabled: bool = False
     loss_scale: float = 0.0
     initial_scale_power: int = 16
@@ -79,11 +82,13 @@ class FP16Config(_Section):
 # --------------------------------------------------------------------------- optimizer
 
 _OPTIMIZER_PARAMS_REFUSED = {
-    "torch_adam": "the optimizer is always offload's fused Adam (CPUAdam on the host, torch's on the device)",
-    "fp32_optimizer_states": "optimizer states are always fp32",
     "amsgrad": "AMSGrad is not implemented",
     "bias_correction": "bias correction is always applied, as in torch.optim.Adam",
     "max_grad_norm": "use the top-level 'gradient_clipping' key",
+}
+_OPTIMIZER_PARAMS_INERT = {
+    "torch_adam": "the optimizer is always offload's fused Adam (CPUAdam on the host, torch's on the device)",
+    "fp32_optimizer_states": "optimizer states are always fp32",
     "foreach": "a torch implementation switch; the optimizer is offload's own",
     "fused": "a torch implementation switch; the optimizer is offload's own",
 }
@@ -148,8 +153,17 @@ class OptimizerConfig(_Section):
             raise ConfigError(f"optimizer.type: {kind!r} is not one of Adam, AdamW (offload's engine "
                               "runs Adam/AdamW only)")
         params = d.get("params") or {}
-        _check_keys("optimizer.params", params, list(cls.PARAMS), _OPTIMIZER_PARAMS_REFUSED)
-        return cls(type=kind, **params)
+        _check_keys("optimizer.params", params, list(cls.PARAMS), _OPTIMIZER_PARAMS_REFUSED,
+                    _OPTIMIZER_PARAMS_INERT)
+        return cls(type=kind, **{k: v for k, v in params.items() if k not in _OPTIMIZER_PARAMS_INERT})
+
+    @classmethod
+    def inert_keys(cls, d: Mapping | None) -> list[tuple[str, str]]:
+        params = d.get("params") if isinstance(d, Mapping) else None
+        if not isinstance(params, Mapping):
+            return []
+        return [(f"optimizer.params.{k}", _OPTIMIZER_PARAMS_INERT[k]) for k in params
+                if k in _OPTIMIZER_PARAMS_INERT]
 
     def to_dict(self) -> dict:
         return {"type": self.type.value,
@@ -269,15 +283,14 @@ class SchedulerConfig(_Section):
 
 # --------------------------------------------------------------------------- zero
 
-_OFFLOAD_PARAM_REFUSED: dict[str, str] = {}
-_OFFLOAD_OPTIMIZER_REFUSED = {
+_OFFLOAD_OPTIMIZER_INERT = {
     "pipeline_read": "NVMe reads of optimizer state are always pipelined",
     "pipeline_write": "NVMe writes of optimizer state are always pipelined",
     "pipeline": "NVMe reads and writes of optimizer state are always pipelined",
-    "fast_init": "not implemented",
-    "ratio": "partial optimizer offload (ZeRO-Offload++) is not implemented",
-    "super_offload": "not implemented",
-    "cpuadam_cores_perc": "CPU Adam threads are set by the native thread pool",
+    "fast_init": "optimizer state files are always created empty and filled by the first write",
+    "ratio": "partial optimizer offload (ZeRO-Offload++) is not implemented: all of it is offloaded",
+    "super_offload": "SuperOffload is not implemented: the offloaded step runs on the CPU Adam",
+    "cpuadam_cores_perc": "CPU Adam threads follow torch.get_num_threads()",
 }
 
 
@@ -310,7 +323,6 @@ class OffloadParamConfig(_Section):
     """
 
     SECTION: ClassVar[str] = "zero_optimization.offload_param"
-    REFUSED: ClassVar[dict] = _OFFLOAD_PARAM_REFUSED
     device: OffloadDevice = OffloadDevice.NONE
     nvme_path: Path | None = None
     pin_memory: bool = False
@@ -333,7 +345,7 @@ class OffloadOptimizerConfig(_Section):
     """`zero_optimization.offload_optimizer`: where fp32 masters and Adam moments live."""
 
     SECTION: ClassVar[str] = "zero_optimization.offload_optimizer"
-    REFUSED: ClassVar[dict] = _OFFLOAD_OPTIMIZER_REFUSED
+    INERT: ClassVar[dict] = _OFFLOAD_OPTIMIZER_INERT
     device: OffloadDevice = OffloadDevice.NONE
     nvme_path: Path | None = None
     pin_memory: bool = False
@@ -345,45 +357,49 @@ class OffloadOptimizerConfig(_Section):
         _check_offload(self, {"nvme_path": nvme, "buffer_count": nvme, "pin_memory": host})
 
 
-_STAGE12 = "a ZeRO stage 1/2 option; offload runs ZeRO stage 3 only (DeepSpeed ignores it at stage 3)"
-_ZERO_REFUSED = {
+_STAGE12 = "a ZeRO stage 1/2 option; offload runs ZeRO stage 3 only (DeepSpeed ignores it at stage 3 too)"
+_NO_ZERO_PP = "ZeRO++ is not implemented: parameters and gradients move at full precision, unquantized"
+_NO_MICS = "MiCS is not implemented: parameters are partitioned over all ranks"
+_PER_MODULE = "parameters are fetched per module, in the order the last step used them"
+_ZERO_INERT = {
+    "cpu_offload_use_pin_memory": "host buffers are pinned whenever CUDA is present",
     "round_robin_gradients": _STAGE12,
     "allgather_partitions": _STAGE12,
     "allgather_bucket_size": _STAGE12,
-    "reduce_scatter": "gradients are always reduce-scattered",
     "use_multi_rank_bucket_allreduce": _STAGE12,
     "ignore_unused_parameters": _STAGE12,
     "elastic_checkpoint": _STAGE12,
     "legacy_stage1": _STAGE12,
     "compute_grad_norm": _STAGE12,
+    "reduce_scatter": "gradients are always reduce-scattered",
     "load_from_fp32_weights": "checkpoints always restore the fp32 master weights (bit-exact resume)",
-    "cpu_offload": "deprecated in DeepSpeed; use 'offload_optimizer': {'device': 'cpu'}",
-    "cpu_offload_param": "deprecated in DeepSpeed; use 'offload_param': {'device': 'cpu'}",
-    "cpu_offload_use_pin_memory": "deprecated in DeepSpeed; use 'pin_memory' in offload_param/offload_optimizer",
-    "stage3_gather_fp16_weights_on_model_save":
-        "deprecated in DeepSpeed; use 'stage3_gather_16bit_weights_on_model_save'",
-    "gather_16bit_weights_on_model_save": "write it 'stage3_gather_16bit_weights_on_model_save'",
-    "stage3_model_persistence_threshold": "not implemented; persistence is per parameter "
-                                          "('stage3_param_persistence_threshold')",
-    "stage3_module_granularity_threshold": "not implemented; parameters are fetched per module",
-    "stage3_use_all_reduce_for_fetch_params": "not implemented; parameters are all-gathered",
-    "stage3_allgather_sequential": "not implemented",
-    "zero_hpz_partition_size": "ZeRO++ hierarchical partitioning is not implemented",
-    "zero_quantized_weights": "ZeRO++ quantized weights are not implemented",
-    "zero_quantized_nontrainable_weights": "ZeRO++ quantized weights are not implemented",
-    "zero_quantized_gradients": "ZeRO++ quantized gradients are not implemented",
-    "mics_shard_size": "MiCS is not implemented",
-    "mics_hierarchical_params_gather": "MiCS is not implemented",
+    "stage3_model_persistence_threshold": "persistence is per parameter ('stage3_param_persistence_threshold')",
+    "stage3_module_granularity_threshold": _PER_MODULE,
+    "leaf_module": _PER_MODULE,
+    "stage3_use_all_reduce_for_fetch_params": "parameters are all-gathered",
+    "stage3_allgather_sequential": "parameters are all-gathered per module",
+    "zero_hpz_partition_size": _NO_ZERO_PP,
+    "zero_quantized_weights": _NO_ZERO_PP,
+    "zero_quantized_nontrainable_weights": _NO_ZERO_PP,
+    "zero_quantized_gradients": _NO_ZERO_PP,
+    "mics_shard_size": _NO_MICS,
+    "mics_hierarchical_params_gather": _NO_MICS,
     "memory_efficient_linear": "offload does not replace torch functions (no monkeypatching)",
     "override_module_apply": "offload does not patch nn.Module.apply",
     "log_trace_cache_warnings": "there is no trace cache to warn about: a changed module order "
                                 "costs prefetch speed, never an error",
-    "enable_sanity_checks": "not implemented",
-    "pipeline_loading_checkpoint": "not implemented",
-    "leaf_module": "not implemented; parameters are fetched per module",
-    "zenflow": "not implemented",
-    "offload_states": "not implemented",
-    "save_muon_momentum_buffer_in_memory": "Muon is not supported",
+    "enable_sanity_checks": "offload's state checks are always on",
+    "pipeline_loading_checkpoint": "checkpoints are loaded shard by shard",
+    "zenflow": "ZenFlow is not implemented: every update is applied at its step",
+    "offload_states": "states stay in their configured tiers between steps",
+    "save_muon_momentum_buffer_in_memory": "the optimizer is Adam/AdamW (no Muon buffers)",
+}
+# DeepSpeed's deprecated booleans for a whole section: true means {"device": "cpu"}.
+_ZERO_DEPRECATED_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+# Old DeepSpeed spellings of a key we read (Note [DeepSpeed keys]).
+_ZERO_RENAMED = {
+    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
 }
 
 
@@ -396,7 +412,10 @@ class ZeroConfig(_Section):
     """
 
     SECTION: ClassVar[str] = "zero_optimization"
-    REFUSED: ClassVar[dict] = _ZERO_REFUSED
+    INERT: ClassVar[dict] = _ZERO_INERT
+    RENAMED: ClassVar[dict] = _ZERO_RENAMED
+    CHILDREN: ClassVar[dict] = {"offload_param": OffloadParamConfig,
+                                "offload_optimizer": OffloadOptimizerConfig}
     stage: int = 3
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
@@ -438,9 +457,32 @@ class ZeroConfig(_Section):
             self._set(name, _int(k(name), getattr(self, name), lo=lo, auto=True, none=name in self.PREFETCH))
         _bool(k("overlap_comm"), self.overlap_comm)
         _bool(k("stage3_gather_16bit_weights_on_model_save"), self.stage3_gather_16bit_weights_on_model_save)
-        if _bool(k("contiguous_gradients"), self.contiguous_gradients) is False:
-            raise ConfigError("zero_optimization.contiguous_gradients: false is not supported: offload always "
-                              "writes gradients into contiguous per-shard buffers (true is the only behaviour)")
+        _bool(k("contiguous_gradients"), self.contiguous_gradients)  # false: see `value_notes`
+
+    @classmethod
+    def _fields_of(cls, d: Mapping) -> dict:
+        """Maps DeepSpeed's deprecated `cpu_offload` / `cpu_offload_param` to their sections."""
+        d = dict(d) if isinstance(d, Mapping) else d
+        for old, section in _ZERO_DEPRECATED_OFFLOAD.items():
+            if not isinstance(d, dict) or old not in d:
+                continue
+            if not _bool(_join(cls.SECTION, old), d.pop(old)):
+                continue
+            given = d.get(section)
+            device = given.get("device", "none") if isinstance(given, Mapping) else given
+            if given is not None and device != "cpu":
+                raise ConfigError(f"'{_join(cls.SECTION, old)}': true (DeepSpeed's old name for "
+                                  f"{section}.device 'cpu') contradicts '{_join(cls.SECTION, section)}' "
+                                  f"({_show(given)}); keep only '{section}'")
+            d.setdefault(section, {"device": "cpu"})
+        return super()._fields_of(d)
+
+    def value_notes(self) -> list[tuple[str, str]]:
+        """(key, why) for values that have no effect here (Note [DeepSpeed keys])."""
+        if self.contiguous_gradients:
+            return []
+        return [("zero_optimization.contiguous_gradients",
+                 "false has no effect: gradients are always written into contiguous per-shard buffers")]
 
     def resolve_auto(self, hidden_size: int | None, num_params: int) -> "ZeroConfig":
         """A copy with AUTO sizes replaced (rules in `Config.resolve_auto`)."""
@@ -465,15 +507,17 @@ class ZeroConfig(_Section):
 class AioConfig(_Section):
     """`aio`: the NVMe I/O layer (DeepSpeed's keys, plus our `backend`).
 
-    single_submit and overlap_events are accepted for DeepSpeed configs, with the one
-    value offload implements (batched submission, overlapped completion); the other
-    value is an error. `io_kwargs()` gives the arguments of offload.aio.AsyncIO.
+    single_submit and overlap_events are accepted for DeepSpeed configs: offload
+    always submits in batches and overlaps completion, and names the other value
+    as having no effect (`value_notes`). `thread_count`, which DeepSpeed's docs
+    give and its code reads as `intra_op_parallelism`, is mapped to it.
+    `io_kwargs()` gives the arguments of offload.aio.AsyncIO.
     """
 
     SECTION: ClassVar[str] = "aio"
-    REFUSED: ClassVar[dict] = {
-        "thread_count": "DeepSpeed documents it but reads 'intra_op_parallelism'; write 'intra_op_parallelism'",
-        "use_gds": "GPUDirect Storage is not supported",
+    RENAMED: ClassVar[dict] = {"thread_count": "intra_op_parallelism"}
+    INERT: ClassVar[dict] = {
+        "use_gds": "GPUDirect Storage is not supported: NVMe reads and writes go through host memory",
     }
     block_size: int = 1 << 20
     queue_depth: int = 32
@@ -491,12 +535,17 @@ class AioConfig(_Section):
         self._set("queue_depth", _int(k("queue_depth"), self.queue_depth, lo=1, hi=1024))
         self._set("intra_op_parallelism", _int(k("intra_op_parallelism"), self.intra_op_parallelism, lo=1, hi=64))
         self._set("backend", _enum(k("backend"), self.backend, Backend))
-        if _bool(k("single_submit"), self.single_submit):
-            raise ConfigError("aio.single_submit: true is not supported: requests are always submitted in "
-                              "batches (false is the only behaviour)")
-        if not _bool(k("overlap_events"), self.overlap_events):
-            raise ConfigError("aio.overlap_events: false is not supported: submission and completion always "
-                              "overlap (true is the only behaviour)")
+        _bool(k("single_submit"), self.single_submit)
+        _bool(k("overlap_events"), self.overlap_events)
+
+    def value_notes(self) -> list[tuple[str, str]]:
+        """(key, why) for values that have no effect here (Note [DeepSpeed keys])."""
+        notes = []
+        if self.single_submit:
+            notes.append(("aio.single_submit", "true has no effect: requests are always submitted in batches"))
+        if not self.overlap_events:
+            notes.append(("aio.overlap_events", "false has no effect: submission and completion always overlap"))
+        return notes
 
     def io_kwargs(self) -> dict:
         return {"block_size": self.block_size, "queue_depth": self.queue_depth,

@@ -464,6 +464,9 @@ def initialize(model: torch.nn.Module, config, weights=None) -> Engine:
     from offload.engine.init_context import claim
 
     config = Config.load(config)
+    no_effect = config.no_effect_line()
+    if no_effect is not None:
+        log.warning(no_effect)  # once per initialize; Note [DeepSpeed keys] in offload/config/base.py
     if config.has_auto():
         hf_config = getattr(model, "config", None)
         hidden = getattr(hf_config, "hidden_size", None) or getattr(hf_config, "n_embd", None)
