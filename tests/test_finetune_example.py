@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from safetensors.torch import load_file
+
 from offload.data import BatchSampler, StdlibSourcesNotFound, load_corpus, split_corpus, stdlib_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,19 +19,29 @@ TINY = ["--steps", "8", "--hidden", "32", "--layers", "1", "--heads", "2", "--se
         "--no-progress"]
 
 
-def run_example(*args, timeout=120, path_first=None):
+def run_example(*args, cwd, timeout=120, path_first=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [path_first, str(ROOT), env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=ROOT)
+                          env=env, timeout=timeout, cwd=cwd)
+
+
+def places(d: Path) -> list[str]:
+    """Every path the example writes, under `d` (so nothing lands in the checkout)."""
+    return ["--nvme-path", str(d / "nvme"), "--ckpt-dir", str(d / "ckpt"),
+            "--out", str(d / "out" / "model.safetensors")]
+
+
+def last_json(proc) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("offload", ["nvme", "cpu"])
 def test_finetune_runs_and_cleans_up(offload, tmp_path):
     nvme = tmp_path / "swap" / "nvme"
-    proc = run_example(*TINY, "--offload", offload, "--nvme-path", str(nvme))
+    proc = run_example(*TINY, *places(tmp_path), "--offload", offload, "--nvme-path", str(nvme), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary = last_json(proc)
     assert summary["offload"] == offload
     assert summary["tokens_per_s"] > 0
     assert summary["last_loss"] < summary["first_loss"]
@@ -37,15 +49,28 @@ def test_finetune_runs_and_cleans_up(offload, tmp_path):
     assert summary["peak_rss_mib"] > 0
     if offload == "nvme":
         assert summary["peak_mib"]["nvme"] > 0
+        assert summary["nvme_mib"]["read"] > 0 and summary["nvme_mib"]["written"] > 0
     else:
         assert summary["peak_mib"]["nvme"] == 0 and summary["peak_mib"]["host"] > 0
+        assert summary["nvme_mib"] == {"read": 0, "written": 0}
     assert not (tmp_path / "swap").exists()  # swap files and the directories the run made are gone
+    # What the run keeps, and the readable lines before the JSON one.
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "summary.json"]
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["steps"] == 8 and len(on_disk["train_losses"]) == 8
+    assert {k: v for k, v in on_disk.items() if k in summary} == summary
+    assert "trained 8 of 8 steps" in proc.stdout and str(out / "model.safetensors") in proc.stdout
+    assert (tmp_path / "ckpt" / "global_step8").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"]
 
 
 def test_finetune_existing_nvme_dir_is_kept_but_emptied(tmp_path):
-    proc = run_example(*TINY, "--nvme-path", str(tmp_path))
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    proc = run_example(*TINY, *places(tmp_path), "--nvme-path", str(swap), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert tmp_path.is_dir() and list(tmp_path.iterdir()) == []
+    assert swap.is_dir() and list(swap.iterdir()) == []
 
 
 def test_finetune_hf_without_transformers_is_a_clear_error(tmp_path):
@@ -54,9 +79,96 @@ def test_finetune_hf_without_transformers_is_a_clear_error(tmp_path):
     (tmp_path / "transformers").mkdir()
     (tmp_path / "transformers" / "__init__.py").write_text(
         "raise ImportError('No module named transformers (test stand-in)')\n")
-    proc = run_example(*TINY, "--model", "hf", "--offload", "cpu", path_first=str(tmp_path))
+    proc = run_example(*TINY, *places(tmp_path), "--model", "hf", "--offload", "cpu",
+                       path_first=str(tmp_path), cwd=tmp_path)
     assert proc.returncode != 0
     assert "pip install transformers" in proc.stderr
+
+
+# ---- checkpoints, resume and the saved model ------------------------------------
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """One uninterrupted TINY run (8 steps), a checkpoint every 2 steps, the last 2 kept."""
+    d = tmp_path_factory.mktemp("straight")
+    proc = run_example(*TINY, *places(d), "--save-every", "2", "--keep-last", "2", cwd=d)
+    assert proc.returncode == 0, proc.stderr
+    return d
+
+
+def test_finetune_keeps_the_last_checkpoints(straight_run):
+    ckpt = straight_run / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["global_step6", "global_step8", "latest"]
+    assert (ckpt / "latest").read_text().strip() == "global_step8"
+
+
+def test_finetune_stopped_and_resumed_is_the_uninterrupted_run(straight_run, tmp_path):
+    # The same command starts the job (no checkpoint yet) and continues it.
+    first = run_example(*TINY, *places(tmp_path), "--resume", "--stop-at", "4", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "no checkpoint" in first.stderr and last_json(first)["steps"] == 4
+    second = run_example(*TINY, *places(tmp_path), "--resume", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    resumed = last_json(second)
+    assert resumed["resumed_from"] == str(tmp_path / "ckpt" / "global_step4")
+    assert (resumed["steps"], resumed["steps_this_run"]) == (8, 4)
+
+    # Bit for bit: the sampler's position, Adam state, LR schedule and weights all carried over.
+    straight = json.loads((straight_run / "out" / "summary.json").read_text())
+    again = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert again["train_losses"] == straight["train_losses"]
+    assert again["val_loss_after"] == straight["val_loss_after"]
+    a = load_file(straight_run / "out" / "model.safetensors")
+    b = load_file(tmp_path / "out" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+
+
+def test_finetune_weights_load_into_the_plain_model(straight_run):
+    from safetensors.torch import load_model
+
+    from offload.models import GPT, GPTConfig
+    from offload.models.gpt import lm_loss
+
+    out = straight_run / "out"
+    config = GPTConfig(**json.loads((out / "config.json").read_text()))
+    torch.manual_seed(0)  # as the example does before building its model
+    initial = GPT(config).state_dict()
+    model = GPT(config)
+    load_model(model, out / "model.safetensors", strict=True)
+    for name, value in model.state_dict().items():
+        assert value.abs().sum() > 0 and not torch.equal(value, initial[name]), name
+    # The plain model's held-out loss is the one the engine measured at the end.
+    _, val = split_corpus(load_corpus(200_000), val_fraction=0.05)
+    x, y = BatchSampler(val, 4, 32, seed=1).sample()  # evaluate(): seed + 1, one batch (TINY)
+    with torch.no_grad():
+        loss = lm_loss(model(x), y).item()
+    summary = json.loads((out / "summary.json").read_text())
+    assert loss == summary["evals"][-1]["val_loss"]
+
+
+def test_finetune_resume_at_the_last_step_says_so(straight_run, tmp_path):
+    ckpt = straight_run / "ckpt"
+    before = sorted(p.name for p in ckpt.iterdir())
+    proc = run_example(*TINY, *places(tmp_path), "--ckpt-dir", str(ckpt), "--resume", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "already at step 8" in proc.stderr and "no steps this run" in proc.stdout
+    summary = last_json(proc)
+    assert (summary["steps"], summary["steps_this_run"], summary["tokens_per_s"]) == (8, 0, None)
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == \
+        (straight_run / "out" / "model.safetensors").read_bytes()
+
+
+def test_finetune_refuses_to_mix_runs(straight_run, tmp_path):
+    ckpt = str(straight_run / "ckpt")
+    fresh = run_example(*TINY, *places(tmp_path), "--ckpt-dir", ckpt, cwd=tmp_path)
+    assert fresh.returncode == 2 and "--resume" in fresh.stderr and "global_step8" in fresh.stderr
+    other = run_example(*TINY, *places(tmp_path), "--ckpt-dir", ckpt, "--resume", "--lr", "5e-3",
+                        cwd=tmp_path)
+    assert other.returncode == 2, other.stderr
+    assert "--lr 0.01 (this run: 0.005)" in other.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written, swap files gone
 
 
 # ---- the corpus --------------------------------------------------------------
@@ -131,8 +243,8 @@ def test_finetune_ctrl_c_removes_swap_files(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT prints every thread's stack
     args = [a if a != "8" else "100000" for a in TINY]  # --steps 100000: runs until interrupted
-    proc = subprocess.Popen([sys.executable, str(EXAMPLE), *args, "--nvme-path", str(nvme)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, str(EXAMPLE), *args, *places(tmp_path), "--nvme-path", str(nvme)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stderr:  # the run prints this once the engine is up and training starts
