@@ -1,6 +1,9 @@
 """Load a Hugging Face checkpoint straight onto NVMe and fine-tune it with offload.
 
-    pip install -e ".[hf]" && python examples/hf_from_pretrained.py
+Needs transformers: `pip install transformers` (or `pip install -e ".[hf]"`
+from a checkout), then
+
+    python examples/hf_from_pretrained.py [--how from_pretrained|weights] [--steps N]
 
 A tiny random Llama is saved with `save_pretrained` into a temporary
 directory (standing in for a downloaded model), then loaded two ways, each
@@ -89,11 +92,21 @@ def train(engine, data) -> list[float]:
     return losses
 
 
+INSTALL_HINT = 'pip install transformers (or pip install -e ".[hf]" from a checkout)'
+
+
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--how", choices=["from_pretrained", "weights"], default="from_pretrained")
+    # Nothing above imports transformers at module level, so --help works without it.
+    parser = argparse.ArgumentParser(description=f"{__doc__.splitlines()[0]} Needs transformers: {INSTALL_HINT}.")
+    parser.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
+    parser.add_argument("--how", choices=["from_pretrained", "weights"], default="from_pretrained",
+                        help="load through from_pretrained under offload.init, or initialize(weights=dir)")
     args = parser.parse_args(argv)
+    try:
+        import transformers  # noqa: F401  (checked here: the first use is deep in save_tiny_llama)
+    except ImportError as exc:
+        parser.exit(2, f"{parser.prog}: needs transformers, which is not importable ({exc}); "
+                       f"{INSTALL_HINT}\n")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_tiny_llama(Path(tmp) / "tiny-llama")
         config = offload_config(Path(tmp) / "nvme")

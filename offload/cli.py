@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
         "estimate", help="bytes per tier (device, host, NVMe) for a model and a configuration"))
     importlib.import_module("offload.checkpoint_io.consolidation").add_arguments(sub.add_parser(
         "consolidate", help="write a checkpoint's full model as one safetensors file"))
-    bench = sub.add_parser("bench", help="run a benchmark (prints JSON, writes a PNG)")
+    bench = sub.add_parser("bench", help="run a benchmark (JSON on stdout; JSON and PNG under --out, "
+                                         "default bench_out/)")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
     for name, (module_name, help_text) in BENCHMARKS.items():
         p = bench_sub.add_parser(name, help=help_text)

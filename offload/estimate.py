@@ -223,6 +223,13 @@ def _count(n: int) -> str:
     return str(n)
 
 
+# What `offload estimate` calls each argument of estimate(): its messages and
+# notes name the flag the user typed, not the Python keyword.
+CLI_FLAGS = {"num_params": "--params", "model_config": "--model-config",
+             "largest_layer_params": "--largest-layer", "persistent_params": "--persistent-params",
+             "world_size": "--world-size", "num_nodes": "--num-nodes"}
+
+
 def estimate(num_params: int | None = None, *, model_config: str | os.PathLike | Mapping | None = None,
              config: Config | Mapping | str | os.PathLike | None = None,
              largest_layer_params: int | None = None, persistent_params: int | None = None,
@@ -232,18 +239,31 @@ def estimate(num_params: int | None = None, *, model_config: str | os.PathLike |
     world_size is the total number of ranks, num_nodes how many hosts they share.
     Without config: Config() (fp32, nothing offloaded).
     """
+    return _estimate(num_params, model_config=model_config, config=config,
+                     largest_layer_params=largest_layer_params, persistent_params=persistent_params,
+                     world_size=world_size, num_nodes=num_nodes, names={})
+
+
+def _estimate(num_params, *, model_config, config, largest_layer_params, persistent_params, world_size,
+              num_nodes, names: Mapping[str, str]) -> Estimate:
+    """estimate(), its errors and notes naming each argument as `names` spells it
+    (the keyword itself where absent)."""
+    def name(keyword: str) -> str:
+        return names.get(keyword, keyword)
+
     cfg = Config() if config is None else Config.load(config)
-    for name, v in (("world_size", world_size), ("num_nodes", num_nodes)):
+    for key, v in (("world_size", world_size), ("num_nodes", num_nodes)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{name}: {v!r} is not a positive integer")
+            raise ConfigError(f"{name(key)}: {v!r} is not a positive integer")
     if world_size % num_nodes:
-        raise ConfigError(f"world_size: {world_size} is not a multiple of num_nodes {num_nodes}")
+        raise ConfigError(f"{name('world_size')}: {world_size} is not a multiple of {name('num_nodes')} "
+                          f"{num_nodes}")
     notes = []
     zero = cfg.zero_optimization
     threshold = zero.stage3_param_persistence_threshold
     if model_config is not None:
         if num_params is not None:
-            raise ConfigError("estimate: give num_params or model_config, not both")
+            raise ConfigError(f"estimate: give {name('num_params')} or {name('model_config')}, not both")
         sizes = model_sizes(model_config, None if threshold is AUTO else threshold)
         num_params, hidden = sizes.num_params, sizes.hidden_size
         if largest_layer_params is None:
@@ -253,24 +273,26 @@ def estimate(num_params: int | None = None, *, model_config: str | os.PathLike |
             persistent_params = sizes.persistent_params
     else:
         if num_params is None:
-            raise ConfigError("estimate: give num_params or model_config")
+            raise ConfigError(f"estimate: give {name('num_params')} or {name('model_config')}")
         hidden = None
         if isinstance(num_params, float) and num_params.is_integer():
             num_params = int(num_params)
         if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 1:
-            raise ConfigError(f"num_params: {num_params!r} is not a positive integer")
+            raise ConfigError(f"{name('num_params')}: {num_params!r} is not a positive integer")
         if largest_layer_params is None:
             largest_layer_params = math.ceil(num_params / LARGEST_LAYER_FRACTION)
-            notes.append(f"largest layer not given: assumed num_params / {LARGEST_LAYER_FRACTION} "
-                         "(give largest_layer_params or a model config for an exact figure)")
+            notes.append(f"largest layer not given: assumed {name('num_params')} / {LARGEST_LAYER_FRACTION} "
+                         f"(give {name('largest_layer_params')} or {name('model_config')} for an exact figure)")
         if persistent_params is None:
             persistent_params = 0
-            notes.append("persistent parameters not given: assumed 0 (give a model config to count them)")
-    for name, v in (("largest_layer_params", largest_layer_params), ("persistent_params", persistent_params)):
+            notes.append(f"persistent parameters not given: assumed 0 (give {name('persistent_params')}, "
+                         f"or {name('model_config')} to count them)")
+    for key, v in (("largest_layer_params", largest_layer_params), ("persistent_params", persistent_params)):
         if isinstance(v, float) and v.is_integer():
             v = int(v)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > num_params:
-            raise ConfigError(f"{name}: {v!r} is not an integer in [0, num_params]")
+            raise ConfigError(f"{name(key)}: {v!r} is not an integer in [0, {num_params}] "
+                              "(from 0 to the model's parameter count)")
     largest_layer_params, persistent_params = int(largest_layer_params), int(persistent_params)
     zero = zero.resolve_auto(hidden, num_params)
 
@@ -330,7 +352,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="offload / DeepSpeed JSON config (default: fp32, nothing offloaded)")
     parser.add_argument("--largest-layer", type=parse_count, default=None,
                         help="parameters of the largest module (default: from --model-config, "
-                             f"else params/{LARGEST_LAYER_FRACTION})")
+                             f"else --params / {LARGEST_LAYER_FRACTION})")
     parser.add_argument("--persistent-params", type=parse_count, default=None,
                         help="parameters kept whole on every device (default: from --model-config, else 0)")
     parser.add_argument("--world-size", type=int, default=1, help="total ranks (default 1)")
@@ -341,9 +363,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Runs `offload estimate`; 0 on success, 2 on a bad config or argument (message on stderr)."""
     try:
-        est = estimate(args.params, model_config=args.model_config, config=args.config,
-                       largest_layer_params=args.largest_layer, persistent_params=args.persistent_params,
-                       world_size=args.world_size, num_nodes=args.num_nodes)
+        est = _estimate(args.params, model_config=args.model_config, config=args.config,
+                        largest_layer_params=args.largest_layer, persistent_params=args.persistent_params,
+                        world_size=args.world_size, num_nodes=args.num_nodes, names=CLI_FLAGS)
     except ConfigError as exc:
         print(f"offload estimate: {exc}", file=sys.stderr)
         return 2

@@ -44,6 +44,8 @@ def test_two_quick_rounds_in_rotation_and_the_same_losses_as_torch(tmp_path, cap
                                                                      abs=1e-4)
 
 
-def test_rounds_below_one_are_refused(capsys):
+def test_rounds_below_one_are_refused_before_anything_is_made(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # where --out (bench_out) and the NVMe directory would go
     assert train.main(["--quick", "--rounds", "0", "--contenders", "torch"]) == 2
     assert "--rounds must be at least 1" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

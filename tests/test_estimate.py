@@ -77,7 +77,8 @@ def test_heuristic_and_errors():
         estimate(10, model_config=LLAMA_7B)
     with pytest.raises(ConfigError, match=r"world_size: 3 is not a multiple of num_nodes 2"):
         estimate(10, world_size=3, num_nodes=2)
-    with pytest.raises(ConfigError, match=r"largest_layer_params: 11 is not an integer in \[0, num_params\]"):
+    with pytest.raises(ConfigError, match=r"largest_layer_params: 11 is not an integer in \[0, 10\] "
+                                          r"\(from 0 to the model's parameter count\)"):
         estimate(10, largest_layer_params=11)
 
 
@@ -105,6 +106,23 @@ def test_cli(tmp_path, capsys):
     assert "zero_optimization.stage" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parser.parse_args(["--params", "seven"])
+
+
+def test_cli_messages_name_the_flags_typed(capsys):
+    """What the command prints names --largest-layer, not the keyword largest_layer_params."""
+    parser = argparse.ArgumentParser()
+    est_mod.add_arguments(parser)
+    assert est_mod.run(parser.parse_args(["--params", "1M"])) == 0
+    out = capsys.readouterr().out
+    assert "note: largest layer not given: assumed --params / 16 (give --largest-layer or --model-config" in out
+    assert "(give --persistent-params, or --model-config to count them)" in out
+    assert est_mod.run(parser.parse_args(["--params", "1M", "--largest-layer", "2M"])) == 2
+    assert capsys.readouterr().err.startswith("offload estimate: --largest-layer: 2000000 is not an integer")
+    assert est_mod.run(parser.parse_args(["--params", "1M", "--world-size", "3", "--num-nodes", "2"])) == 2
+    assert "--world-size: 3 is not a multiple of --num-nodes 2" in capsys.readouterr().err
+    for line in est_mod.estimate(10**6).notes:  # the Python API names its own keywords
+        assert "--" not in line
+    assert any("give largest_layer_params or model_config" in n for n in est_mod.estimate(10**6).notes)
 
 
 # ---------------------------------------------------------------- DeepSpeed cross-check

@@ -79,6 +79,22 @@ def peak_rss_gib() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
 
 
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far, bytes: VmHWM (Linux), else
+    ru_maxrss. VmHWM starts afresh at exec, where Linux's ru_maxrss carries the
+    parent's resident memory at fork into the child."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -177,12 +193,19 @@ def write_json(obj: dict, out_dir: str | os.PathLike | None, name: str) -> Path 
     return path
 
 
-def pyplot():
+# What a user without matplotlib is told, once per PNG a benchmark would have written.
+MATPLOTLIB_HINT = 'pip install matplotlib, or pip install -e ".[bench]" from a checkout'
+
+
+def pyplot(png_name: str):
     """matplotlib.pyplot on the Agg backend (no display needed), or None if
-    matplotlib is missing: a benchmark must still print its figures without it."""
+    matplotlib is missing: a benchmark must still print its figures without it,
+    but the user was promised a PNG, so one line on stderr names the PNG skipped
+    and how to get it (every benchmark comes through here, so they all say it)."""
     try:
         import matplotlib
     except ImportError:
+        log(f"{png_name} not written: matplotlib is not installed ({MATPLOTLIB_HINT})")
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -226,7 +226,7 @@ def _human(n: int) -> str:
 
 
 def plot(report, out_dir):
-    plt = _common.pyplot()
+    plt = _common.pyplot("cpu_adam.png")
     if plt is None:
         return None
     sizes = sorted(int(s) for s in report["results"])

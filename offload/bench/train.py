@@ -73,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="cProfile one extra step of the offload contenders; keep the top N functions")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke test")
-    p.add_argument("--out", default=None, help="directory for train.json and train.png (default: none written)")
+    p.add_argument("--out", default="bench_out",
+                   help="directory for train.json, train.png and the offload contenders' traces (default bench_out)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one contender
     p.add_argument("--child-spec", default=None, help=argparse.SUPPRESS)
 
@@ -442,7 +443,7 @@ def _print_breakdown(results: dict, roofline: dict) -> None:
 def _plot(results: dict, out_dir: str, title: str):
     from offload.bench._common import pyplot, save_png
 
-    plt = pyplot()
+    plt = pyplot("train.png")
     if plt is None:
         return None
     names = [n for n, r in results.items() if "median_s" in r]
@@ -471,6 +472,9 @@ def run(args) -> int:
     bad = [n for n in names if n not in CONTENDERS]
     if bad:
         log(f"unknown contender(s) {bad}; choose from {', '.join(CONTENDERS)}")
+        return 2
+    if args.rounds < 1:  # refused before anything is made (the --out and NVMe directories)
+        log(f"--rounds must be at least 1, got {args.rounds}")
         return 2
     settings = _settings(args)
     from offload.models import GPTConfig
@@ -501,9 +505,6 @@ def run(args) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="offload-train-bench-"))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)  # the contenders write traces there
-    if args.rounds < 1:
-        log(f"--rounds must be at least 1, got {args.rounds}")
-        return 2
     rounds: dict[str, list[dict]] = {name: [] for name in names}
     try:
         for round_index in range(args.rounds):
