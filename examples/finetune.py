@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train a small causal LM with its parameters and optimizer state on NVMe, and keep the result.
 
-    python examples/finetune.py                       # GPT, NVMe offload under runs/nvme, ~1 min on 2 cores
+    python examples/finetune.py                       # GPT, NVMe offload under runs/nvme, 1-2 min on 2 cores
     python examples/finetune.py --resume              # continue from the latest checkpoint (or start)
     python examples/finetune.py --resume --steps 160  # train on past the first run's 120 steps
     python examples/finetune.py --offload cpu         # parameters and Adam state in host memory
@@ -27,8 +27,9 @@ LR schedule and RNG (engine.load_checkpoint), and from this script's
 client_state the batch sampler's position, the losses and evaluations so
 far, so a run stopped and resumed trains exactly as one that was not. With
 no checkpoint there, --resume says so and starts at step 0, so the same
-command starts a job and continues it. A run without --resume refuses a
---ckpt-dir that already holds a checkpoint (it would mix two runs).
+command starts a job and continues it. A run without --resume starts over:
+the checkpoints an earlier run left in --ckpt-dir are removed once this run
+has saved its first (until then --resume would still continue them).
 The LR schedule (warmup, then cosine) spans the first run's --steps; a
 resumed run with a larger --steps goes on at the schedule's final rate.
 
@@ -280,22 +281,13 @@ def latest_tag(ckpt_dir: str) -> str | None:
         return None
 
 
-def step_dirs(ckpt_dir: str) -> list[tuple[int, str]]:
-    """(step, name) of the complete-named global_step{N} directories, oldest first. A save
-    in progress is `.global_step{N}.tmp` until it is complete, so it is never listed."""
-    found = []
-    for name in os.listdir(ckpt_dir):
-        match = re.fullmatch(r"global_step(\d+)", name)
-        if match and os.path.isdir(os.path.join(ckpt_dir, name)):
-            found.append((int(match.group(1)), name))
-    return sorted(found)
-
-
-def prune_checkpoints(ckpt_dir: str, keep_last: int) -> list[str]:
-    """Removes all but the newest `keep_last` global_step* directories; never the one
-    `latest` names (called after a save has committed, so that is the newest)."""
-    keep = {name for _, name in step_dirs(ckpt_dir)[-keep_last:]} | {latest_tag(ckpt_dir)}
-    removed = [name for _, name in step_dirs(ckpt_dir) if name not in keep]
+def prune_checkpoints(ckpt_dir: str, keep: list[str]) -> list[str]:
+    """Removes every global_step{N} directory in ckpt_dir but those named in `keep`:
+    this run's older ones, an earlier run's, a later one a resumed run has left
+    behind. A save in progress is `.global_step{N}.tmp` until complete: never touched."""
+    removed = sorted(name for name in os.listdir(ckpt_dir)
+                     if re.fullmatch(r"global_step\d+", name) and name not in keep
+                     and os.path.isdir(os.path.join(ckpt_dir, name)))
     for name in removed:
         shutil.rmtree(os.path.join(ckpt_dir, name))
     return removed
@@ -308,7 +300,8 @@ def new_run_state(args, warmup: int) -> dict:
             "flags": {name: getattr(args, name) for name in RUN_FLAGS},
             "schedule": {"steps": args.steps, "warmup": warmup},  # the LR schedule's plan
             "step": 0, "sampler": None, "losses": [], "evals": [], "train_seconds": 0.0,
-            "runs": []}  # one {"from", "to", "seconds"} per process that trained
+            "runs": [],  # one {"from", "to", "seconds"} per process that trained
+            "checkpoints": []}  # the tags this run saved, oldest first
 
 
 def check_resumable(state, args, where: str) -> None:
@@ -327,9 +320,12 @@ def check_resumable(state, args, where: str) -> None:
 
 
 def save(engine, args, state: dict, say) -> str:
-    """A checkpoint of the engine and `state` at its step; then the oldest ones beyond --keep-last go."""
-    tag = engine.save_checkpoint(args.ckpt_dir, client_state=state)
-    removed = prune_checkpoints(args.ckpt_dir, args.keep_last)
+    """A checkpoint of the engine and `state` at its step; once it is complete (save_checkpoint
+    returns after `latest` names it), the run's oldest beyond --keep-last and any other go."""
+    tag = f"global_step{state['step']}"  # the engine's default tag, named here to be listed
+    state["checkpoints"] = [t for t in state["checkpoints"] if t != tag] + [tag]
+    engine.save_checkpoint(args.ckpt_dir, tag=tag, client_state=state)
+    removed = prune_checkpoints(args.ckpt_dir, keep=state["checkpoints"][-args.keep_last:])
     say(f"step {state['step']}: saved {os.path.join(args.ckpt_dir, tag)}"
         + (f" (removed {', '.join(removed)})" if removed else ""))
     return tag
@@ -395,8 +391,11 @@ def _record(state: dict, step: int, sampler, seconds: float) -> None:
 def start_or_resume(engine, args, sampler) -> tuple[dict, str | None]:
     """The run state to continue, and the checkpoint it came from (None: a new run)."""
     tag = latest_tag(args.ckpt_dir)
-    if tag is None:
-        if args.resume:
+    if tag is None or not args.resume:
+        if tag is not None:
+            print(f"starting over: the checkpoints in {args.ckpt_dir} (latest {tag}) are removed once "
+                  f"this run saves its first; pass --resume to continue them instead", file=sys.stderr)
+        elif args.resume:
             print(f"--resume: no checkpoint in {args.ckpt_dir} (no 'latest' there): starting at step 0",
                   file=sys.stderr)
         return new_run_state(args, planned_warmup(args)), None
@@ -483,11 +482,6 @@ def print_summary(s: dict, args) -> None:
 def main(argv=None) -> int:
     wall_start = time.perf_counter()
     args = parse_args(argv)
-    if not args.resume and latest_tag(args.ckpt_dir) is not None:
-        print(f"error: {args.ckpt_dir} already holds a checkpoint ({latest_tag(args.ckpt_dir)}): pass "
-              f"--resume to continue it, or another --ckpt-dir (or remove this one) to start over",
-              file=sys.stderr)
-        return 2
     torch.manual_seed(args.seed)
     try:
         data = load_corpus(args.corpus_bytes)

@@ -1,6 +1,7 @@
 """examples/finetune.py end to end (tiny settings), and the stdlib corpus it trains on."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,14 @@ def places(d: Path) -> list[str]:
     """Every path the example writes, under `d` (so nothing lands in the checkout)."""
     return ["--nvme-path", str(d / "nvme"), "--ckpt-dir", str(d / "ckpt"),
             "--out", str(d / "out" / "model.safetensors")]
+
+
+def assert_same_weights(path, expected) -> None:
+    """Element by element, exactly (the files' metadata names their checkpoint, so may differ)."""
+    a, b = load_file(path), load_file(expected)
+    assert a.keys() == b.keys()
+    for name in b:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
 
 
 def last_json(proc) -> dict:
@@ -117,11 +126,24 @@ def test_finetune_stopped_and_resumed_is_the_uninterrupted_run(straight_run, tmp
     again = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert again["train_losses"] == straight["train_losses"]
     assert again["val_loss_after"] == straight["val_loss_after"]
-    a = load_file(straight_run / "out" / "model.safetensors")
-    b = load_file(tmp_path / "out" / "model.safetensors")
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+    assert_same_weights(tmp_path / "out" / "model.safetensors", straight_run / "out" / "model.safetensors")
+
+
+def test_finetune_resumes_after_ctrl_c_from_a_mid_run_checkpoint(straight_run, tmp_path):
+    # What Ctrl-C during step 7 leaves of the straight run: its checkpoint of step 6,
+    # saved mid-run (no final evaluation), and `latest` naming it.
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copytree(straight_run / "ckpt" / "global_step6", ckpt / "global_step6")
+    (ckpt / "latest").write_text("global_step6\n")
+    proc = run_example(*TINY, *places(tmp_path), "--resume", "--save-every", "2", "--keep-last", "2",
+                       cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    straight = json.loads((straight_run / "out" / "summary.json").read_text())
+    again = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert again["train_losses"] == straight["train_losses"]
+    assert_same_weights(tmp_path / "out" / "model.safetensors", straight_run / "out" / "model.safetensors")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["global_step6", "global_step8", "latest"]
 
 
 def test_finetune_weights_load_into_the_plain_model(straight_run):
@@ -156,19 +178,26 @@ def test_finetune_resume_at_the_last_step_says_so(straight_run, tmp_path):
     summary = last_json(proc)
     assert (summary["steps"], summary["steps_this_run"], summary["tokens_per_s"]) == (8, 0, None)
     assert sorted(p.name for p in ckpt.iterdir()) == before
-    assert (tmp_path / "out" / "model.safetensors").read_bytes() == \
-        (straight_run / "out" / "model.safetensors").read_bytes()
+    assert_same_weights(tmp_path / "out" / "model.safetensors", straight_run / "out" / "model.safetensors")
 
 
-def test_finetune_refuses_to_mix_runs(straight_run, tmp_path):
-    ckpt = str(straight_run / "ckpt")
-    fresh = run_example(*TINY, *places(tmp_path), "--ckpt-dir", ckpt, cwd=tmp_path)
-    assert fresh.returncode == 2 and "--resume" in fresh.stderr and "global_step8" in fresh.stderr
-    other = run_example(*TINY, *places(tmp_path), "--ckpt-dir", ckpt, "--resume", "--lr", "5e-3",
-                        cwd=tmp_path)
-    assert other.returncode == 2, other.stderr
-    assert "--lr 0.01 (this run: 0.005)" in other.stderr
+def test_finetune_resume_with_other_flags_is_refused(straight_run, tmp_path):
+    ckpt = straight_run / "ckpt"
+    proc = run_example(*TINY, *places(tmp_path), "--ckpt-dir", str(ckpt), "--resume", "--lr", "5e-3",
+                       cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "--lr 0.01 (this run: 0.005)" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written, swap files gone
+
+
+def test_finetune_without_resume_starts_over(straight_run, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(straight_run / "ckpt", ckpt)
+    proc = run_example(*TINY, *places(tmp_path), "--steps", "4", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "starting over" in proc.stderr and last_json(proc)["resumed_from"] is None
+    # The earlier run's checkpoints went once this run had one of its own.
+    assert sorted(p.name for p in ckpt.iterdir()) == ["global_step4", "latest"]
 
 
 # ---- the corpus --------------------------------------------------------------
