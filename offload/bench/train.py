@@ -130,18 +130,6 @@ def _settings(args) -> dict:
 
 # --------------------------------------------------------------------- child
 
-def _vm_hwm() -> int | None:
-    """Peak RSS of this process's address space, bytes (Linux)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _rss() -> int | None:
     try:
         with open("/proc/self/statm") as f:
@@ -270,7 +258,9 @@ def _child(name: str, spec: dict) -> dict:
     if name.startswith("offload-"):
         res["memory_report"] = engine.memory_report()
         engine.close()
-    res["peak_rss_bytes"] = _vm_hwm()
+    from offload.engine.memory import peak_rss_bytes  # after the run: the import adds nothing to its peak
+
+    res["peak_rss_bytes"] = peak_rss_bytes()
     res["ru_maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return res
 
