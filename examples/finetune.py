@@ -4,6 +4,7 @@
     python examples/finetune.py                       # GPT, NVMe offload under runs/nvme, 1-2 min on 2 cores
     python examples/finetune.py --resume              # continue from the latest checkpoint (or start)
     python examples/finetune.py --resume --steps 160  # train on past the first run's 120 steps
+    python examples/finetune.py --resume --stop-at 60 # a job in sessions: stop at step 60, --resume later
     python examples/finetune.py --offload cpu         # parameters and Adam state in host memory
     python examples/finetune.py --model hf            # a small LlamaForCausalLM (pip install transformers)
 
@@ -18,6 +19,7 @@ What a run leaves (the defaults; --ckpt-dir and --out move them):
   runs/finetune/model.safetensors            the trained weights (fp32): they load into
                                              the plain model, safetensors.torch.load_model(
                                              GPT(GPTConfig(**json.load(open(".../config.json")))), path)
+                                             (--model hf: LlamaForCausalLM.from_pretrained(".../finetune"))
   runs/finetune/config.json                  that model config
   runs/finetune/summary.json                 the run's summary and its per-step losses
 The swap directory (runs/nvme) is removed however the run ends.
@@ -34,7 +36,7 @@ The LR schedule (warmup, then cosine) spans the first run's --steps; a
 resumed run with a larger --steps goes on at the schedule's final rate.
 
 stdout ends with a few readable lines, then the summary as one JSON line
-(the same as summary.json, less the per-step losses). The exit status is 1
+(summary.json, less its per-step losses, evaluations and sessions). The exit status is 1
 if the training loss did not fall (first step against the mean of the last
 ones, over the whole run, resumed parts included), 2 for bad arguments,
 missing sources or a checkpoint that cannot be resumed, 130 on Ctrl-C
