@@ -1,8 +1,15 @@
-"""Configuration of the I/O layer: frozen, keyword-only, validated once."""
+"""Configuration of the I/O layer: frozen, keyword-only, validated once.
+
+`AioConfig` is the one I/O config type: the JSON `aio` section is read into
+it (offload/config/sections.py `AioSection`: DeepSpeed's key names, renames
+and keys with no effect) and the same object reaches every `AsyncIO`, so an
+accepted key cannot be dropped on the way. Its checks are the only ones; the
+config layer turns their ValueError into a ConfigError.
+"""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 
 class Backend(enum.Enum):
@@ -21,12 +28,22 @@ class Backend(enum.Enum):
             return cls(value)
         except ValueError:
             accepted = ", ".join(b.value for b in cls)
-            raise ValueError(f"aio.backend: unknown backend {value!r} (accepted: {accepted})") from None
+            raise ValueError(f"aio.backend: {value!r} is not one of {accepted}") from None
+
+
+def _integer(key: str, value, lo: int, hi: int | None = None) -> int:
+    """An int in [lo, hi]; an integral float is one too (JSON configs write 1e6)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{key}: {value!r} is not an integer {bounds}")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
 class AioConfig:
-    """`aio` section of the offload config.
+    """The `aio` section of the offload config, as every AsyncIO receives it.
 
     block_size: bytes per kernel request (a multiple of 4096).
     queue_depth: requests kept in flight per worker thread.
@@ -40,21 +57,16 @@ class AioConfig:
     backend: Backend = Backend.AUTO
 
     def __post_init__(self):
+        block_size = _integer("aio.block_size", self.block_size, lo=4096)
+        if block_size % 4096:
+            raise ValueError(f"aio.block_size: {block_size} is not a positive multiple of 4096")
+        object.__setattr__(self, "block_size", block_size)
+        object.__setattr__(self, "queue_depth", _integer("aio.queue_depth", self.queue_depth, lo=1, hi=1024))
+        object.__setattr__(self, "intra_op_parallelism",
+                           _integer("aio.intra_op_parallelism", self.intra_op_parallelism, lo=1, hi=64))
         object.__setattr__(self, "backend", Backend.parse(self.backend))
-        if not isinstance(self.block_size, int) or self.block_size < 4096 or self.block_size % 4096:
-            raise ValueError(f"aio.block_size: must be a positive multiple of 4096, got {self.block_size!r}")
-        if not isinstance(self.queue_depth, int) or not 1 <= self.queue_depth <= 1024:
-            raise ValueError(f"aio.queue_depth: must be an integer in [1, 1024], got {self.queue_depth!r}")
-        if not isinstance(self.intra_op_parallelism, int) or not 1 <= self.intra_op_parallelism <= 64:
-            raise ValueError(
-                f"aio.intra_op_parallelism: must be an integer in [1, 64], got {self.intra_op_parallelism!r}"
-            )
 
-    @classmethod
-    def from_dict(cls, section: dict) -> "AioConfig":
-        """Builds from a config dict; an unknown key is an error naming it."""
-        accepted = {f.name for f in fields(cls)}
-        unknown = sorted(set(section) - accepted)
-        if unknown:
-            raise ValueError(f"aio: unknown key(s) {unknown} (accepted: {sorted(accepted)})")
-        return cls(**section)
+    def to_dict(self) -> dict:
+        """The JSON `aio` section that gives this config."""
+        return {"block_size": self.block_size, "queue_depth": self.queue_depth,
+                "intra_op_parallelism": self.intra_op_parallelism, "backend": self.backend.value}

@@ -192,6 +192,12 @@ class SwapStore:
         self._busy_count = {"swap_out": 0, "swap_in": 0}
         self.stats = SwapStats()
 
+    @property
+    def io(self) -> AsyncIO:
+        """The AsyncIO moving this store's bytes: `io.config` is the AioConfig it runs
+        with, `io.backend` the backend it chose."""
+        return self._io
+
     # ---------------------------------------------------------------- paths
 
     def path_of(self, key: str) -> Path:

@@ -201,7 +201,7 @@ def _child(name: str, spec: dict) -> dict:
     res["rss_after_init"] = _rss()
 
     losses, times = [], []
-    stores = engine._stores if name.startswith("offload-") else []
+    stores = engine.swap_stores if name.startswith("offload-") else []
     moved = None
     for i in range(s["warmup"] + s["steps"]):
         if i == s["warmup"]:

@@ -136,7 +136,7 @@ class SaveJob:
         (self.rank_dir / "nvme").mkdir(parents=True, exist_ok=True)
         # Swap writes still in flight would race the copies; the optimizer step
         # waits for its own, this makes sure of it.
-        for store in engine._stores:
+        for store in engine.swap_stores:
             store.wait_all()
         self.state_bytes = capture_engine_state(engine, client_state)
         self.buffers = [(b["name"], engine.module.get_buffer(b["name"]).detach().to("cpu", copy=True))

@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
+from offload.aio.config import AioConfig
 from offload.config.activations import ActivationCheckpointingConfig
 from offload.config.base import (AUTO, ConfigError, OffloadDevice, OptimizerType, Precision,
                                  SchedulerType, WarmupType, _apply_renames, _bool, _fail, _float,
                                  _int, _Section, _to_json, parse_bytes)
-from offload.config.sections import (AioConfig, BF16Config, FP16Config, MemoryConfig,
+from offload.config.sections import (AioSection, BF16Config, FP16Config, MemoryConfig,
                                      OffloadOptimizerConfig, OffloadParamConfig, OptimizerConfig,
                                      SchedulerConfig, WarmupCosineLRParams, WarmupDecayLRParams,
                                      WarmupLRParams, ZeroConfig)
@@ -82,7 +83,7 @@ _TOP_INERT = {
 _TOP_RENAMED = {"bfloat16": "bf16"}
 
 _SECTIONS = {"bf16": BF16Config, "fp16": FP16Config, "zero_optimization": ZeroConfig,
-             "aio": AioConfig, "memory": MemoryConfig,
+             "aio": AioSection, "memory": MemoryConfig,
              "activation_checkpointing": ActivationCheckpointingConfig}
 
 
@@ -126,10 +127,11 @@ class Config(_Section):
         _bool("wall_clock_breakdown", self.wall_clock_breakdown)
         for name, cls in _SECTIONS.items():
             v = getattr(self, name)
+            kind = getattr(cls, "TYPE", cls)  # a section read into a type of its own layer (aio)
             if v is None or isinstance(v, Mapping):
                 self._set(name, cls.from_dict(v))
-            elif not isinstance(v, cls):
-                raise _fail(name, v, f"a JSON object or {cls.__name__}")
+            elif not isinstance(v, kind):
+                raise _fail(name, v, f"a JSON object or {kind.__name__}")
         for name, cls in (("optimizer", OptimizerConfig), ("scheduler", SchedulerConfig)):
             v = getattr(self, name)
             if isinstance(v, Mapping):
@@ -160,7 +162,7 @@ class Config(_Section):
     def no_effect(self) -> list[tuple[str, str]]:
         """(dotted key, why) for each key given that has no effect here: inert keys of the
         source dict, and accepted keys set to a value offload does not act on."""
-        return list(self.inert) + self.zero_optimization.value_notes() + self.aio.value_notes()
+        return list(self.inert) + self.zero_optimization.value_notes()
 
     def no_effect_line(self) -> str | None:
         """One line for the log at initialize, or None when every key given takes effect."""

@@ -316,6 +316,6 @@ def _to_json(v: Any) -> Any:
         return str(v)
     if isinstance(v, tuple):
         return list(v)
-    if isinstance(v, _Section):
+    if isinstance(v, _Section) or callable(getattr(v, "to_dict", None)):  # a section, or aio's AioConfig
         return v.to_dict()
     return v

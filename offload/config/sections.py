@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
-from offload.aio.config import Backend
+from offload.aio.config import AioConfig
 from offload.config.base import (_HF_AUTO, AUTO, ConfigError, OffloadDevice, OptimizerType,
-                                 SchedulerType, WarmupType, _bool, _check_keys, _enum, _fail,
-                                 _float, _int, _join, _Section, _show, parse_bytes)
+                                 SchedulerType, WarmupType, _apply_renames, _bool, _check_keys, _enum,
+                                 _fail, _float, _int, _join, _Section, _show, parse_bytes)
 
 # --------------------------------------------------------------------------- precision
 
@@ -503,53 +503,53 @@ class ZeroConfig(_Section):
 
 # --------------------------------------------------------------------------- aio
 
-@dataclass(frozen=True, kw_only=True)
-class AioConfig(_Section):
-    """`aio`: the NVMe I/O layer (DeepSpeed's keys, plus our `backend`).
+class AioSection:
+    """Reads the `aio` section into offload.aio.AioConfig, the one I/O config type
+    (the I/O layer may not import this package, so DeepSpeed's key handling is here).
 
-    single_submit and overlap_events are accepted for DeepSpeed configs: offload
-    always submits in batches and overlaps completion, and names the other value
-    as having no effect (`value_notes`). `thread_count`, which DeepSpeed's docs
-    give and its code reads as `intra_op_parallelism`, is mapped to it.
-    `io_kwargs()` gives the arguments of offload.aio.AsyncIO.
+    `thread_count`, which DeepSpeed's docs give and its code reads as
+    `intra_op_parallelism`, is mapped to it. single_submit and overlap_events
+    are accepted for DeepSpeed configs and checked: offload always submits in
+    batches and overlaps completion, so the other value is named as having no
+    effect (Note [DeepSpeed keys] in base.py). Every other key is a field of
+    AioConfig and reaches each AsyncIO as given.
     """
 
     SECTION: ClassVar[str] = "aio"
+    TYPE: ClassVar[type] = AioConfig
     RENAMED: ClassVar[dict] = {"thread_count": "intra_op_parallelism"}
     INERT: ClassVar[dict] = {
         "use_gds": "GPUDirect Storage is not supported: NVMe reads and writes go through host memory",
     }
-    block_size: int = 1 << 20
-    queue_depth: int = 32
-    intra_op_parallelism: int = 1
-    single_submit: bool = False
-    overlap_events: bool = True
-    backend: Backend = Backend.AUTO
+    # key -> (the value offload acts as, why another value has no effect)
+    FIXED: ClassVar[dict] = {
+        "single_submit": (False, "true has no effect: requests are always submitted in batches"),
+        "overlap_events": (True, "false has no effect: submission and completion always overlap"),
+    }
 
-    def __post_init__(self):
-        k = self._key
-        bs = _int(k("block_size"), self.block_size, lo=4096)
-        if bs % 4096:
-            raise _fail(k("block_size"), bs, "a positive multiple of 4096")
-        self._set("block_size", bs)
-        self._set("queue_depth", _int(k("queue_depth"), self.queue_depth, lo=1, hi=1024))
-        self._set("intra_op_parallelism", _int(k("intra_op_parallelism"), self.intra_op_parallelism, lo=1, hi=64))
-        self._set("backend", _enum(k("backend"), self.backend, Backend))
-        _bool(k("single_submit"), self.single_submit)
-        _bool(k("overlap_events"), self.overlap_events)
+    @classmethod
+    def from_dict(cls, d: Mapping | None) -> AioConfig:
+        if d is None:
+            return AioConfig()
+        accepted = [f.name for f in dataclasses.fields(AioConfig)] + list(cls.FIXED)
+        _check_keys(cls.SECTION, d, accepted, inert=cls.INERT, renamed=cls.RENAMED)
+        d = _apply_renames(cls.SECTION, d, cls.RENAMED)
+        for key in cls.FIXED:
+            if key in d:
+                _bool(_join(cls.SECTION, key), d[key])
+        try:
+            return AioConfig(**{k: v for k, v in d.items() if k not in cls.INERT and k not in cls.FIXED})
+        except ValueError as exc:  # AioConfig's own checks name the key
+            raise ConfigError(str(exc)) from None
 
-    def value_notes(self) -> list[tuple[str, str]]:
-        """(key, why) for values that have no effect here (Note [DeepSpeed keys])."""
-        notes = []
-        if self.single_submit:
-            notes.append(("aio.single_submit", "true has no effect: requests are always submitted in batches"))
-        if not self.overlap_events:
-            notes.append(("aio.overlap_events", "false has no effect: submission and completion always overlap"))
-        return notes
-
-    def io_kwargs(self) -> dict:
-        return {"block_size": self.block_size, "queue_depth": self.queue_depth,
-                "intra_op_parallelism": self.intra_op_parallelism, "backend": self.backend}
+    @classmethod
+    def inert_keys(cls, d: Mapping | None) -> list[tuple[str, str]]:
+        """(dotted key, why) for inert keys and FIXED keys given another value, in the raw `d`."""
+        if not isinstance(d, Mapping):
+            return []
+        found = [(_join(cls.SECTION, k), cls.INERT[k]) for k in d if k in cls.INERT]
+        return found + [(_join(cls.SECTION, k), why) for k, (acted_on, why) in cls.FIXED.items()
+                        if k in d and d[k] != acted_on]
 
 
 # --------------------------------------------------------------------------- memory (ours)

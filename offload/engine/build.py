@@ -313,7 +313,7 @@ def _swap_config(nvme_path, sizes, staging_bytes, config, ctx):
     # process and removed at close; overwriting in place skips a rename and a
     # block reallocation per write (9 ms each on ext4, measured).
     swap_config = SwapConfig.for_tensors(nvme_path, sizes, in_flight=2, rank=ctx.pg.rank,
-                                         aio=_aio_config(config), atomic=False)
+                                         aio=config.aio, atomic=False)
     if staging_bytes is None:
         staging_bytes = min(swap_config.buffer_bytes, 8 << 20)
     swap_config = dataclasses.replace(swap_config, buffer_bytes=max(staging_bytes, 2 * ALIGN))
@@ -334,10 +334,3 @@ def _swap_store(nvme_path, sizes, staging_bytes, config, ctx, created_dirs):
     """A store opened at once (offload.init, before the model's size is known)."""
     return _open_store(_swap_config(nvme_path, sizes, staging_bytes, config, ctx), ctx, created_dirs)
 
-
-def _aio_config(config: Config):
-    from offload.aio import AioConfig
-
-    a = config.aio
-    return AioConfig(block_size=a.block_size, queue_depth=a.queue_depth,
-                     intra_op_parallelism=a.intra_op_parallelism)

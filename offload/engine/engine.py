@@ -327,6 +327,12 @@ class Engine:
         """Writes the last complete step as a Chrome trace (chrome://tracing, Perfetto)."""
         self._timeline.export_chrome_trace(path)
 
+    @property
+    def swap_stores(self) -> tuple:
+        """The NVMe swap stores (offload.aio.SwapStore), each once: `store.io.config` is
+        the `aio` config its transfers run with (Note [one store per thread] in build.py)."""
+        return tuple(self._stores)
+
     def memory_report(self) -> dict:
         """Bytes per tier the engine holds (now, peak, budget), the process RSS,
         and under "os" the OS's figures beside the engine's (ProcessMemory.report)."""

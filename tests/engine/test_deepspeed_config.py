@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import offload
+from offload.aio import Backend
 from tests.engine.harness import batches, build, run_engine, run_reference
 
 # DeepSpeed's configuration reference (deepspeed.ai/docs/config-json), its
@@ -91,4 +92,19 @@ def test_thread_count_sets_the_io_threads_of_the_swap_store(tmp_path):
     cfg["aio"]["thread_count"] = 3
     with offload.initialize(build("tiny_gpt"), cfg) as engine:
         assert engine.config.aio.intra_op_parallelism == 3
-        assert [store.config.aio.intra_op_parallelism for store in engine._stores] == [3]
+        assert [store.io.config.intra_op_parallelism for store in engine.swap_stores] == [3]
+
+
+@pytest.mark.parametrize("key, value, seen", [
+    ("block_size", 1 << 16, lambda io: io.config.block_size == 1 << 16),
+    ("queue_depth", 5, lambda io: io.config.queue_depth == 5),
+    ("intra_op_parallelism", 2, lambda io: io.config.intra_op_parallelism == 2),
+    ("backend", "threads", lambda io: io.backend is Backend.THREADS),
+])
+def test_every_aio_key_reaches_the_swap_stores(tmp_path, key, value, seen):
+    cfg = docs_config(tmp_path)
+    cfg["aio"][key] = value
+    if key == "intra_op_parallelism":
+        del cfg["aio"]["thread_count"]
+    with offload.initialize(build("tiny_gpt"), cfg) as engine:
+        assert engine.swap_stores and all(seen(store.io) for store in engine.swap_stores)
