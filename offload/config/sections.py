@@ -283,7 +283,14 @@ class SchedulerConfig(_Section):
 
 # --------------------------------------------------------------------------- zero
 
+# Note [pin_memory]: with CUDA every host I/O and staging buffer is allocated
+# pinned (offload.aio._memory.pin_by_default), and on a CPU-only host nothing
+# can be pinned, so the key changes nothing either way. Making it choose,
+# within memory.pinned_budget, waits for a GPU to measure it on.
+_PIN_MEMORY = ("host I/O buffers are pinned whenever CUDA is present, whatever this key says, "
+               "and a CPU-only host pins nothing")
 _OFFLOAD_OPTIMIZER_INERT = {
+    "pin_memory": _PIN_MEMORY,
     "pipeline_read": "NVMe reads of optimizer state are always pipelined",
     "pipeline_write": "NVMe writes of optimizer state are always pipelined",
     "pipeline": "NVMe reads and writes of optimizer state are always pipelined",
@@ -302,7 +309,6 @@ def _check_offload(obj, device_only: dict[str, Any]) -> None:
         if not isinstance(obj.nvme_path, (str, os.PathLike)) or str(obj.nvme_path) == "":
             raise _fail(k("nvme_path"), obj.nvme_path, "a directory path")
         obj._set("nvme_path", Path(obj.nvme_path))
-    _bool(k("pin_memory"), obj.pin_memory)
     if obj.device is OffloadDevice.NVME and obj.nvme_path is None:
         raise ConfigError(f"{k('nvme_path')}: required when {k('device')} is 'nvme'")
     for name, needs in device_only.items():
@@ -323,9 +329,9 @@ class OffloadParamConfig(_Section):
     """
 
     SECTION: ClassVar[str] = "zero_optimization.offload_param"
+    INERT: ClassVar[dict] = {"pin_memory": _PIN_MEMORY}
     device: OffloadDevice = OffloadDevice.NONE
     nvme_path: Path | None = None
-    pin_memory: bool = False
     buffer_count: int | None = None
     buffer_size: int | None = None
     max_in_cpu: int | None = None
@@ -335,9 +341,9 @@ class OffloadParamConfig(_Section):
         self._set("buffer_count", _int(k("buffer_count"), self.buffer_count, lo=1, none=True))
         self._set("buffer_size", _int(k("buffer_size"), self.buffer_size, lo=1, none=True))
         self._set("max_in_cpu", _int(k("max_in_cpu"), self.max_in_cpu, lo=0, none=True))
-        nvme, host = {OffloadDevice.NVME}, {OffloadDevice.CPU, OffloadDevice.NVME}
+        nvme = {OffloadDevice.NVME}
         _check_offload(self, {"nvme_path": nvme, "buffer_count": nvme, "buffer_size": nvme,
-                              "max_in_cpu": nvme, "pin_memory": host})
+                              "max_in_cpu": nvme})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -348,13 +354,12 @@ class OffloadOptimizerConfig(_Section):
     INERT: ClassVar[dict] = _OFFLOAD_OPTIMIZER_INERT
     device: OffloadDevice = OffloadDevice.NONE
     nvme_path: Path | None = None
-    pin_memory: bool = False
     buffer_count: int | None = None
 
     def __post_init__(self):
         self._set("buffer_count", _int(self._key("buffer_count"), self.buffer_count, lo=1, none=True))
-        nvme, host = {OffloadDevice.NVME}, {OffloadDevice.CPU, OffloadDevice.NVME}
-        _check_offload(self, {"nvme_path": nvme, "buffer_count": nvme, "pin_memory": host})
+        nvme = {OffloadDevice.NVME}
+        _check_offload(self, {"nvme_path": nvme, "buffer_count": nvme})
 
 
 _STAGE12 = "a ZeRO stage 1/2 option; offload runs ZeRO stage 3 only (DeepSpeed ignores it at stage 3 too)"
@@ -362,7 +367,7 @@ _NO_ZERO_PP = "ZeRO++ is not implemented: parameters and gradients move at full 
 _NO_MICS = "MiCS is not implemented: parameters are partitioned over all ranks"
 _PER_MODULE = "parameters are fetched per module, in the order the last step used them"
 _ZERO_INERT = {
-    "cpu_offload_use_pin_memory": "host buffers are pinned whenever CUDA is present",
+    "cpu_offload_use_pin_memory": _PIN_MEMORY,
     "round_robin_gradients": _STAGE12,
     "allgather_partitions": _STAGE12,
     "allgather_bucket_size": _STAGE12,
@@ -561,8 +566,8 @@ class MemoryConfig(_Section):
     device_budget: bytes the device tier may hold (on a CPU-only host, the budget of the
       plain memory that stands in for the device); None = the GPU's memory, or unlimited.
     host_budget: bytes of host memory the engine may hold, pinned included; None = no limit.
-    pinned_budget: bytes of page-locked host memory (a part of host_budget); None = the engine
-      picks (bounded by host_budget).
+    pinned_budget: bytes of page-locked host memory (a part of host_budget). Not implemented
+      yet: only null is accepted (Note [pin_memory]); a bound that is not kept is worse than none.
     """
 
     SECTION: ClassVar[str] = "memory"
@@ -575,6 +580,7 @@ class MemoryConfig(_Section):
             v = getattr(self, name)
             if v is not None:
                 self._set(name, parse_bytes(v, self._key(name)))
-        if self.pinned_budget is not None and self.host_budget is not None and self.pinned_budget > self.host_budget:
-            raise ConfigError(f"memory.pinned_budget: {self.pinned_budget} is more than memory.host_budget "
-                              f"({self.host_budget}); pinned memory is part of the host budget")
+        if self.pinned_budget is not None:
+            raise ConfigError(f"memory.pinned_budget: {self.pinned_budget} bytes: a budget of pinned memory is "
+                              "not implemented yet (with CUDA every host I/O buffer is pinned, within "
+                              "memory.host_budget); remove the key or set it to null")
