@@ -4,7 +4,6 @@ Every test that exercises the kernel runs once per SIMD path this CPU has
 (the simd_level fixture forces each with OFFLOAD_SIMD). Sizes straddle the
 vector widths (8, 16) and the thread split so tails and chunk edges are hit.
 """
-import math
 import struct
 import threading
 
@@ -215,9 +214,16 @@ def test_pure_pytorch_fallback_matches_torch(monkeypatch):
     assert torch.equal(out, ours[0].to(torch.bfloat16))
 
 
-def test_empty_tensors_are_a_no_op():
-    e = torch.empty(0)
-    adam_step(e, e.clone(), e.clone(), e.clone(), step=1, weight_decay=0.0, **HP)
+@pytest.mark.parametrize("num_threads", [1, 3])
+def test_empty_tensors_are_a_no_op(simd_level, num_threads):
+    """Zero elements: no error on any path or thread split, and no byte written
+    (each tensor is an empty view inside a larger one whose values are checked)."""
+    bufs = [torch.full((16,), 7.0) for _ in range(4)]
+    out_buf = torch.full((16,), 7.0, dtype=torch.bfloat16)
+    master, grad, m, v = (b[5:5] for b in bufs)
+    adam_step(master, grad, m, v, step=1, weight_decay=0.1, out=out_buf[5:5], num_threads=num_threads, **HP)
+    for b in bufs + [out_buf]:
+        assert torch.equal(b, torch.full_like(b, 7.0))
 
 
 # ---- bad input: each names the argument and what was expected ------------
@@ -328,6 +334,14 @@ def test_native_kernel_refuses_unknown_names():
                                    0.001, 1e-8, 0.0, True, False, "scalar", 1)
 
 
-def test_detected_level_is_reported():
-    assert simd.detected_level() in simd.LEVELS
-    assert math.isfinite(len(simd.available_levels()))
+def test_detected_level_is_reported(monkeypatch):
+    """The levels that can be forced run from scalar up to the detected one, and
+    with no override (or 'auto') the kernels use the detected one."""
+    detected = simd.detected_level()
+    assert detected in simd.LEVELS
+    assert simd.available_levels() == list(simd.LEVELS[: simd.LEVELS.index(detected) + 1])
+    assert simd.available_levels()[0] == "scalar"
+    monkeypatch.delenv(simd.ENV_VAR, raising=False)
+    assert simd.selected_level() == detected
+    monkeypatch.setenv(simd.ENV_VAR, " Auto ")
+    assert simd.selected_level() == detected
