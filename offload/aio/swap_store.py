@@ -263,11 +263,11 @@ class SwapStore:
 
         def publish():
             if self.config.durable:
-                _fsync(tmp)
+                fsync_path(tmp)
             if tmp != handle.path:
                 os.replace(tmp, handle.path)  # the file appears complete or not at all
             if self.config.durable:
-                _fsync(self.directory)
+                fsync_path(self.directory)
             self._index[key] = meta
             self.stats.bytes_written += n
             self.stats.swap_outs += 1
@@ -569,7 +569,8 @@ def _preflight(config: SwapConfig) -> Path:
     return directory
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes its renames durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from offload.aio.checksum import ChecksumKind, checksum, default_kind
+from offload.aio.swap_store import fsync_path
 
 COPY_CHUNK = 8 << 20  # bytes of host memory a copy or a verification uses at once
 
@@ -36,15 +37,6 @@ def crc_bytes(data, crc: int = 0, kind_: ChecksumKind | None = None) -> int:
         return crc
     view = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=torch.uint8)
     return checksum(kind_ or kind(), view, crc)
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory's fsync makes its renames durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_bytes(path: Path, data: bytes) -> tuple[int, int]:

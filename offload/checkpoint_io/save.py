@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from offload.aio.swap_store import fsync_path
 from offload.checkpoint_io import files
 from offload.checkpoint_io import manifest as mf
 from offload.partition.shard import HomeKind
@@ -196,8 +197,8 @@ class SaveJob:
         # Every tensor has been read: the optimizer may change them now.
         self._snapshot_done.set()
         self.entries[rel + "state.safetensors"] = stream.close()
-        files.fsync_path(self.rank_dir / "nvme")
-        files.fsync_path(self.rank_dir)
+        fsync_path(self.rank_dir / "nvme")
+        fsync_path(self.rank_dir)
 
     def _commit(self, entries_by_rank: dict) -> None:
         """Rank 0: manifest, rename to the tag, then `latest` (Note [checkpoint layout])."""
@@ -207,7 +208,7 @@ class SaveJob:
         manifest = {"format": mf.FORMAT, "version": mf.VERSION, "tag": self.tag,
                     "checksum": self.kind.name, "model": self.model, "files": merged}
         files.write_bytes(self.tmp / mf.MANIFEST, json.dumps(manifest, indent=1).encode())
-        files.fsync_path(self.tmp)
+        fsync_path(self.tmp)
         final, old = self.root / self.tag, mf.old_dir(self.root, self.tag)
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
