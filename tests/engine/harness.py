@@ -109,19 +109,29 @@ def run_reference_mixed(model, data, *, dtype, gas, lr, weight_decay, world=1):
     return master, torch.stack(losses)
 
 
+def train_engine(engine, data, *, rank=0, before_step=None):
+    """This rank's micro-batches of `data` (batches()) through `engine`, a
+    backward and step after each; returns the losses (fp32).
+    before_step(engine, i): called before micro-step i (to disturb the engine mid-run)."""
+    losses = []
+    for i, per_rank in enumerate(data):
+        x, y = per_rank[rank]
+        if before_step is not None:
+            before_step(engine, i)
+        loss = lm_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().float())
+    return torch.stack(losses)
+
+
 def run_engine(model, data, config, *, rank=0):
     """The engine on this rank's micro-batches; returns final full weights and losses."""
     model = copy.deepcopy(model)
-    losses = []
     with offload.initialize(model, config) as engine:
-        for per_rank in data:
-            x, y = per_rank[rank]
-            loss = lm_loss(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach().float())
+        losses = train_engine(engine, data, rank=rank)
         weights = engine_weights(engine)
-    return weights, torch.stack(losses), engine
+    return weights, losses, engine
 
 
 def engine_weights(engine):

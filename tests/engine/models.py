@@ -83,5 +83,21 @@ class WithUnused(nn.Module):
         return self.used(torch.relu(self.frozen(self.emb(idx)))) + self.bias_buf
 
 
+class Wide(nn.Module):
+    """`layers` Linear(width, width) + tanh on float input, returning its own loss
+    (the mean square); the default is 8.4M params, 32 MiB fp32, with tiny
+    activations: memory tests whose bytes are the parameters' (tests/engine/
+    test_memory.py, rss_run.py). Not in MODELS: it takes no token ids."""
+
+    def __init__(self, layers=8, width=1024):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
 MODELS = {"tiny_gpt": TinyGPT, "shared_param": SharedParam, "with_unused": WithUnused}
 VOCAB = 37

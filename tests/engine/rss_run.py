@@ -14,7 +14,6 @@ import json
 import sys
 
 import torch
-from torch import nn
 
 import offload
 from offload.engine import memory
@@ -25,19 +24,7 @@ import offload.partition.nvme_home  # noqa: F401,E402
 import offload.schedulers  # noqa: F401,E402
 import torch._dynamo  # noqa: F401,E402
 from tests.engine.harness import make_config
-
-
-class Wide(nn.Module):
-    """`layers` Linear(width, width) + tanh; the loss is the mean square."""
-
-    def __init__(self, layers: int, width: int):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x.square().mean()
+from tests.engine.models import Wide
 
 
 def _os(report: dict) -> dict:

@@ -14,7 +14,7 @@ from torch import nn
 
 import offload
 from offload.engine.weights import WeightsError
-from tests.engine.harness import batches, lm_loss, make_config, run_reference, run_reference_mixed
+from tests.engine.harness import batches, make_config, run_reference, run_reference_mixed, train_engine
 from tests.engine.models import VOCAB, TinyGPT
 
 STEPS = 5
@@ -64,17 +64,6 @@ class PostInitGPT(nn.Module):
 MODELS = {"tiny_gpt": TinyGPT, "post_init_gpt": PostInitGPT}
 
 
-def _train(engine, data):
-    losses = []
-    for per_rank in data:
-        x, y = per_rank[0]
-        loss = lm_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach().float())
-    return torch.stack(losses), engine.full_state_dict(master=True)
-
-
 def _assert_weights(weights, reference):
     expected = dict(reference.named_parameters())
     assert weights.keys() == expected.keys()
@@ -109,7 +98,7 @@ def test_built_in_place_trains_like_plain_construction(tmp_path, model_name, par
         # building was dropped with its file.
         nvme_shards = sum(s.home.value == "nvme" for s in engine.shards)
         assert len(list(tmp_path.rglob("param.*.swp"))) == nvme_shards
-        losses, weights = _train(engine, data)
+        losses, weights = train_engine(engine, data), engine.full_state_dict(master=True)
     torch.testing.assert_close(losses, ref_losses[:, 0])
     _assert_weights(weights, ref_model)
     if param == "nvme":  # the untied lm_head's build-time file was removed, then everything at close
@@ -127,7 +116,7 @@ def test_built_in_place_bf16_matches_mixed_precision(tmp_path):
     ref_model, ref_losses = run_reference_mixed(plain, data, dtype=torch.bfloat16, gas=1, lr=1e-2,
                                                 weight_decay=0.01)
     with offload.initialize(model, cfg) as engine:
-        losses, weights = _train(engine, data)
+        losses, weights = train_engine(engine, data), engine.full_state_dict(master=True)
     torch.testing.assert_close(losses, ref_losses[:, 0])
     _assert_weights(weights, ref_model)
 
@@ -144,7 +133,7 @@ def test_persistent_small_parameters_stay_on_the_device(tmp_path):
     data = batches(STEPS, seed=1)
     ref_model, ref_losses = run_reference(plain, data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01)
     with offload.initialize(model, cfg) as engine:
-        losses, weights = _train(engine, data)
+        losses, weights = train_engine(engine, data), engine.full_state_dict(master=True)
     torch.testing.assert_close(losses, ref_losses[:, 0])
     _assert_weights(weights, ref_model)
 
@@ -226,7 +215,7 @@ def test_meta_model_loads_weights_and_trains_like_plain(tmp_path, form):
     ref_model, ref_losses = run_reference(plain, data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01)
     with offload.initialize(model, cfg, weights=weights) as engine:
         assert model.lm_head.weight is model.wte.weight
-        losses, weights_after = _train(engine, data)
+        losses, weights_after = train_engine(engine, data), engine.full_state_dict(master=True)
     torch.testing.assert_close(losses, ref_losses[:, 0])
     _assert_weights(weights_after, ref_model)
 
@@ -258,7 +247,7 @@ def test_weights_into_a_model_built_in_place(tmp_path):
     data = batches(STEPS, seed=6)
     ref_model, ref_losses = run_reference(plain, data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01)
     with offload.initialize(model, cfg, weights=plain.state_dict()) as engine:
-        losses, weights = _train(engine, data)
+        losses, weights = train_engine(engine, data), engine.full_state_dict(master=True)
     torch.testing.assert_close(losses, ref_losses[:, 0])
     _assert_weights(weights, ref_model)
 

@@ -13,31 +13,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 import offload
 from offload.aio.swap_store import SwapConfig, SwapStore
 from offload.engine.memory import TierLedger
 from offload.partition.accounting import MemoryAccount, Tier, TierBudgetError
 from tests.engine.harness import make_config
+from tests.engine.models import Wide
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class Wide(nn.Module):
-    """Eight 1024x1024 layers (8.4M params, 32 MiB fp32), tiny activations."""
-
-    def __init__(self, layers=8, width=1024):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x.square().mean()
-
-
+# Not harness.train_engine: Wide takes float input and returns its own loss
+# (harness trains the token-id models of MODELS on an LM loss).
 def _train(engine, steps=3):
     for _ in range(steps):
         engine.backward(engine(torch.randn(2, 1024)))

@@ -11,22 +11,9 @@ import torch
 import offload
 from offload.checkpoint_io.load import read_swap_file
 from tests.engine import checkpoint_runs as runs
-from tests.engine.harness import batches, build, lm_loss, make_config, run_reference
+from tests.engine.harness import batches, build, make_config, run_reference, train_engine
 
 STEPS = 6
-
-
-def _train(engine, data, before_step=None):
-    losses = []
-    for i, per_rank in enumerate(data):
-        x, y = per_rank[0]
-        if before_step is not None:
-            before_step(engine, i)
-        loss = lm_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach().float())
-    return torch.stack(losses)
 
 
 def _assert_matches_reference(engine, losses, ref_model, ref_losses):
@@ -48,7 +35,7 @@ def test_state_file_holds_only_the_moments_and_masters_come_from_gathered_copies
             with pytest.raises(Exception, match="expected at least"):
                 read_swap_file(opt.state_file(s), torch.float32, 2 * s.part_numel + 1)
         assert opt.state_bytes() == sum(8 * s.part_numel for s in engine.shards)
-        losses = _train(engine, data)
+        losses = train_engine(engine, data)
         # Weights are read by their backward, so their masters came along;
         # a bias's gradient needs no value, so it is never gathered then.
         brought = {engine.shards[i].name for i in opt._masters_from_gather}
@@ -68,7 +55,7 @@ def test_masters_expected_from_gathered_copies_but_not_brought_are_read(tmp_path
         engine.optimizer._masters_from_gather = everything if step % 2 else frozenset()
 
     with offload.initialize(copy.deepcopy(model), make_config("nvme", "nvme", tmp_path)) as engine:
-        losses = _train(engine, data, before_step=mislearn)
+        losses = train_engine(engine, data, before_step=mislearn)
         _assert_matches_reference(engine, losses, ref_model, ref_losses)
 
 
@@ -78,7 +65,7 @@ def test_a_deferred_step_reads_every_master(tmp_path):
     data = batches(STEPS, seed=6)
     ref_model, ref_losses = run_reference(model, data, gas=1, clip=0.05, lr=1e-2, weight_decay=0.01)
     with offload.initialize(copy.deepcopy(model), make_config("nvme", "nvme", tmp_path, clip=0.05)) as engine:
-        losses = _train(engine, data)
+        losses = train_engine(engine, data)
         assert not engine.optimizer._masters_from_gather
         _assert_matches_reference(engine, losses, ref_model, ref_losses)
 
