@@ -263,29 +263,44 @@ def test_batches_shift_by_one_and_are_deterministic():
         BatchSampler(data[:10], 1, 16)
 
 
-def test_finetune_ctrl_c_removes_swap_files(tmp_path):
-    import signal
+def wait_for(condition, proc, timeout, what):
+    """Polls `condition` until it holds; fails naming `what` if `proc` ends or `timeout` s pass."""
     import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            pytest.fail(f"the example exited ({proc.returncode}) before {what}:\n{proc.stderr.read()[-4000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no sign in {timeout} s that {what}:\n{proc.communicate()[1][-4000:]}")
+        time.sleep(0.01)
+
+
+def test_finetune_ctrl_c_removes_swap_files(tmp_path):
+    """Ctrl-C once training runs (its first checkpoint committed, so inside the
+    loop, in a step or a save): the run stops with 130, says so, leaves `latest`
+    naming a complete checkpoint and removes its swap files."""
+    import signal
 
     nvme = tmp_path / "swap" / "nvme"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT prints every thread's stack
     args = [a if a != "8" else "100000" for a in TINY]  # --steps 100000: runs until interrupted
-    proc = subprocess.Popen([sys.executable, str(EXAMPLE), *args, *places(tmp_path), "--nvme-path", str(nvme)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, str(EXAMPLE), *args, *places(tmp_path), "--nvme-path", str(nvme),
+                             "--save-every", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    latest = tmp_path / "ckpt" / "latest"
     try:
-        for line in proc.stderr:  # the run prints this once the engine is up and training starts
-            if line.startswith("step 0: val loss"):
-                break
-        else:
-            pytest.fail(f"the example ended before training: {proc.wait()}")
+        # The event: step 2's checkpoint committed (`latest` written last). Steps
+        # 3 (train only) and 4 (train and save) follow, so the signal lands in either.
+        wait_for(latest.exists, proc, 120, "a first checkpoint was committed")
         assert any((nvme / "rank0").glob("*.swp"))
-        time.sleep(0.5)  # inside the training loop
         proc.send_signal(signal.SIGINT)
         try:
-            out, err = proc.communicate(timeout=60)
+            _, err = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGABRT)
             err = proc.communicate(timeout=30)[1]
@@ -293,6 +308,9 @@ def test_finetune_ctrl_c_removes_swap_files(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.communicate()
     assert proc.returncode == 130, err
     assert "interrupted" in err
     assert not (tmp_path / "swap").exists()
+    tag = latest.read_text().strip()
+    assert tag.startswith("global_step") and (tmp_path / "ckpt" / tag / "manifest.json").is_file()
