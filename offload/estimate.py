@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from offload.config import AUTO, Config, ConfigError, OffloadDevice, Precision
+from offload.config import AUTO, Config, ConfigError, Precision, Tier
 
 __all__ = ["Estimate", "ModelSizes", "add_arguments", "estimate", "model_sizes", "run"]
 
@@ -159,8 +159,8 @@ class Estimate:
     world_size: int
     num_nodes: int
     precision: Precision
-    offload_param: OffloadDevice
-    offload_optimizer: OffloadDevice
+    offload_param: Tier
+    offload_optimizer: Tier
     device: int
     host: int
     nvme: int
@@ -186,16 +186,16 @@ class Estimate:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d.update(precision=self.precision.value, offload_param=self.offload_param.value,
-                 offload_optimizer=self.offload_optimizer.value, notes=list(self.notes))
+        d.update(precision=self.precision.value, offload_param=self.offload_param.offload_device,
+                 offload_optimizer=self.offload_optimizer.offload_device, notes=list(self.notes))
         return d
 
     def format(self) -> str:
         lines = [
             f"offload estimate: {_count(self.num_params)} params, largest layer "
             f"{_count(self.largest_layer_params)}, persistent {_count(self.persistent_params)}; "
-            f"{self.precision.value}, offload_param={self.offload_param.value}, "
-            f"offload_optimizer={self.offload_optimizer.value}; "
+            f"{self.precision.value}, offload_param={self.offload_param.offload_device}, "
+            f"offload_optimizer={self.offload_optimizer.offload_device}; "
             f"{self.world_size} rank(s) on {self.num_nodes} node(s)",
             "",
             f"{'tier':<8}{'per rank':>12}   contributions",
@@ -298,10 +298,8 @@ def _estimate(num_params, *, model_config, config, largest_layer_params, persist
 
     c = cfg.precision.itemsize
     shard = math.ceil(num_params / world_size)
-    tier_of = {OffloadDevice.NONE: "device", OffloadDevice.CPU: "host", OffloadDevice.NVME: "nvme"}
     p_dev, o_dev = zero.offload_param.device, zero.offload_optimizer.device
-    p_tier, o_tier = tier_of[p_dev], tier_of[o_dev]
-    grad_tier = "device" if o_dev is OffloadDevice.NONE else "host"
+    p_tier, o_tier, grad_tier = p_dev.value, o_dev.value, zero.offload_optimizer.grad_tier.value
     prec = cfg.precision.value
     breakdown: dict[str, dict[str, int]] = {t: {} for t in TIERS}
     breakdown[p_tier][f"parameter shards ({prec}, {c} B/param)"] = shard * c
@@ -311,10 +309,10 @@ def _estimate(num_params, *, model_config, config, largest_layer_params, persist
     breakdown[o_tier]["Adam exp_avg + exp_avg_sq (fp32, 8 B/param)"] = shard * 8
     breakdown["device"][f"gathered layers (2 x largest layer, {prec})"] = 2 * largest_layer_params * c
     breakdown["device"][f"persistent parameters ({prec}, whole on every rank)"] = persistent_params * c
-    if p_dev is OffloadDevice.NVME:
+    if p_dev is Tier.NVME:
         breakdown["host"][f"parameter NVMe bounce buffers (2 x largest layer, {prec})"] = \
             2 * largest_layer_params * c
-    if o_dev is OffloadDevice.NVME:
+    if o_dev is Tier.NVME:
         group = min(zero.sub_group_size, shard)
         breakdown["host"][f"optimizer NVMe swap buffers (2 x {group} elements x 16 B)"] = 2 * group * 16
     totals = {t: sum(breakdown[t].values()) for t in TIERS}

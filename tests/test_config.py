@@ -11,11 +11,11 @@ from offload.config import (
     Config,
     ConfigError,
     MemoryConfig,
-    OffloadDevice,
     OffloadParamConfig,
     OptimizerType,
     Precision,
     SchedulerType,
+    Tier,
     WarmupType,
     ZeroConfig,
     parse_bytes,
@@ -78,7 +78,7 @@ def test_ds_zero_infinity_config_loads_unchanged():
     assert c.precision is Precision.BF16
     assert c.train_micro_batch_size_per_gpu is AUTO
     z = c.zero_optimization
-    assert z.offload_param.device is OffloadDevice.NVME and str(z.offload_param.nvme_path) == "/local_nvme"
+    assert z.offload_param.device is Tier.NVME and str(z.offload_param.nvme_path) == "/local_nvme"
     assert z.offload_param.buffer_size == 100_000_000 and isinstance(z.offload_param.buffer_size, int)
     assert z.sub_group_size == 1_000_000_000 and isinstance(z.sub_group_size, int)
     assert z.reduce_bucket_size is AUTO and z.stage3_prefetch_bucket_size is AUTO
@@ -96,7 +96,7 @@ def test_defaults():
     assert c.gradient_accumulation_steps == 1 and c.gradient_clipping == 0.0
     assert c.optimizer is None and c.scheduler is None
     z = c.zero_optimization
-    assert z.stage == 3 and z.offload_param.device is OffloadDevice.NONE
+    assert z.stage == 3 and z.offload_param.device is Tier.DEVICE
     assert (z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters, z.stage3_max_reuse_distance,
             z.stage3_param_persistence_threshold, z.sub_group_size, z.reduce_bucket_size) == (
         None, None, None, 100_000, 1_000_000_000, None)
@@ -280,11 +280,11 @@ def test_bfloat16_is_mapped_to_bf16():
                                           ("cpu_offload_param", "offload_param")])
 def test_deprecated_cpu_offload_booleans_are_mapped(old, section):
     d = {"zero_optimization": {"stage": 3, old: True}}
-    assert getattr(Config.load(d).zero_optimization, section).device is OffloadDevice.CPU
+    assert getattr(Config.load(d).zero_optimization, section).device is Tier.HOST
     d = {"zero_optimization": {"stage": 3, old: False}}
-    assert getattr(Config.load(d).zero_optimization, section).device is OffloadDevice.NONE
+    assert getattr(Config.load(d).zero_optimization, section).device is Tier.DEVICE
     d = {"zero_optimization": {"stage": 3, old: True, section: {"device": "cpu", "pin_memory": True}}}
-    assert getattr(Config.load(d).zero_optimization, section).device is OffloadDevice.CPU
+    assert getattr(Config.load(d).zero_optimization, section).device is Tier.HOST
     assert f"zero_optimization.{section}.pin_memory" in dict(Config.load(d).no_effect())
     with pytest.raises(ConfigError, match=rf"'zero_optimization\.{old}': true .* contradicts "
                                           rf"'zero_optimization\.{section}'"):
@@ -398,7 +398,7 @@ def test_direct_construction_is_validated():
     with pytest.raises(TypeError):
         ZeroConfig(3)  # keyword-only
     z = ZeroConfig(offload_param={"device": "cpu"})
-    assert z.offload_param == OffloadParamConfig(device=OffloadDevice.CPU)
+    assert z.offload_param == OffloadParamConfig(device=Tier.HOST)
     with pytest.raises(dataclasses_frozen()):
         z.stage = 3
 

@@ -22,7 +22,7 @@ from torch import nn
 from offload.partition.accounting import MemoryAccount, Tier, TierBudgetError
 from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.prefetch import PrefetchScheduler
-from offload.partition.shard import HomeKind, Residency, Shard, ShardContext
+from offload.partition.shard import Residency, Shard, ShardContext
 
 F32 = torch.float32.itemsize
 
@@ -77,7 +77,7 @@ def make_ctx(*, rank=0, world_size=1, device_budget=None):
                         account=MemoryAccount({Tier.DEVICE: device_budget}), param_store=FakeParamStore())
 
 
-def make_shard(ctx, home=HomeKind.NVME, numel=10, index=0, value=None):
+def make_shard(ctx, home=Tier.NVME, numel=10, index=0, value=None):
     """A float32 parameter of `numel` elements taken into `home` (its initial value: `value`)."""
     value = torch.randn(numel, generator=torch.Generator().manual_seed(index)) if value is None else value
     param = nn.Parameter(torch.empty(numel))
@@ -176,7 +176,7 @@ def test_prefetch_outside_released_or_of_a_non_nvme_home_is_a_no_op():
     s.gather()
     s.prefetch()  # GATHERED
     assert s.residency is Residency.GATHERED and len(ctx.param_store.reads) == 1
-    host = make_shard(ctx, HomeKind.HOST, index=1)
+    host = make_shard(ctx, Tier.HOST, index=1)
     host.prefetch()  # a host home is gathered on use, never read ahead
     assert host.residency is Residency.RELEASED
 
@@ -200,7 +200,7 @@ def test_host_home_gathers_without_a_copy_on_one_cpu_rank():
     """Note [zero-copy gather]: GATHERED costs no device bytes when the host
     partition already is the full parameter."""
     ctx = make_ctx()
-    s = make_shard(ctx, HomeKind.HOST)
+    s = make_shard(ctx, Tier.HOST)
     assert ctx.account.usage(Tier.HOST).now == s.part_numel * F32 and device_bytes(ctx) == 0
     data = s.gather()
     assert s.residency is Residency.GATHERED and device_bytes(ctx) == 0
@@ -211,7 +211,7 @@ def test_host_home_gathers_without_a_copy_on_one_cpu_rank():
 
 def test_device_home_is_gathered_for_good():
     ctx = make_ctx()
-    s = make_shard(ctx, HomeKind.DEVICE)
+    s = make_shard(ctx, Tier.DEVICE)
     assert s.residency is Residency.GATHERED and s.held
     assert device_bytes(ctx) == s.padded_numel * F32
     s.gather()

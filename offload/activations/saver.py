@@ -42,7 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.partition.accounting import MemoryAccount, Tier
+from offload.partition.accounting import MemoryAccount
+from offload.tiers import Tier
 
 # The saver of the engine whose forward (or recomputation) is running, for
 # offload.checkpoint(); None outside an engine.

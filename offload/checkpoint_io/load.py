@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from offload.aio.swap_store import HEADER_BYTES, _parse_meta
 from offload.checkpoint_io import manifest as mf
-from offload.partition.shard import HomeKind
+from offload.tiers import Tier
 
 
 def read_swap_file(path: Path, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -153,9 +153,9 @@ def load_into(engine, load_dir, tag: str | None = None):
     opt = engine.optimizer
     for s in engine.shards:
         part = src.param(s.index, s.dtype, s.part_numel)
-        if s.home is HomeKind.HOST:
+        if s.home is Tier.HOST:
             s.host_part.copy_(part)
-        elif s.home is HomeKind.DEVICE:
+        elif s.home is Tier.DEVICE:
             s.ctx.pg.all_gather(s.device_full(), part.to(s.ctx.device))
         else:
             s.ctx.param_store.write(s, part.contiguous()).wait()

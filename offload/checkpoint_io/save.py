@@ -39,7 +39,7 @@ import torch.distributed as dist
 from offload.aio.swap_store import fsync_path
 from offload.checkpoint_io import files
 from offload.checkpoint_io import manifest as mf
-from offload.partition.shard import HomeKind
+from offload.tiers import Tier
 
 
 def capture_engine_state(engine, client_state) -> bytes:
@@ -83,7 +83,7 @@ class _Item:
 
 def _home_view(shard):
     """This rank's compute-dtype partition at its home, in place (no copy)."""
-    if shard.home is HomeKind.HOST:
+    if shard.home is Tier.HOST:
         return shard.host_part
     start = shard.ctx.pg.rank * shard.part_numel
     return shard.device_full()[start:start + shard.part_numel]
@@ -95,11 +95,11 @@ def plan_items(engine) -> list[_Item]:
     for s in engine.shards:
         n = (s.part_numel,)
         state = None if opt.tier.value == "nvme" else opt.state_tensors(s)
-        if s.home is HomeKind.NVME:
+        if s.home is Tier.NVME:
             items.append(_Item(f"nvme/param.{s.index}.swp", copy_from=s.ctx.param_store.path_of(s)))
         else:
             # A fp32 host home with host optimizer state is the master itself: saved once.
-            aliased = state is not None and s.home is HomeKind.HOST and \
+            aliased = state is not None and s.home is Tier.HOST and \
                 state[0].data_ptr() == s.host_part.data_ptr()
             if not aliased:
                 items.append(_Item(f"param.{s.index}", s.dtype, n, read=lambda s=s: _home_view(s)))

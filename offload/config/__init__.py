@@ -28,7 +28,8 @@ from typing import Any, ClassVar, Mapping
 
 from offload.aio.config import AioConfig
 from offload.config.activations import ActivationCheckpointingConfig
-from offload.config.base import (AUTO, ConfigError, OffloadDevice, OptimizerType, Precision,
+from offload.tiers import Tier
+from offload.config.base import (AUTO, ConfigError, OptimizerType, Precision,
                                  SchedulerType, WarmupType, _apply_renames, _bool, _fail, _float,
                                  _int, _Section, _to_json, parse_bytes)
 from offload.config.sections import (AioSection, BF16Config, FP16Config, MemoryConfig,
@@ -38,8 +39,8 @@ from offload.config.sections import (AioSection, BF16Config, FP16Config, MemoryC
 
 __all__ = [
     "AUTO", "ActivationCheckpointingConfig", "AioConfig", "BF16Config", "Config", "ConfigError", "FP16Config", "MemoryConfig",
-    "OffloadDevice", "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig",
-    "OptimizerType", "Precision", "SchedulerConfig", "SchedulerType", "WarmupCosineLRParams",
+    "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig",
+    "OptimizerType", "Precision", "SchedulerConfig", "SchedulerType", "Tier", "WarmupCosineLRParams",
     "WarmupDecayLRParams", "WarmupLRParams", "WarmupType", "ZeroConfig", "parse_bytes",
 ]
 

@@ -11,6 +11,8 @@ import re
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
+from offload.tiers import Tier
+
 
 class ConfigError(ValueError):
     """A configuration value or key that offload does not accept."""
@@ -47,14 +49,6 @@ _HF_AUTO = ("'auto' here is filled in by the Hugging Face Trainer integration, n
 
 
 # --------------------------------------------------------------------------- enums
-
-class OffloadDevice(enum.Enum):
-    """Where a state lives when it is not computing: the device, host memory, or NVMe."""
-
-    NONE = "none"
-    CPU = "cpu"
-    NVME = "nvme"
-
 
 class Precision(enum.Enum):
     """Compute dtype of the parameter copy the model runs with (masters are always fp32)."""
@@ -106,6 +100,8 @@ def _fail(key: str, value: Any, accepted: str) -> ConfigError:
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, Tier):
+        return repr(value.offload_device)
     if isinstance(value, enum.Enum):
         return repr(value.value)
     if isinstance(value, Path):
@@ -174,6 +170,15 @@ def _bool(key: str, value: Any, *, hf_auto: bool = False) -> bool:
     if not isinstance(value, bool):
         raise _fail(key, value, "true or false")
     return value
+
+
+def _tier(key: str, value: Any) -> Tier:
+    """A Tier, from itself or DeepSpeed's offload `device` spelling ("none", "cpu", "nvme")."""
+    if isinstance(value, Tier):
+        return value
+    if isinstance(value, str) and value in ("none", "cpu", "nvme"):
+        return Tier.from_offload_device(value)
+    raise _fail(key, value, "one of none, cpu, nvme")
 
 
 def _enum(key: str, value: Any, cls: type[enum.Enum], *, casefold: bool = False):
@@ -310,6 +315,8 @@ class _Section:
 def _to_json(v: Any) -> Any:
     if v is AUTO:
         return "auto"
+    if isinstance(v, Tier):
+        return v.offload_device
     if isinstance(v, enum.Enum):
         return v.value
     if isinstance(v, Path):

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
 from offload.aio.config import AioConfig
-from offload.config.base import (_HF_AUTO, AUTO, ConfigError, OffloadDevice, OptimizerType,
+from offload.config.base import (_HF_AUTO, AUTO, ConfigError, OptimizerType,
                                  SchedulerType, WarmupType, _apply_renames, _bool, _check_keys, _enum,
-                                 _fail, _float, _int, _join, _Section, _show, parse_bytes)
+                                 _fail, _float, _int, _join, _Section, _show, _tier, parse_bytes)
+from offload.tiers import Tier
 
 # --------------------------------------------------------------------------- precision
 
@@ -301,23 +302,22 @@ _OFFLOAD_OPTIMIZER_INERT = {
 }
 
 
-def _check_offload(obj, device_only: dict[str, Any]) -> None:
-    """device, nvme_path, and the keys that only mean something for one device."""
+def _check_offload(obj, nvme_only: tuple[str, ...]) -> None:
+    """device (DeepSpeed's "none", "cpu", "nvme": a Tier), nvme_path, and the keys
+    that only mean something for NVMe."""
     k = obj._key
-    obj._set("device", _enum(k("device"), obj.device, OffloadDevice))
+    obj._set("device", _tier(k("device"), obj.device))
     if obj.nvme_path is not None:
         if not isinstance(obj.nvme_path, (str, os.PathLike)) or str(obj.nvme_path) == "":
             raise _fail(k("nvme_path"), obj.nvme_path, "a directory path")
         obj._set("nvme_path", Path(obj.nvme_path))
-    if obj.device is OffloadDevice.NVME and obj.nvme_path is None:
+    if obj.device is Tier.NVME and obj.nvme_path is None:
         raise ConfigError(f"{k('nvme_path')}: required when {k('device')} is 'nvme'")
-    for name, needs in device_only.items():
+    for name in nvme_only:
         value = getattr(obj, name)
-        unused = value is not None and value is not False
-        if unused and obj.device not in needs:
-            need = " or ".join(repr(d.value) for d in OffloadDevice if d in needs)
-            raise ConfigError(f"{k(name)}: {_show(value)} is only used when {k('device')} is {need} "
-                              f"(it is {obj.device.value!r}); remove it")
+        if value is not None and obj.device is not Tier.NVME:
+            raise ConfigError(f"{k(name)}: {_show(value)} is only used when {k('device')} is 'nvme' "
+                              f"(it is {_show(obj.device)}); remove it")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,7 +330,7 @@ class OffloadParamConfig(_Section):
 
     SECTION: ClassVar[str] = "zero_optimization.offload_param"
     INERT: ClassVar[dict] = {"pin_memory": _PIN_MEMORY}
-    device: OffloadDevice = OffloadDevice.NONE
+    device: Tier = Tier.DEVICE
     nvme_path: Path | None = None
     buffer_count: int | None = None
     buffer_size: int | None = None
@@ -341,9 +341,7 @@ class OffloadParamConfig(_Section):
         self._set("buffer_count", _int(k("buffer_count"), self.buffer_count, lo=1, none=True))
         self._set("buffer_size", _int(k("buffer_size"), self.buffer_size, lo=1, none=True))
         self._set("max_in_cpu", _int(k("max_in_cpu"), self.max_in_cpu, lo=0, none=True))
-        nvme = {OffloadDevice.NVME}
-        _check_offload(self, {"nvme_path": nvme, "buffer_count": nvme, "buffer_size": nvme,
-                              "max_in_cpu": nvme})
+        _check_offload(self, ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -352,14 +350,19 @@ class OffloadOptimizerConfig(_Section):
 
     SECTION: ClassVar[str] = "zero_optimization.offload_optimizer"
     INERT: ClassVar[dict] = _OFFLOAD_OPTIMIZER_INERT
-    device: OffloadDevice = OffloadDevice.NONE
+    device: Tier = Tier.DEVICE
     nvme_path: Path | None = None
     buffer_count: int | None = None
 
     def __post_init__(self):
         self._set("buffer_count", _int(self._key("buffer_count"), self.buffer_count, lo=1, none=True))
-        nvme = {OffloadDevice.NVME}
-        _check_offload(self, {"nvme_path": nvme, "buffer_count": nvme})
+        _check_offload(self, ("nvme_path", "buffer_count"))
+
+    @property
+    def grad_tier(self) -> Tier:
+        """Where fp32 gradient partitions wait for the optimizer: beside its state on
+        the device, else on the host (NVMe state is read into host buffers to update)."""
+        return Tier.DEVICE if self.device is Tier.DEVICE else Tier.HOST
 
 
 _STAGE12 = "a ZeRO stage 1/2 option; offload runs ZeRO stage 3 only (DeepSpeed ignores it at stage 3 too)"

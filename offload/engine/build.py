@@ -1,9 +1,12 @@
 """Turns a model's parameters into shards at their home tiers, at initialize.
 
-Parameters are taken one at a time (their original fp32 values become the
-optimizer's masters, their compute-dtype copies go home), so building never
-holds a second copy of the whole model. Each shard's initial value comes from
-one of three places (`Built.initial_partition`):
+Two steps, in this order (Engine._build): `build_shards` decides every home,
+checks the budgets, opens the swap stores and makes the one ShardContext and
+the shards, moving nothing; `Built.place` then moves the parameters home, one
+at a time, handing each one's original fp32 value to the optimizer as its
+master before taking the next, so building never holds a second copy of the
+whole model (the optimizer is built empty and places nothing). Each shard's
+initial value comes from one of three places (`Built._initial_partition`):
   the parameter itself   the ordinary case
   the weights            `initialize(..., weights=...)`: one tensor read at a
                          time (offload/engine/weights.py); meta parameters get
@@ -19,54 +22,99 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
+from offload.aio._memory import BufferCache
 from offload.config import Config
-from offload.partition.accounting import Tier
-from offload.partition.shard import HomeKind, Shard, ShardContext
+from offload.partition.accounting import MemoryAccount
+from offload.partition.collectives import ProcessGroupInfo
+from offload.partition.nvme_home import ParamStore
+from offload.partition.shard import PartitionStore, Shard, ShardContext, partition_numel
+from offload.tiers import Tier
 
 
 class HomePolicy:
     """Where a parameter lives: the device when offload_param is none or it is
     under stage3_param_persistence_threshold elements, else host or NVMe."""
 
-    def __init__(self, config: Config, param_tier: Tier):
+    def __init__(self, config: Config):
         zero = config.zero_optimization
-        self.param_tier = param_tier
+        self.param_tier = zero.offload_param.device
         self.threshold = zero.stage3_param_persistence_threshold
         # offload_param.max_in_cpu (DeepSpeed's meaning): with NVMe offload, keep
         # the first parameters, up to this many elements, in host memory instead.
         self.in_cpu_left = zero.offload_param.max_in_cpu or 0
 
-    def home_of(self, p: torch.Tensor) -> HomeKind:
+    def home_of(self, p: torch.Tensor) -> Tier:
         if self.param_tier is Tier.DEVICE or p.numel() <= self.threshold:
-            return HomeKind.DEVICE
+            return Tier.DEVICE
         if self.param_tier is Tier.HOST:
-            return HomeKind.HOST
+            return Tier.HOST
         if p.numel() <= self.in_cpu_left:
             self.in_cpu_left -= p.numel()
-            return HomeKind.HOST
-        return HomeKind.NVME
+            return Tier.HOST
+        return Tier.NVME
+
+
+def shard_context(config: Config, device: torch.device, pg: ProcessGroupInfo, account: MemoryAccount, *,
+                  param_store: PartitionStore | None = None, buffers: BufferCache | None = None) -> ShardContext:
+    """The one way a ShardContext is made: gradients live where the config's
+    optimizer tier puts them (`OffloadOptimizerConfig.grad_tier`)."""
+    optimizer = config.zero_optimization.offload_optimizer
+    return ShardContext(device=device, pg=pg, account=account, param_store=param_store,
+                        grad_tier=optimizer.grad_tier, lazy_grads=optimizer.device is Tier.NVME,
+                        buffers=buffers)
+
+
+def default_device() -> torch.device:
+    """The device this rank computes on: its LOCAL_RANK's GPU, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+@dataclass
+class _Planned:
+    """One parameter's shard before it exists: where it goes and how big it is
+    (enough to size the stores and check the budgets before anything moves)."""
+
+    index: int
+    name: str
+    param: torch.nn.Parameter
+    home: Tier
+    part_numel: int
+    padded_numel: int
+    built: Shard | None  # its build-time shard (offload.init), reused as it is when `reuse`
+    reuse: bool = False
 
 
 @dataclass
 class Built:
-    """shards, and the swap stores (Note [one store per thread]):
-    param_store        NVMe parameter homes, for the compute thread's reads
+    """shards, their context, and the swap stores (Note [one store per thread]):
+    ctx.param_store    NVMe parameter homes, for the compute thread's reads
     state_store        NVMe optimizer state, for the optimizer
     param_writer       NVMe parameter homes, for the optimizer's writes of new values
     """
 
     shards: list[Shard]
-    param_store: object | None
+    ctx: ShardContext
     state_store: object | None
-    param_writer: object | None = None
+    param_writer: ParamStore | None = None
     # shard.index -> (weights key or None, build-time shard or None); absent: from the parameter
     _sources: dict = field(default_factory=dict)
     _plan: object = None
 
-    def initial_partition(self, shard: Shard) -> torch.Tensor:
+    def place(self, take_master: Callable[[Shard, torch.Tensor], None]) -> None:
+        """Moves every parameter home, in order, one at a time: take_master(shard,
+        fp32 partition of its initial value) runs before the next moves (the
+        optimizer's init_state). Then waits for the writes to reach the disk."""
+        for shard in self.shards:
+            take_master(shard, self._initial_partition(shard))
+        self._finish()
+
+    def _initial_partition(self, shard: Shard) -> torch.Tensor:
         """Moves the parameter home and returns this rank's fp32 partition of its value."""
         key, built = self._sources.get(shard.index, (None, None))
         if key is None and built is not None:
@@ -85,11 +133,11 @@ class Built:
 
     def stores(self) -> list:
         """Each distinct SwapStore once."""
-        found = [self.param_store and self.param_store.store, self.state_store,
-                 self.param_writer and self.param_writer.store]
+        reader = self.ctx.param_store
+        found = [reader and reader.store, self.state_store, self.param_writer and self.param_writer.store]
         return list({id(x): x for x in found if x is not None}.values())
 
-    def finish(self) -> None:
+    def _finish(self) -> None:
         for store in self.stores():
             store.wait_all()
             store.trim()  # the first writes were staged; later transfers are mostly direct
@@ -99,7 +147,7 @@ class Built:
 
 def _adopt_built(shard: Shard, built: Shard) -> torch.Tensor:
     """The fp32 partition of a shard homed by offload.init; re-homed in the compute dtype if it differs."""
-    if built.home is HomeKind.HOST:
+    if built.home is Tier.HOST:
         part = built.host_part  # no copy: the optimizer copies it, or aliases it as the master
     else:
         part = torch.empty(built.part_numel, dtype=built.dtype)
@@ -113,10 +161,10 @@ def _adopt_built(shard: Shard, built: Shard) -> torch.Tensor:
 def discard_home(shard: Shard) -> None:
     """Forgets a shard's home bytes (its NVMe file is left for a shard of the same index to overwrite)."""
     nbytes = shard.part_numel * shard.dtype.itemsize
-    if shard.home is HomeKind.HOST:
+    if shard.home is Tier.HOST:
         shard.ctx.account.credit(Tier.HOST, nbytes)
         shard.host_part = None
-    elif shard.home is HomeKind.NVME:
+    elif shard.home is Tier.NVME:
         shard.ctx.account.credit(Tier.NVME, nbytes)
 
 
@@ -139,12 +187,16 @@ def _owners(model: torch.nn.Module, attr: str) -> dict[int, list[tuple[torch.nn.
     return out
 
 
-def build_shards(model: torch.nn.Module, config: Config, ctx: ShardContext, dtype: torch.dtype,
-                 param_tier: Tier, optim_tier: Tier, created_dirs: list[str], *,
-                 builder=None, weights=None) -> Built:
-    """builder: an offload.init ModelBuilder whose homed shards are adopted;
+def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device, pg: ProcessGroupInfo,
+                 account: MemoryAccount, timeline, created_dirs: list[str], builder=None,
+                 weights=None) -> Built:
+    """Every parameter's shard, its home decided and nothing moved yet (`Built.place` moves them).
+
+    timeline: an offload.timeline.Timeline the parameter reads are recorded on;
+    builder: an offload.init ModelBuilder whose homed shards are adopted;
     weights: anything offload.engine.weights.open_weights takes."""
     zero = config.zero_optimization
+    dtype = config.precision.dtype
     plan = None
     if weights is not None:
         from offload.engine.weights import WeightPlan, open_weights
@@ -167,29 +219,30 @@ def build_shards(model: torch.nn.Module, config: Config, ctx: ShardContext, dtyp
 
     # Nothing has moved yet. Meta parameters get placeholder parameters,
     # installed in their modules once the budgets are known to hold.
-    policy = builder.policy if builder is not None else HomePolicy(config, param_tier)
+    policy = builder.policy if builder is not None else HomePolicy(config)
     next_index = builder.next_index if builder is not None else 0
-    shards, sources, replacements = [], {}, {}
+    planned: list[_Planned] = []
+    sources, replacements = {}, {}
     for name, p in named:
         key = plan.param_key.get(id(p)) if plan is not None else None
         built = adopted.get(id(p))
         if built is not None:
             built.name = name
-            shard = built
-            if key is not None or built.dtype != dtype:
-                shard = Shard(built.index, name, p, compute_dtype=dtype, home=built.home, ctx=ctx)
-            sources[shard.index] = (key, built)
+            index, home = built.index, built.home
+            sources[index] = (key, built)
         else:
             if p.device.type == "meta":
-                new = torch.nn.Parameter(torch.zeros(1, dtype=p.dtype, device=ctx.device).expand(p.shape),
+                new = torch.nn.Parameter(torch.zeros(1, dtype=p.dtype, device=device).expand(p.shape),
                                          requires_grad=p.requires_grad)
                 replacements[id(p)] = new
                 p = new
-            shard = Shard(next_index, name, p, compute_dtype=dtype, home=policy.home_of(p), ctx=ctx)
+            index, home = next_index, policy.home_of(p)
             next_index += 1
             if key is not None:
-                sources[shard.index] = (key, None)
-        shards.append(shard)
+                sources[index] = (key, None)
+        part = partition_numel(p.numel(), pg.world_size)
+        planned.append(_Planned(index, name, p, home, part, part * pg.world_size, built,
+                                reuse=built is not None and key is None and built.dtype == dtype))
 
     # Note [one store per thread]
     # A SwapStore is driven by one thread (it finishes transfers in submission
@@ -199,67 +252,78 @@ def build_shards(model: torch.nn.Module, config: Config, ctx: ShardContext, dtyp
     # optimizer writes a parameter's file only after its gradient is final,
     # and the compute thread reads it again only after step() has waited.
     # A model built under offload.init brings its parameter store along.
-    nvme_shards = [s for s in shards if s.home is HomeKind.NVME]
-    param_path = os.fspath(zero.offload_param.nvme_path) if nvme_shards else None
+    nvme_sizes = [pl.part_numel * dtype.itemsize for pl in planned if pl.home is Tier.NVME]
+    optim_tier = zero.offload_optimizer.device
+    param_path = os.fspath(zero.offload_param.nvme_path) if nvme_sizes else None
     state_path = os.fspath(zero.offload_optimizer.nvme_path) if optim_tier is Tier.NVME else None
     have_param_store = builder is not None and builder.store is not None
     configs = {}
-    if nvme_shards and not have_param_store:
+    if nvme_sizes and not have_param_store:
         op = zero.offload_param
         staging = op.buffer_count * op.buffer_size * dtype.itemsize if op.buffer_count and op.buffer_size else None
-        configs["param"] = _swap_config(param_path, [s.part_numel * dtype.itemsize for s in nvme_shards],
-                                        staging, config, ctx)
+        configs["param"] = _swap_config(param_path, nvme_sizes, staging, config, pg)
     if state_path is not None:
         oo = zero.offload_optimizer
-        staging = oo.buffer_count * max(s.part_numel for s in shards) * 4 if oo.buffer_count else None
-        configs["state"] = _swap_config(state_path, [3 * s.part_numel * 4 for s in shards], staging, config, ctx)
-    if nvme_shards and state_path != param_path:
+        staging = oo.buffer_count * max(pl.part_numel for pl in planned) * 4 if oo.buffer_count else None
+        configs["state"] = _swap_config(state_path, [3 * pl.part_numel * 4 for pl in planned], staging, config, pg)
+    if nvme_sizes and state_path != param_path:
         # Writes the same files as the parameter store, which holds their disk
         # space: no capacity of its own, but the same staging budget. Sized from
         # no tensors it had 8 KiB, and a new value not aligned for a direct
         # write went through in 4 KiB pieces (GPT 67M, optimizer state on the
         # host: a 7 s step).
-        writer = _swap_config(param_path, [s.part_numel * dtype.itemsize for s in nvme_shards], None,
-                              config, ctx)
+        writer = _swap_config(param_path, nvme_sizes, None, config, pg)
         configs["writer"] = dataclasses.replace(writer, capacity_bytes=0)
-    _preflight_budgets(shards, config, dtype, optim_tier, ctx, sum(c.buffer_bytes for c in configs.values()))
+    _preflight_budgets(planned, config, dtype, sum(c.buffer_bytes for c in configs.values()))
     if builder is not None:
-        builder.hand_over(keep={id(s.param) for s in shards}, created_dirs=created_dirs)
+        builder.hand_over(keep={id(pl.param) for pl in planned}, created_dirs=created_dirs)
     if replacements:
         for pid, places in _owners(model, "_parameters").items():
             for mod, local in places:
                 if pid in replacements:
                     mod._parameters[local] = replacements[pid]
-    _set_buffers(model, plan, dtype, ctx)
+    _set_buffers(model, plan, dtype, device)
 
-    from offload.partition.nvme_home import ParamStore
-
-    stores = {role: _open_store(c, ctx, created_dirs) for role, c in configs.items()}
+    stores = {role: _open_store(c, pg, account, created_dirs) for role, c in configs.items()}
     param_store = param_writer = None
-    if nvme_shards:
-        if ctx.param_store is None:
-            ctx.param_store = ParamStore(stores["param"], ctx.pg)
-        ctx.param_store.timeline = ctx.timeline
-        param_store = ctx.param_store
-        param_writer = ParamStore(stores.get("writer") or stores["state"], ctx.pg, ctx.timeline)
-    return Built(shards, param_store, stores.get("state"), param_writer, _sources=sources, _plan=plan)
+    if nvme_sizes:
+        param_store = ParamStore(builder.store if have_param_store else stores["param"], pg, timeline)
+        param_writer = ParamStore(stores.get("writer") or stores["state"], pg, timeline)
+    offloaded = [pl.padded_numel * dtype.itemsize for pl in planned if pl.home is not Tier.DEVICE]
+    buffers = None
+    if offloaded:
+        # Gathered buffers reused across steps: about as many as are live at once.
+        buffers = BufferCache(3 * max(offloaded),
+                              charge=lambda n: account.charge(Tier.HOST, n, "idle gathered buffers"),
+                              credit=lambda n: account.credit(Tier.HOST, n))
+    ctx = shard_context(config, device, pg, account, param_store=param_store, buffers=buffers)
+    shards = []
+    for pl in planned:
+        if pl.reuse:
+            # The build-time shard as it is, now in the engine's context (same
+            # device, ranks and account; the engine's stores and gradient tier).
+            pl.built.ctx = ctx
+            shards.append(pl.built)
+        else:
+            shards.append(Shard(pl.index, pl.name, pl.param, compute_dtype=dtype, home=pl.home, ctx=ctx))
+    return Built(shards, ctx, stores.get("state"), param_writer, _sources=sources, _plan=plan)
 
 
-def _set_buffers(model: torch.nn.Module, plan, dtype: torch.dtype, ctx: ShardContext) -> None:
+def _set_buffers(model: torch.nn.Module, plan, dtype: torch.dtype, device: torch.device) -> None:
     """Buffers to the device in the compute dtype (floating ones); values from the weights where given."""
     owners = _owners(model, "_buffers")
     for buf_name, buf in model.named_buffers():
         target = dtype if buf.is_floating_point() else buf.dtype
         if plan is not None and buf_name in plan.buffer_key:
-            value = plan.load(plan.buffer_key[buf_name], buf.dtype).to(ctx.device, target)
+            value = plan.load(plan.buffer_key[buf_name], buf.dtype).to(device, target)
             for mod, local in owners[id(buf)]:
                 mod._buffers[local] = value
         else:
-            buf.data = buf.data.to(ctx.device, target)
+            buf.data = buf.data.to(device, target)
 
 
-def _preflight_budgets(shards: list[Shard], config: Config, dtype: torch.dtype, optim_tier: Tier,
-                       ctx: ShardContext, staging_bytes: int = 0) -> None:
+def _preflight_budgets(planned: list[_Planned], config: Config, dtype: torch.dtype,
+                       staging_bytes: int = 0) -> None:
     """Refuses, before any parameter moves, a configuration whose budgets cannot hold it.
 
     staging_bytes: the swap stores' host staging budgets (charged to the host
@@ -272,13 +336,13 @@ def _preflight_budgets(shards: list[Shard], config: Config, dtype: torch.dtype, 
         if tier in need:
             need[tier][what] = need[tier].get(what, 0) + nbytes
 
-    for s in shards:
-        home_bytes = s.padded_numel * dtype.itemsize if s.home is HomeKind.DEVICE else s.part_numel * dtype.itemsize
-        add({HomeKind.DEVICE: Tier.DEVICE, HomeKind.HOST: Tier.HOST}.get(s.home), "parameters", home_bytes)
-        grad_tier = Tier.DEVICE if optim_tier is Tier.DEVICE else Tier.HOST
-        add(grad_tier, "fp32 gradients", s.part_numel * 4)
-        add(optim_tier, "optimizer state", 3 * s.part_numel * 4)
-    offloaded = [s for s in shards if s.home is not HomeKind.DEVICE]
+    optimizer = config.zero_optimization.offload_optimizer
+    for s in planned:
+        home_bytes = s.padded_numel * dtype.itemsize if s.home is Tier.DEVICE else s.part_numel * dtype.itemsize
+        add(s.home, "parameters", home_bytes)
+        add(optimizer.grad_tier, "fp32 gradients", s.part_numel * 4)
+        add(optimizer.device, "optimizer state", 3 * s.part_numel * 4)
+    offloaded = [s for s in planned if s.home is not Tier.DEVICE]
     if offloaded:
         largest = max(s.padded_numel for s in offloaded) * dtype.itemsize
         add(Tier.DEVICE, "working set (largest offloaded parameter)", largest)
@@ -297,7 +361,7 @@ def _rank_dir(nvme_path, rank: int) -> str:
     return os.path.join(os.fspath(nvme_path), f"rank{rank}")
 
 
-def _swap_config(nvme_path, sizes, staging_bytes, config, ctx):
+def _swap_config(nvme_path, sizes, staging_bytes, config: Config, pg: ProcessGroupInfo):
     """A store's settings. staging_bytes: the host staging budget from DeepSpeed's
     keys (offload_param.buffer_count x buffer_size elements, offload_optimizer.
     buffer_count x the largest state partition): the same budgets, except that a
@@ -312,7 +376,7 @@ def _swap_config(nvme_path, sizes, staging_bytes, config, ctx):
     # atomic=False: swap files are scratch, written and read back by this
     # process and removed at close; overwriting in place skips a rename and a
     # block reallocation per write (9 ms each on ext4, measured).
-    swap_config = SwapConfig.for_tensors(nvme_path, sizes, in_flight=2, rank=ctx.pg.rank,
+    swap_config = SwapConfig.for_tensors(nvme_path, sizes, in_flight=2, rank=pg.rank,
                                          aio=config.aio, atomic=False)
     if staging_bytes is None:
         staging_bytes = min(swap_config.buffer_bytes, 8 << 20)
@@ -320,17 +384,18 @@ def _swap_config(nvme_path, sizes, staging_bytes, config, ctx):
     return swap_config
 
 
-def _open_store(swap_config, ctx: ShardContext, created_dirs: list[str]):
+def _open_store(swap_config, pg: ProcessGroupInfo, account: MemoryAccount, created_dirs: list[str]):
     from offload.aio.swap_store import SwapStore
     from offload.engine.memory import TierLedger
 
-    rank_dir = _rank_dir(swap_config.nvme_path, ctx.pg.rank)
+    rank_dir = _rank_dir(swap_config.nvme_path, pg.rank)
     if not os.path.exists(rank_dir):
         created_dirs.append(rank_dir)
-    return SwapStore(swap_config, ledger=TierLedger(ctx.account, Tier.HOST))
+    return SwapStore(swap_config, ledger=TierLedger(account, Tier.HOST))
 
 
-def _swap_store(nvme_path, sizes, staging_bytes, config, ctx, created_dirs):
+def open_swap_store(nvme_path, sizes, staging_bytes, config: Config, pg: ProcessGroupInfo,
+                    account: MemoryAccount, created_dirs: list[str]):
     """A store opened at once (offload.init, before the model's size is known)."""
-    return _open_store(_swap_config(nvme_path, sizes, staging_bytes, config, ctx), ctx, created_dirs)
+    return _open_store(_swap_config(nvme_path, sizes, staging_bytes, config, pg), pg, account, created_dirs)
 

@@ -22,31 +22,20 @@ import shutil
 import psutil
 import torch
 
-from offload.config import Config, OffloadDevice, Precision
-from offload.engine.build import build_shards
+from offload.config import Config, Precision
+from offload.engine.build import build_shards, default_device
 from offload.engine.loss_scaler import LossScaler
 from offload.engine.memory import ProcessMemory, map_large_allocations, release_free_host_memory
 from offload.optim.sharded_adam import ShardedAdam
-from offload.partition.accounting import MemoryAccount, Tier
+from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.manager import ParameterManager
 from offload.partition.prefetch import prefetch_scheduler
-from offload.aio._memory import BufferCache
-from offload.partition.shard import HomeKind, ShardContext
+from offload.partition.shard import ShardContext
+from offload.tiers import Tier
 from offload.timeline import Timeline
 
 log = logging.getLogger("offload")
-
-_DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16,
-           Precision.FP16: torch.float16}
-_TIER_OF = {OffloadDevice.NONE: Tier.DEVICE, OffloadDevice.CPU: Tier.HOST,
-            OffloadDevice.NVME: Tier.NVME}
-
-
-def default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
 
 
 class Engine:
@@ -64,29 +53,25 @@ class Engine:
         self.module = model
         self.pg = ProcessGroupInfo.current()
         self.device = default_device()
-        self.compute_dtype = _DTYPES[config.precision]
+        self.compute_dtype = config.precision.dtype
         zero = config.zero_optimization
-        self.param_tier = _TIER_OF[zero.offload_param.device]
-        self.optim_tier = _TIER_OF[zero.offload_optimizer.device]
-        mem = config.memory
-        self.account = MemoryAccount({Tier.DEVICE: mem.device_budget, Tier.HOST: mem.host_budget})
+        self.param_tier = zero.offload_param.device
+        self.optim_tier = zero.offload_optimizer.device
+        if builder is not None:  # its shards already charge its account
+            self.account = builder.account
+        else:
+            mem = config.memory
+            self.account = MemoryAccount({Tier.DEVICE: mem.device_budget, Tier.HOST: mem.host_budget})
         self._created_dirs: list[str] = []
 
         self._timeline = Timeline(enabled=True)
-        grad_tier = Tier.DEVICE if self.optim_tier is Tier.DEVICE else Tier.HOST
-        ctx = ShardContext(device=self.device, pg=self.pg, account=self.account)
-        if builder is not None:  # its shards already charge its account and live in its context
-            self.account, ctx = builder.account, builder.ctx
-        ctx.grad_tier = grad_tier
-        ctx.grad_device = self.device if grad_tier is Tier.DEVICE else torch.device("cpu")
-        ctx.lazy_grads = self.optim_tier is Tier.NVME
-        ctx.timeline = self._timeline
-        ctx.buffers = None  # set once the shards are known (_build)
         self._builder, self._weights = builder, weights
+        # What every shard shares: made once, complete, by build_shards.
+        self.shard_context: ShardContext | None = None
         self.shards, self._stores, self.manager, self.optimizer = [], [], None, None
         self.activation_checkpointing = None
         try:
-            self._build(model, config, ctx)
+            self._build(model, config)
         except BaseException:
             # Ctrl-C or an error part way: leave no swap files and no hooks
             # behind, and give the model its values back where we can.
@@ -96,25 +81,19 @@ class Engine:
         if Tier.NVME in (self.param_tier, self.optim_tier):
             map_large_allocations()  # host memory is what an NVMe run is short of
 
-    def _build(self, model: torch.nn.Module, config: Config, ctx: ShardContext) -> None:
+    def _build(self, model: torch.nn.Module, config: Config) -> None:
         # First, so a class name missing from the model fails before anything moves.
         from offload.activations import ActivationCheckpointing
 
         self.activation_checkpointing = ActivationCheckpointing(
             model, config.activation_checkpointing, self.account, self.device)
-        built = build_shards(model, config, ctx, self.compute_dtype, self.param_tier,
-                             self.optim_tier, self._created_dirs, builder=self._builder,
-                             weights=self._weights)
+        built = build_shards(model, config, device=self.device, pg=self.pg, account=self.account,
+                             timeline=self._timeline, created_dirs=self._created_dirs,
+                             builder=self._builder, weights=self._weights)
         self._builder = self._weights = None
+        self.shard_context = built.ctx
         self.shards = built.shards
         self._stores = built.stores()
-        offloaded = [s.padded_numel * s.dtype.itemsize for s in self.shards if s.home is not HomeKind.DEVICE]
-        if offloaded and not self.shards[0].ctx.buffers:
-            # Gathered buffers reused across steps: about as many as are live at once.
-            account = self.account
-            ctx.buffers = BufferCache(3 * max(offloaded),
-                                      charge=lambda n: account.charge(Tier.HOST, n, "idle gathered buffers"),
-                                      credit=lambda n: account.credit(Tier.HOST, n))
         self.manager = ParameterManager(model, self.shards, on_grad=self._take_grad,
                                         prefetch=prefetch_scheduler(config.zero_optimization, self.shards),
                                         timeline=self._timeline)
@@ -122,13 +101,13 @@ class Engine:
 
         opt = config.optimizer
         self.optimizer = ShardedAdam(
-            self.shards, built.initial_partition, lr=opt.lr, betas=opt.betas, eps=opt.eps,
+            self.shards, lr=opt.lr, betas=opt.betas, eps=opt.eps,
             weight_decay=opt.weight_decay, adamw_mode=opt.decoupled_weight_decay, tier=self.optim_tier,
             device=self.device, account=self.account, state_store=built.state_store,
             param_store=built.param_writer,
             sub_group_size=config.zero_optimization.sub_group_size, timeline=self._timeline,
             pending_grad_elems=config.zero_optimization.reduce_bucket_size)
-        built.finish()
+        built.place(self.optimizer.init_state)  # the parameters move home here, one at a time
         self.lr_scheduler = None
         if config.scheduler is not None:
             from offload.schedulers import build_scheduler
@@ -360,8 +339,8 @@ class Engine:
             self._closed = True
             self.optimizer.close()
             self.manager.release_all()
-            if self.shards and self.shards[0].ctx.buffers is not None:
-                self.shards[0].ctx.buffers.clear()
+            if self.shard_context is not None and self.shard_context.buffers is not None:
+                self.shard_context.buffers.clear()
             self.manager.remove_hooks()
             self.activation_checkpointing.remove()
             self._remove_swap_files()

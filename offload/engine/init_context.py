@@ -57,6 +57,7 @@ that holds its model's parameters and takes it over (build.build_shards).
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import weakref
 
@@ -66,12 +67,14 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
 from torch.overrides import TorchFunctionMode
 
 from offload.config import Config
-from offload.engine.build import HomePolicy, _swap_store, discard_home
+from offload.engine.build import HomePolicy, default_device, discard_home, open_swap_store, shard_context
 from offload.engine.memory import release_free_host_memory
-from offload.partition.accounting import MemoryAccount, Tier
+from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.manager import tensor_leaves
-from offload.partition.shard import HomeKind, Residency, Shard, ShardContext
+from offload.partition.nvme_home import ParamStore
+from offload.partition.shard import Residency, Shard
+from offload.tiers import Tier
 
 _MIN_WINDOW = 64 << 20
 _TRIM_EVERY = 32 << 20  # bytes homed between returns of freed heap memory to the OS
@@ -165,8 +168,6 @@ class ModelBuilder:
     """What offload.init builds into: shards, their stores and the byte accounting."""
 
     def __init__(self, config: Config):
-        from offload.engine.engine import _TIER_OF, default_device
-
         self.config = config
         zero = config.zero_optimization
         if zero.stage3_param_persistence_threshold is None or not isinstance(
@@ -176,8 +177,10 @@ class ModelBuilder:
                              "('auto' needs the model's hidden size, unknown before it is built)")
         mem = config.memory
         self.account = MemoryAccount({Tier.DEVICE: mem.device_budget, Tier.HOST: mem.host_budget})
-        self.ctx = ShardContext(device=default_device(), pg=ProcessGroupInfo.current(), account=self.account)
-        self.policy = HomePolicy(config, _TIER_OF[zero.offload_param.device])
+        # Build-time context: no parameter store until the first NVMe home (_ensure_store);
+        # initialize moves the shards it adopts into the engine's context.
+        self.ctx = shard_context(config, default_device(), ProcessGroupInfo.current(), self.account)
+        self.policy = HomePolicy(config)
         self.shards: list[Shard] = []
         self.shard_of: dict[int, Shard] = {}
         self.next_index = 0
@@ -267,10 +270,10 @@ class ModelBuilder:
         self.internal = True
         try:
             home = self.policy.home_of(p)
-            if home is HomeKind.DEVICE:  # stays a plain parameter until initialize
+            if home is Tier.DEVICE:  # stays a plain parameter until initialize
                 p.data = p.data.to(self.ctx.device)
                 return
-            if home is HomeKind.NVME:
+            if home is Tier.NVME:
                 self._ensure_store()
             # Built in the parameter's own dtype: initialize needs the original
             # values for the fp32 masters, and converts to the compute dtype there.
@@ -294,14 +297,14 @@ class ModelBuilder:
     def _ensure_store(self) -> None:
         if self.store is not None:
             return
-        from offload.partition.nvme_home import ParamStore
-
         op = self.config.zero_optimization.offload_param
         staging = (op.buffer_count * op.buffer_size * 4 if op.buffer_count and op.buffer_size
                    else _DEFAULT_STAGING)
         # Sized for no tensor in particular: the model's size is not known yet.
-        self.store = _swap_store(op.nvme_path, [], staging, self.config, self.ctx, self.created_dirs)
-        self.ctx.param_store = ParamStore(self.store, self.ctx.pg)
+        self.store = open_swap_store(op.nvme_path, [], staging, self.config, self.ctx.pg, self.account,
+                                     self.created_dirs)
+        # Shards homed before this one are on the host or the device and never ask for a store.
+        self.ctx = dataclasses.replace(self.ctx, param_store=ParamStore(self.store, self.ctx.pg))
 
     # ---- parameters used while building -------------------------------------
     def open(self, shard: Shard) -> None:
@@ -363,7 +366,7 @@ class ModelBuilder:
     def _write_back(self, shard: Shard) -> None:
         full = shard.param.data.reshape(-1)
         part = shard.my_slice(full)
-        if shard.home is HomeKind.HOST:
+        if shard.home is Tier.HOST:
             if shard.host_part.untyped_storage().data_ptr() != full.untyped_storage().data_ptr():
                 shard.host_part.copy_(part)  # else the gathered value is the home itself
         else:
@@ -390,7 +393,7 @@ class ModelBuilder:
         for shard in self.shards:
             if id(shard.param) not in keep:
                 discard_home(shard)
-                if shard.home is HomeKind.NVME:
+                if shard.home is Tier.NVME:
                     self.store.remove(f"param.{shard.index}")
         created_dirs.extend(self.created_dirs)
         self.created_dirs = []
@@ -414,7 +417,7 @@ class ModelBuilder:
         self.created_dirs = []
 
     def __repr__(self) -> str:
-        homes = {k.value: sum(s.home is k for s in self.shards) for k in HomeKind}
+        homes = {k.value: sum(s.home is k for s in self.shards) for k in Tier}
         return f"ModelBuilder({self._state}, shards={homes})"
 
 

@@ -35,7 +35,8 @@ import sys
 import psutil
 import torch
 
-from offload.partition.accounting import MemoryAccount, Tier
+from offload.partition.accounting import MemoryAccount
+from offload.tiers import Tier
 
 
 @functools.lru_cache(maxsize=1)

@@ -31,8 +31,9 @@ import torch
 from offload.aio._memory import BufferCache, aligned_tensor
 from offload.ops import adam_step
 from offload.optim.state_stream import StateLayout, StateStream
-from offload.partition.accounting import MemoryAccount, Tier
-from offload.partition.shard import HomeKind, Residency, Shard
+from offload.partition.accounting import MemoryAccount
+from offload.partition.shard import Residency, Shard
+from offload.tiers import Tier
 from offload.timeline import Timeline
 
 
@@ -85,13 +86,16 @@ class _Overlap:
 
 
 class ShardedAdam(torch.optim.Optimizer):
-    def __init__(self, shards: list[Shard], initial_partition, *,
+    def __init__(self, shards: list[Shard], *,
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  adamw_mode: bool, tier: Tier, device: torch.device, account: MemoryAccount,
                  state_store=None, param_store=None, sub_group_size: int | None = None,
                  timeline: Timeline | None = None, pending_grad_elems: int | None = None):
-        """initial_partition(shard) -> this rank's fp32 partition of the initial weights
-        (called once per shard, in order; it also moves the parameter home)."""
+        """Built empty: it places nothing. The build step (engine/build.py
+        `Built.place`) moves each shard home and then gives init_state() its
+        initial fp32 partition, in order, once per shard."""
+        if not shards:
+            raise ValueError("optimizer got an empty parameter list")
         self.shards = shards
         self.tier = tier
         self.state_device = device if tier is Tier.DEVICE else torch.device("cpu")
@@ -133,38 +137,41 @@ class ShardedAdam(torch.optim.Optimizer):
         self.buffers = BufferCache((2 + self.ahead) * 3 * 4 * largest + 3 * 4 * largest,
                                    charge=lambda n: account.charge(Tier.HOST, n, "idle optimizer buffers"),
                                    credit=lambda n: account.credit(Tier.HOST, n))
-        params = []
         self._states: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        for shard in shards:
-            init = initial_partition(shard)
-            nbytes = 3 * shard.part_numel * 4
-            if tier is Tier.NVME:
-                shared = self.shares_master(shard)  # then the parameter's file holds `init`
-                nbytes = (2 if shared else 3) * shard.part_numel * 4
-                self.account.charge(Tier.NVME, nbytes, f"optimizer state of {shard.name}")
-                packed = torch.zeros(nbytes // 4, dtype=torch.float32)
-                if not shared:
-                    packed[:shard.part_numel].copy_(init)
-                self.state_store.swap_out(self._key(shard), packed).wait()
-                params.append(torch.empty(0))
-                continue
-            if self._aliases_home(shard):
-                master = shard.host_part  # fp32 host home is the master itself
-                nbytes -= shard.part_numel * 4
-            elif self.state_device.type == "cpu":
-                # Aligned: a new value homed on NVMe is written from it straight
-                # to disk, with no staging copy (Note [direct transfers]).
-                master = aligned_tensor(shard.part_numel, torch.float32).copy_(init.reshape(-1))
-            else:
-                master = init.to(self.state_device, torch.float32, copy=True)
-            self.account.charge(tier, nbytes, f"optimizer state of {shard.name}")
-            m = torch.zeros_like(master)
-            v = torch.zeros_like(master)
-            self._states[shard.index] = (master, m, v)
-            params.append(master)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         adamw_mode=adamw_mode)
-        super().__init__(params, defaults)
+        # One group; init_state() adds each shard's param to it, in shard order.
+        super().__init__([{"params": []}], defaults)
+
+    def init_state(self, shard: Shard, init: torch.Tensor) -> None:
+        """Takes `init`, this rank's fp32 partition of the shard's initial weights,
+        as its master (moments zero). The shard is already home."""
+        nbytes = 3 * shard.part_numel * 4
+        params = self.param_groups[0]["params"]
+        if self.tier is Tier.NVME:
+            shared = self.shares_master(shard)  # then the parameter's file holds `init`
+            nbytes = (2 if shared else 3) * shard.part_numel * 4
+            self.account.charge(Tier.NVME, nbytes, f"optimizer state of {shard.name}")
+            packed = torch.zeros(nbytes // 4, dtype=torch.float32)
+            if not shared:
+                packed[:shard.part_numel].copy_(init)
+            self.state_store.swap_out(self._key(shard), packed).wait()
+            params.append(torch.empty(0))
+            return
+        if self._aliases_home(shard):
+            master = shard.host_part  # fp32 host home is the master itself
+            nbytes -= shard.part_numel * 4
+        elif self.state_device.type == "cpu":
+            # Aligned: a new value homed on NVMe is written from it straight
+            # to disk, with no staging copy (Note [direct transfers]).
+            master = aligned_tensor(shard.part_numel, torch.float32).copy_(init.reshape(-1))
+        else:
+            master = init.to(self.state_device, torch.float32, copy=True)
+        self.account.charge(self.tier, nbytes, f"optimizer state of {shard.name}")
+        m = torch.zeros_like(master)
+        v = torch.zeros_like(master)
+        self._states[shard.index] = (master, m, v)
+        params.append(master)
 
     def add_param_group(self, param_group: dict) -> None:
         """The one group over every shard, made by __init__. torch's own version
@@ -176,7 +183,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.param_groups.append({**self.defaults, **param_group, "params": list(param_group["params"])})
 
     def _aliases_home(self, shard: Shard) -> bool:
-        return (self.tier is Tier.HOST and shard.home is HomeKind.HOST
+        return (self.tier is Tier.HOST and shard.home is Tier.HOST
                 and shard.dtype == torch.float32)
 
     # Note [shared fp32 master]
@@ -190,7 +197,7 @@ class ShardedAdam(torch.optim.Optimizer):
     # The stream learns which shards arrive so (as it learns their order),
     # and reads the master of any that does not.
     def shares_master(self, shard: Shard) -> bool:
-        return (self.tier is Tier.NVME and shard.home is HomeKind.NVME
+        return (self.tier is Tier.NVME and shard.home is Tier.NVME
                 and shard.dtype == torch.float32 and self.param_store is not None)
 
     def _layout(self, shard: Shard) -> StateLayout:
@@ -398,19 +405,19 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def _home_out(self, shard: Shard) -> torch.Tensor | None:
         """Where this shard's new compute-dtype partition is written, or None if the master is it."""
-        if shard.home is HomeKind.HOST:
+        if shard.home is Tier.HOST:
             return None if self._aliases_home(shard) else shard.host_part
-        if shard.home is HomeKind.NVME and shard.dtype == torch.float32 and self.state_device.type == "cpu":
+        if shard.home is Tier.NVME and shard.dtype == torch.float32 and self.state_device.type == "cpu":
             return None  # the fp32 master is the value written home: no copy
         if self.state_device.type == "cpu":
             return self.buffers.take(shard.part_numel, shard.dtype)  # written to NVMe with no copy
         return torch.empty(shard.part_numel, dtype=shard.dtype, device=self.state_device)
 
     def _publish(self, shard: Shard, master: torch.Tensor, written: torch.Tensor | None) -> None:
-        if shard.home is HomeKind.DEVICE:
+        if shard.home is Tier.DEVICE:
             # Note [optimizer overlap]: the all-gather waits for the compute thread.
             self._device_publishes.append((shard, written.to(shard.ctx.device)))
-        elif shard.home is HomeKind.NVME:
+        elif shard.home is Tier.NVME:
             if written is None:  # lent from the master, already charged where it lives
                 part, nbytes = master, 0
             else:

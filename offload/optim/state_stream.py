@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from offload.aio._memory import ALIGN, aligned_tensor, round_up
-from offload.partition.accounting import Tier
+from offload.tiers import Tier
 
 
 @dataclass(frozen=True)

@@ -9,15 +9,10 @@ not to hide.
 """
 from __future__ import annotations
 
-import enum
 import threading
 from dataclasses import dataclass
 
-
-class Tier(enum.Enum):
-    DEVICE = "device"  # the GPU; on a CPU-only host, plain memory under a budget
-    HOST = "host"      # host memory (pinned when CUDA exists)
-    NVME = "nvme"      # files under nvme_path/rank{r}/
+from offload.tiers import Tier
 
 
 class TierBudgetError(MemoryError):

@@ -38,7 +38,8 @@ from torch.utils._pytree import tree_leaves  # no public torch.utils.pytree in t
 
 from offload.timeline import Timeline
 from offload.partition.prefetch import PrefetchScheduler
-from offload.partition.shard import HomeKind, Residency, Shard
+from offload.partition.shard import Residency, Shard
+from offload.tiers import Tier
 
 
 # Note [bookkeeping outside the mode]
@@ -197,7 +198,7 @@ class ParameterManager:
             if self._live and t.layout == torch.strided and t.device.type != "meta":
                 shard = self._live.get(t.untyped_storage().data_ptr())
             if shard is not None:
-                if t.dtype != shard.dtype or shard.home is HomeKind.DEVICE:
+                if t.dtype != shard.dtype or shard.home is Tier.DEVICE:
                     return t
                 # The offset from the start of the gathered buffer: the next gather's
                 # buffer starts at its own place in its own storage (aligned buffers).

@@ -30,7 +30,8 @@ import bisect
 import logging
 from dataclasses import dataclass, field
 
-from offload.partition.shard import HomeKind, Residency, Shard
+from offload.partition.shard import Residency, Shard
+from offload.tiers import Tier
 
 log = logging.getLogger("offload")
 
@@ -113,7 +114,7 @@ class PrefetchScheduler:
             self.stats["hits"] += 1
         was_retained = shard in self._retained
         self._retained.discard(shard)
-        if shard.home is not HomeKind.DEVICE:
+        if shard.home is not Tier.DEVICE:
             self._live[shard] = shard.padded_numel
         if not self._diverged:
             order = self._order.shards
@@ -134,7 +135,7 @@ class PrefetchScheduler:
     def should_retain(self, shard: Shard) -> bool:
         """The last hold on `shard` is being dropped: keep it instead when its
         next use in the order comes within the reuse distance."""
-        if self._diverged or self._order is None or shard.home is HomeKind.DEVICE:
+        if self._diverged or self._order is None or shard.home is Tier.DEVICE:
             return False
         nxt = self._order.next_use(shard, self._pos)
         if nxt is None:
@@ -156,7 +157,7 @@ class PrefetchScheduler:
         live = self._live_elems()
         while self._issued < len(order):
             s = order[self._issued]
-            if s.home is HomeKind.NVME and s.residency is Residency.RELEASED:
+            if s.home is Tier.NVME and s.residency is Residency.RELEASED:
                 n = s.padded_numel
                 if self._unused and (ahead + n > self.bucket_elems or live + n > self.max_live_elems):
                     return  # the bucket is full: continue when the next one is used
@@ -179,7 +180,7 @@ def prefetch_scheduler(zero, shards: list[Shard]) -> PrefetchScheduler:
       max live      three of the largest
       reuse         the largest (the turn from forward to backward)
     A bucket of 0 turns prefetching off, as in DeepSpeed."""
-    largest = max((s.padded_numel for s in shards if s.home is not HomeKind.DEVICE), default=0)
+    largest = max((s.padded_numel for s in shards if s.home is not Tier.DEVICE), default=0)
 
     def pick(value, default):
         return default if value is None else value
@@ -189,4 +190,4 @@ def prefetch_scheduler(zero, shards: list[Shard]) -> PrefetchScheduler:
         bucket_elems=bucket,
         max_live_elems=pick(zero.stage3_max_live_parameters, 3 * largest),
         reuse_distance=pick(zero.stage3_max_reuse_distance, largest),
-        enabled=bucket > 0 and any(s.home is HomeKind.NVME for s in shards))
+        enabled=bucket > 0 and any(s.home is Tier.NVME for s in shards))

@@ -4,10 +4,10 @@ Note [shard layout]
 A parameter of n elements is flattened and padded to world * part elements
 (part = ceil(n / world)); rank r owns elements [r * part, (r + 1) * part).
 The shard keeps this rank's partition at its home tier, in compute dtype:
-  HomeKind.DEVICE  the full parameter stays on the device (offload_param none,
-                   or below the persistence threshold); gather/release are no-ops
-  HomeKind.HOST    a flat host tensor of `part` elements
-  HomeKind.NVME    a file in the parameter swap store; nothing held in RAM
+  Tier.DEVICE  the full parameter stays on the device (offload_param none,
+               or below the persistence threshold); gather/release are no-ops
+  Tier.HOST    a flat host tensor of `part` elements
+  Tier.NVME    a file in the parameter swap store; nothing held in RAM
 Gathering builds the full parameter on the device tier (all-gathering the
 partitions across ranks) and points param.data at it; releasing points
 param.data back at a placeholder and frees the device bytes. Nothing else is
@@ -24,18 +24,15 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from offload.aio._memory import aligned_tensor
-from offload.partition.accounting import MemoryAccount, Tier
+from offload.aio._memory import BufferCache, aligned_tensor
+from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
-
-
-class HomeKind(enum.Enum):
-    DEVICE = "device"
-    HOST = "host"
-    NVME = "nvme"
+from offload.tiers import Tier
 
 
 class Residency(enum.Enum):
@@ -53,26 +50,66 @@ class Residency(enum.Enum):
     GATHERED = "gathered"
 
 
-@dataclass
+class Transfer(Protocol):
+    """An asynchronous read or write: wait() returns once it is over, or raises its error."""
+
+    def wait(self) -> object: ...
+
+
+class PendingRead(Transfer, Protocol):
+    def cancel(self) -> None:
+        """Waits for the bytes but skips what follows them (a prefetch nobody used)."""
+
+
+class PartitionStore(Protocol):
+    """What a shard asks of the store holding NVMe homes (offload.partition.nvme_home.ParamStore;
+    tests give fakes). One thread drives it (Note [one store per thread] in engine/build.py)."""
+
+    def write(self, shard: "Shard", part: torch.Tensor, *, borrow: bool = False) -> Transfer:
+        """Starts writing this rank's partition (compute dtype, host)."""
+
+    def read_part(self, shard: "Shard", out: torch.Tensor) -> Transfer:
+        """Starts reading this rank's partition into `out` (host, part_numel elements)."""
+
+    def read_full(self, shard: "Shard", full: torch.Tensor) -> PendingRead:
+        """Starts filling `full` (padded flat, device tier) with the whole parameter."""
+
+    def path_of(self, shard: "Shard") -> Path:
+        """The file holding this rank's partition (checkpoints copy it)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ShardContext:
-    """What every shard of one engine shares (devices, ranks, accounting, stores)."""
+    """What every shard of one engine shares, complete when built (engine/build.py
+    `shard_context` makes it; the engine holds it).
+
+    param_store: NVMe homes; None when no shard is homed on NVMe.
+    grad_tier: where fp32 gradient partitions live (the optimizer's side), and
+    lazy_grads: whether they exist only while a gradient is pending (Note [gradient partitions]).
+    buffers: gathered buffers on a CPU device, reused from step to step; None: allocated each time.
+    """
 
     device: torch.device
     pg: ProcessGroupInfo
     account: MemoryAccount
-    param_store: object | None = None  # offload.partition.nvme_home.ParamStore for NVME homes
-    # Where fp32 gradient partitions live (the optimizer's side) and whether
-    # they exist only while a gradient is pending (Note [gradient partitions]).
+    param_store: PartitionStore | None = None
     grad_tier: Tier = Tier.HOST
-    grad_device: torch.device = torch.device("cpu")
     lazy_grads: bool = False
-    timeline: object | None = None  # offload.timeline.Timeline
-    buffers: object | None = None  # offload.aio.BufferCache for gathered buffers on a CPU device
+    buffers: BufferCache | None = None
+
+    @property
+    def grad_device(self) -> torch.device:
+        return self.device if self.grad_tier is Tier.DEVICE else torch.device("cpu")
+
+
+def partition_numel(numel: int, world_size: int) -> int:
+    """Elements of one rank's partition of a parameter of `numel` (Note [shard layout])."""
+    return max(1, math.ceil(numel / world_size))
 
 
 class Shard:
     def __init__(self, index: int, name: str, param: torch.nn.Parameter, *,
-                 compute_dtype: torch.dtype, home: HomeKind, ctx: ShardContext):
+                 compute_dtype: torch.dtype, home: Tier, ctx: ShardContext):
         self.index = index
         self.name = name
         self.param = param
@@ -83,7 +120,7 @@ class Shard:
         self.home = home
         self.ctx = ctx
         world = ctx.pg.world_size
-        self.part_numel = max(1, math.ceil(self.numel / world))
+        self.part_numel = partition_numel(self.numel, world)
         self.padded_numel = self.part_numel * world
         self.residency = Residency.RELEASED
         self._refs = 0
@@ -91,7 +128,7 @@ class Shard:
         # Note [zero-copy gather]: with one rank and the device tier in host
         # memory (CPU-only), a host partition already is the full parameter:
         # gathering points param.data at it and costs no bytes and no copy.
-        self._zero_copy = (home is HomeKind.HOST and ctx.pg.world_size == 1
+        self._zero_copy = (home is Tier.HOST and ctx.pg.world_size == 1
                            and ctx.device.type == "cpu")
         self._fetch = None  # pending NVMe read while FETCHING
         self.host_part: torch.Tensor | None = None  # HOST home only
@@ -118,7 +155,7 @@ class Shard:
         """Takes the parameter's initial value (any dtype/device) into its home."""
         flat = value.detach().reshape(-1).to(self.dtype)
         nbytes = self.part_numel * self.dtype.itemsize
-        if self.home is HomeKind.DEVICE:
+        if self.home is Tier.DEVICE:
             # Replicated on every rank (padded so an updated partition can be
             # all-gathered straight into it after the optimizer step).
             self._full = self._alloc_full()
@@ -128,7 +165,7 @@ class Shard:
             self.residency = Residency.GATHERED
             return
         part = self.my_slice(flat)
-        if self.home is HomeKind.HOST:
+        if self.home is Tier.HOST:
             self.ctx.account.charge(Tier.HOST, nbytes, self.name)
             self.host_part = part.to("cpu", copy=True).contiguous()
         else:
@@ -139,7 +176,7 @@ class Shard:
     # ---- residency transitions ----------------------------------------
     def prefetch(self) -> None:
         """Starts bringing the parameter to the device without waiting (NVMe only)."""
-        if self.residency is not Residency.RELEASED or self.home is not HomeKind.NVME:
+        if self.residency is not Residency.RELEASED or self.home is not Tier.NVME:
             return
         self._full = self._alloc_full()
         self._fetch = self.ctx.param_store.read_full(self, self._full)
@@ -154,7 +191,7 @@ class Shard:
             self._full = self.host_part
         elif self.residency is Residency.RELEASED:
             self._full = self._alloc_full()
-            if self.home is HomeKind.HOST:
+            if self.home is Tier.HOST:
                 self.ctx.pg.all_gather(self._full, self.host_part)
             else:
                 self.ctx.param_store.read_full(self, self._full).wait()
@@ -170,13 +207,13 @@ class Shard:
         if self._refs == 0:
             raise RuntimeError(f"release of parameter {self.name} that is not held")
         self._refs -= 1
-        if self._refs == 0 and self.home is not HomeKind.DEVICE:
+        if self._refs == 0 and self.home is not Tier.DEVICE:
             self._drop_full()
 
     def force_release(self) -> None:
         """End of a pass: drop every hold (parameters gathered on demand, frozen ones)."""
         self._refs = 0
-        if self.home is not HomeKind.DEVICE and self.residency is not Residency.RELEASED:
+        if self.home is not Tier.DEVICE and self.residency is not Residency.RELEASED:
             if self._fetch is not None:
                 self._fetch.cancel()  # the bytes only: no collective outside use order
                 self._fetch = None
@@ -184,7 +221,7 @@ class Shard:
 
     @property
     def held(self) -> bool:
-        return self._refs > 0 or self.home is HomeKind.DEVICE
+        return self._refs > 0 or self.home is Tier.DEVICE
 
     @property
     def refs(self) -> int:
@@ -221,10 +258,10 @@ class Shard:
 
     def home_partition(self) -> torch.Tensor:
         """A copy of this rank's compute-dtype partition, from wherever it lives."""
-        if self.home is HomeKind.DEVICE:
+        if self.home is Tier.DEVICE:
             start = self.ctx.pg.rank * self.part_numel
             return self._full[start:start + self.part_numel].clone()
-        if self.home is HomeKind.HOST:
+        if self.home is Tier.HOST:
             return self.host_part.clone()
         part = torch.empty(self.part_numel, dtype=self.dtype)
         self.ctx.param_store.read_part(self, part).wait()
@@ -232,7 +269,7 @@ class Shard:
 
     def device_full(self) -> torch.Tensor:
         """The padded flat device buffer of a DEVICE-home shard."""
-        assert self.home is HomeKind.DEVICE
+        assert self.home is Tier.DEVICE
         return self._full
 
     # ---- gradients ------------------------------------------------------
@@ -286,12 +323,12 @@ class Shard:
     # ---- construction from a partition (offload.init; engine/build.py) ----
     def adopt_partition(self, part: torch.Tensor) -> None:
         """Takes this rank's partition of the initial value (any dtype) into a HOST or NVME home."""
-        if self.home is HomeKind.DEVICE:
+        if self.home is Tier.DEVICE:
             raise ValueError(f"{self.name}: a device home takes the full value (adopt), not a partition")
         part = part.detach().reshape(-1).to("cpu", self.dtype)
-        self.ctx.account.charge(Tier.HOST if self.home is HomeKind.HOST else Tier.NVME,
+        self.ctx.account.charge(Tier.HOST if self.home is Tier.HOST else Tier.NVME,
                                 self.part_numel * self.dtype.itemsize, self.name)
-        if self.home is HomeKind.HOST:
+        if self.home is Tier.HOST:
             self.host_part = part.clone().contiguous()
         else:
             self.ctx.param_store.write(self, part.contiguous()).wait()

@@ -10,7 +10,8 @@ from torch.nn import functional as F
 
 import offload
 from offload.config import Config, ConfigError
-from offload.partition.shard import HomeKind, Residency
+from offload.partition.shard import Residency
+from offload.tiers import Tier
 from tests.engine.harness import (batches, build, lm_loss, make_config, run_engine, run_reference,
                                   run_reference_mixed)
 from tests.engine.models import VOCAB, Block, TinyGPT
@@ -180,7 +181,7 @@ def test_no_holds_or_bytes_left_after_each_step(tmp_path, param, extra):
             assert engine.activation_checkpointing.saver.held_storages() == 0
             assert not engine.manager._backward_holds and not engine.manager._on_demand
             for shard in engine.shards:
-                if shard.home is not HomeKind.DEVICE:
+                if shard.home is not Tier.DEVICE:
                     assert shard.residency is Residency.RELEASED and not shard.held, shard
 
 
