@@ -337,7 +337,7 @@ class SwapStore:
         buf = self._acquire(HEADER_BYTES)
         try:
             self._io.sync_pread(buf[:HEADER_BYTES], path, 0)
-            return _parse_meta(buf, path, key)
+            return parse_meta(buf, path, key)
         finally:
             self._pool.release(buf)
 
@@ -520,7 +520,8 @@ def _parse_header(buf: torch.Tensor, path, key: str) -> tuple[int, ChecksumKind,
         raise CorruptFileError(str(path), f"unknown checksum kind {kind}") from None
 
 
-def _parse_meta(buf: torch.Tensor, path, key: str) -> _Meta:
+def parse_meta(buf: torch.Tensor, path, key: str) -> _Meta:
+    """A swap file's header: its payload bytes, dtype and shape (checkpoints read copied files)."""
     nbytes, _, _ = _parse_header(buf, path, key)
     page = bytes(buf[:HEADER_BYTES].numpy())
     fields = _FIXED.unpack_from(page)

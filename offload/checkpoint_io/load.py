@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from offload.aio.swap_store import HEADER_BYTES, _parse_meta
+from offload.aio.swap_store import HEADER_BYTES, parse_meta
 from offload.checkpoint_io import manifest as mf
 from offload.tiers import Tier
 
@@ -31,7 +31,7 @@ def read_swap_file(path: Path, dtype: torch.dtype, numel: int) -> torch.Tensor:
         head = bytearray(HEADER_BYTES)
         if f.readinto(head) != HEADER_BYTES:
             raise mf.CheckpointError(f"{path}: shorter than a swap file header")
-        meta = _parse_meta(torch.frombuffer(head, dtype=torch.uint8), path, path.stem)
+        meta = parse_meta(torch.frombuffer(head, dtype=torch.uint8), path, path.stem)
         if meta.dtype != dtype or meta.nbytes < numel * dtype.itemsize:
             raise mf.CheckpointError(f"{path}: holds {meta.nbytes} bytes of {meta.dtype}, "
                                      f"expected at least {numel} elements of {dtype}")

@@ -13,6 +13,9 @@ import time
 import torch
 
 from offload.aio._memory import aligned_tensor
+from offload.aio.swap_store import SwapStore
+from offload.partition.collectives import ProcessGroupInfo
+from offload.timeline import Timeline
 
 
 def _key(shard) -> str:
@@ -50,10 +53,13 @@ class _PendingRead:
 
 
 class ParamStore:
-    """store: the SwapStore one thread uses (Note [one store per thread] in
-    offload/engine/build.py); the compute thread reads, the optimizer writes."""
+    """The shards' offload.partition.shard.PartitionStore over NVMe files.
 
-    def __init__(self, store, pg, timeline=None):
+    store: the SwapStore one thread uses (Note [one store per thread] in
+    offload/engine/build.py); the compute thread reads, the optimizer writes.
+    timeline: where the reads are recorded (the engine's), or None."""
+
+    def __init__(self, store: SwapStore, pg: ProcessGroupInfo, timeline: Timeline | None = None):
         self.store = store
         self.pg = pg
         self.timeline = timeline
