@@ -39,7 +39,7 @@ SIZES = [1, 4095, 4096, 4097, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 4097]
 
 
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
-@pytest.mark.parametrize("offset", [0, 4096, 5000])
+@pytest.mark.parametrize("offset", [0, pytest.param(4096, marks=pytest.mark.slow), 5000])  # fast: aligned 0, unaligned 5000
 @pytest.mark.parametrize("n", SIZES)
 def test_round_trip_exact(io, tmp_path, n, offset, aligned):
     path = tmp_path / "f.bin"

@@ -50,7 +50,8 @@ def no_matplotlib(tmp_path):
     return str(stand_in)
 
 
-@pytest.mark.parametrize("name", ["adam", "io", "train"])
+@pytest.mark.parametrize("name", [pytest.param("adam", marks=pytest.mark.slow), "io",
+                                  pytest.param("train", marks=pytest.mark.slow)])
 def test_a_missing_matplotlib_is_one_line_naming_the_png_and_the_install(tmp_path, no_matplotlib, name):
     if name == "io" and not _direct_io_works(tmp_path):
         pytest.skip("no O_DIRECT on the temporary directory's filesystem")
@@ -67,6 +68,7 @@ def test_a_missing_matplotlib_is_one_line_naming_the_png_and_the_install(tmp_pat
     assert (out / f"{PNG[name].removesuffix('.png')}.json").is_file()  # the JSON is written all the same
 
 
+@pytest.mark.slow
 def test_io_writes_under_bench_out_and_removes_the_directory_it_made(tmp_path):
     if not _direct_io_works(tmp_path):
         pytest.skip("no O_DIRECT on the temporary directory's filesystem")
@@ -98,6 +100,7 @@ def _baseline_rss(cwd) -> int:
     return int(proc.stdout.split()[-1])
 
 
+@pytest.mark.slow
 def test_io_leaves_a_given_directory_as_it_found_it_and_stays_within_its_buffer(tmp_path):
     if not _direct_io_works(tmp_path):
         pytest.skip("no O_DIRECT on the temporary directory's filesystem")

@@ -28,6 +28,7 @@ def test_a_failed_round_is_the_contenders_result():
     assert train._merge_rounds([_round(1.0, 10)]) == _round(1.0, 10)
 
 
+@pytest.mark.slow
 def test_two_quick_rounds_in_rotation_and_the_same_losses_as_torch(tmp_path, capsys):
     out = tmp_path / "out"
     rc = train.main(["--quick", "--rounds", "2", "--contenders", "torch,offload-cpu", "--out", str(out)])

@@ -26,6 +26,7 @@ def test_report_json_describes_this_install():
     assert info["threads"] >= 1
 
 
+@pytest.mark.slow
 def test_report_text_shows_forced_simd_level():
     proc = _run("report", env_extra={simd.ENV_VAR: "scalar"})
     assert proc.returncode == 0, proc.stderr
@@ -34,12 +35,14 @@ def test_report_text_shows_forced_simd_level():
     assert fields["simd_detected"].strip() == simd.detected_level()
 
 
+@pytest.mark.slow
 def test_report_survives_a_bad_simd_override():
     proc = _run("report", "--json", env_extra={simd.ENV_VAR: "bogus"})
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["simd_used"].startswith("error: OFFLOAD_SIMD='bogus'")
 
 
+@pytest.mark.slow
 def test_unknown_subcommand_is_a_usage_error():
     proc = _run("frobnicate")
     assert proc.returncode == 2
@@ -65,6 +68,7 @@ def _stand_in(tmp_path, module):
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
 
 
+@pytest.mark.slow
 def test_report_lists_every_runtime_dependency_with_its_version():
     from importlib.metadata import version
 
@@ -79,6 +83,7 @@ def test_report_lists_every_runtime_dependency_with_its_version():
 
 
 @pytest.mark.parametrize("module", ["numpy", "safetensors", "torch"])
+@pytest.mark.slow
 def test_report_fails_loudly_on_a_missing_dependency(tmp_path, module):
     proc = _run("report", env_extra=_stand_in(tmp_path, module))
     assert proc.returncode == 1, proc.stdout

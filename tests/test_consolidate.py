@@ -77,6 +77,7 @@ def test_cli_reports_a_corrupt_checkpoint(tmp_path, capsys):
         offload.consolidate(tmp_path / "ck", tmp_path / "m.safetensors", tag="nope")
 
 
+@pytest.mark.slow
 def test_world_size_two_checkpoint_consolidates_to_the_full_model(tmp_path, tmp_path_factory):
     cases, root, results = runs.world2_checkpoints(tmp_path_factory)
     for i, case in enumerate(cases):

@@ -45,7 +45,7 @@ def last_json(proc) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("offload", ["nvme", "cpu"])
+@pytest.mark.parametrize("offload", [pytest.param("nvme", marks=pytest.mark.slow), "cpu"])
 def test_finetune_runs_and_cleans_up(offload, tmp_path):
     nvme = tmp_path / "swap" / "nvme"
     proc = run_example(*TINY, *places(tmp_path), "--offload", offload, "--nvme-path", str(nvme), cwd=tmp_path)
@@ -74,6 +74,7 @@ def test_finetune_runs_and_cleans_up(offload, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"]
 
 
+@pytest.mark.slow
 def test_finetune_existing_nvme_dir_is_kept_but_emptied(tmp_path):
     swap = tmp_path / "swap"
     swap.mkdir()
@@ -82,6 +83,7 @@ def test_finetune_existing_nvme_dir_is_kept_but_emptied(tmp_path):
     assert swap.is_dir() and list(swap.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_finetune_hf_without_transformers_is_a_clear_error(tmp_path):
     # Whether or not transformers is installed here: a package of that name
     # first on the path that fails to import, as a missing one does.
@@ -104,12 +106,14 @@ def straight_run(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 def test_finetune_keeps_the_last_checkpoints(straight_run):
     ckpt = straight_run / "ckpt"
     assert sorted(p.name for p in ckpt.iterdir()) == ["global_step6", "global_step8", "latest"]
     assert (ckpt / "latest").read_text().strip() == "global_step8"
 
 
+@pytest.mark.slow
 def test_finetune_stopped_and_resumed_is_the_uninterrupted_run(straight_run, tmp_path):
     # The same command starts the job (no checkpoint yet) and continues it.
     first = run_example(*TINY, *places(tmp_path), "--resume", "--stop-at", "4", cwd=tmp_path)
@@ -129,6 +133,7 @@ def test_finetune_stopped_and_resumed_is_the_uninterrupted_run(straight_run, tmp
     assert_same_weights(tmp_path / "out" / "model.safetensors", straight_run / "out" / "model.safetensors")
 
 
+@pytest.mark.slow
 def test_finetune_resumes_after_ctrl_c_from_a_mid_run_checkpoint(straight_run, tmp_path):
     # What Ctrl-C during step 7 leaves of the straight run: its checkpoint of step 6,
     # saved mid-run (no final evaluation), and `latest` naming it.
@@ -146,6 +151,7 @@ def test_finetune_resumes_after_ctrl_c_from_a_mid_run_checkpoint(straight_run, t
     assert sorted(p.name for p in ckpt.iterdir()) == ["global_step6", "global_step8", "latest"]
 
 
+@pytest.mark.slow
 def test_finetune_weights_load_into_the_plain_model(straight_run):
     from safetensors.torch import load_model
 
@@ -169,6 +175,7 @@ def test_finetune_weights_load_into_the_plain_model(straight_run):
     assert loss == summary["evals"][-1]["val_loss"]
 
 
+@pytest.mark.slow
 def test_finetune_resume_at_the_last_step_says_so(straight_run, tmp_path):
     ckpt = straight_run / "ckpt"
     before = sorted(p.name for p in ckpt.iterdir())
@@ -181,6 +188,7 @@ def test_finetune_resume_at_the_last_step_says_so(straight_run, tmp_path):
     assert_same_weights(tmp_path / "out" / "model.safetensors", straight_run / "out" / "model.safetensors")
 
 
+@pytest.mark.slow
 def test_finetune_resume_with_other_flags_is_refused(straight_run, tmp_path):
     ckpt = straight_run / "ckpt"
     proc = run_example(*TINY, *places(tmp_path), "--ckpt-dir", str(ckpt), "--resume", "--lr", "5e-3",
@@ -190,6 +198,7 @@ def test_finetune_resume_with_other_flags_is_refused(straight_run, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written, swap files gone
 
 
+@pytest.mark.slow
 def test_finetune_without_resume_starts_over(straight_run, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(straight_run / "ckpt", ckpt)
@@ -277,6 +286,7 @@ def wait_for(condition, proc, timeout, what):
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_finetune_ctrl_c_removes_swap_files(tmp_path):
     """Ctrl-C once training runs (its first checkpoint committed, so inside the
     loop, in a step or a save): the run stops with 130, says so, leaves `latest`

@@ -36,6 +36,7 @@ def test_help_works_and_names_what_to_install(without_transformers, tmp_path):
     assert "Needs transformers: pip install transformers" in text and 'pip install -e ".[hf]"' in text
 
 
+@pytest.mark.slow
 def test_run_without_transformers_is_one_line_and_exit_2(without_transformers, tmp_path):
     proc = _run(without_transformers, tmp_path, "--steps", "1")
     assert proc.returncode == 2

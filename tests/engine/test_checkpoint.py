@@ -37,6 +37,7 @@ def _assert_resumed_equals_straight(straight, resumed, case):
     assert resumed["counters"] == (3, 6, 0)
 
 
+@pytest.mark.slow
 def test_resume_in_a_new_process_is_bitwise_exact(tmp_path):
     straight = {i: runs.straight_and_first_half(case, str(tmp_path / f"case{i}"))
                 for i, case in enumerate(CASES_W1)}
@@ -51,6 +52,7 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path):
         _assert_resumed_equals_straight(straight[i], resumed[i], case)
 
 
+@pytest.mark.slow
 def test_resume_world_size_two_is_bitwise_exact(tmp_path_factory):
     cases, root, straight = runs.world2_checkpoints(tmp_path_factory)
     resumed = runs.run_world("second_half", cases, root)  # new processes
@@ -120,6 +122,7 @@ class _SlowWrites:
 
 
 @pytest.mark.parametrize("param,optim", [("cpu", "nvme"), ("nvme", "cpu"), ("none", "none")])
+@pytest.mark.slow
 def test_async_save_snapshot_is_unchanged_by_steps_run_while_it_is_written(tmp_path, monkeypatch,
                                                                            param, optim):
     slow = _SlowWrites(monkeypatch)
@@ -147,6 +150,7 @@ def test_async_save_snapshot_is_unchanged_by_steps_run_while_it_is_written(tmp_p
                            at_save["weights"]["master"]["wte.weight"])
 
 
+@pytest.mark.slow
 def test_close_waits_for_an_async_save(tmp_path, monkeypatch):
     _SlowWrites(monkeypatch)
     e = _engine(tmp_path, "nvme", "nvme")

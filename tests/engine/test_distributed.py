@@ -5,12 +5,15 @@ import os
 import socket
 import traceback
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.engine.harness import (batches, build, make_config, run_engine, run_reference,
                                   run_reference_mixed)
+
+pytestmark = pytest.mark.slow  # its one test spawns two ranks: ~15 s
 
 CASES = [
     # model, param, optim, precision, gas

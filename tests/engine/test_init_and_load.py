@@ -186,8 +186,9 @@ def _write_hf_dir(path, state, *, kind):
     return path
 
 
-@pytest.mark.parametrize("form", ["state_dict", "safetensors", "torch_file", "hf_single", "hf_safetensors",
-                                  "hf_bin"])
+@pytest.mark.parametrize("form", ["state_dict", "safetensors", pytest.param("torch_file", marks=pytest.mark.slow),
+                                  pytest.param("hf_single", marks=pytest.mark.slow), "hf_safetensors",
+                                  pytest.param("hf_bin", marks=pytest.mark.slow)])
 def test_meta_model_loads_weights_and_trains_like_plain(tmp_path, form):
     torch.manual_seed(11)
     plain = PostInitGPT()
@@ -320,6 +321,7 @@ _RSS_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_construction_rss_stays_far_below_the_model(tmp_path):
     layers, width = 96, 1024  # 403 MB of fp32 weights, 4 MB per layer
     out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(tmp_path), str(layers), str(width)],

@@ -187,6 +187,7 @@ def closed_form_peak(layers: int, width: int, batch: int, staging_bytes: int,
     }
 
 
+@pytest.mark.slow
 def test_peak_rss_of_nvme_training_is_bounded_by_the_closed_form(nvme_run):
     run = nvme_run
     if not run["peak_reset"]:
@@ -203,6 +204,7 @@ def test_peak_rss_of_nvme_training_is_bounded_by_the_closed_form(nvme_run):
     assert budget <= 0.6 * in_memory, (budget / MiB, in_memory / MiB)
 
 
+@pytest.mark.slow
 def test_initialize_returns_the_models_tensors_to_the_os(nvme_run):
     """The model's parameters (196 MiB) move to NVMe; their memory must leave
     the process, not linger in malloc's heaps."""
@@ -215,6 +217,7 @@ def test_initialize_returns_the_models_tensors_to_the_os(nvme_run):
 
 
 @pytest.mark.parametrize("which", ["nvme_run", "cpu_run"])
+@pytest.mark.slow
 def test_memory_report_agrees_with_the_os(which, request):
     """Within 10% of the RSS growth. With parameters and optimizer state on
     NVMe the engine holds little at rest (nothing after initialize, no
@@ -233,6 +236,7 @@ def test_memory_report_agrees_with_the_os(which, request):
         assert os_view["engine_bytes"] == report["host"]["now"] + report["device"]["now"]
 
 
+@pytest.mark.slow
 def test_accounted_peaks_cover_the_os_peak(nvme_run):
     """Everything that scales with the model is charged: the OS's peak is
     within the accounted peaks plus activations (the model's own) and SLACK."""

@@ -13,7 +13,7 @@ STEPS = 20
 
 @pytest.mark.parametrize("model_name", ["tiny_gpt", "shared_param", "with_unused"])
 @pytest.mark.parametrize("param,optim", PLACEMENTS, ids=[f"{p}-{o}" for p, o in PLACEMENTS])
-@pytest.mark.parametrize("gas", [1, 4])
+@pytest.mark.parametrize("gas", [1, pytest.param(4, marks=pytest.mark.slow)])  # fast part: accumulation in the clipping test
 def test_fp32_matches_pytorch(tmp_path, model_name, param, optim, gas):
     model = build(model_name)
     data = batches(STEPS)
@@ -60,7 +60,7 @@ def test_scheduler_drives_the_engine_lr(tmp_path):
 
 @pytest.mark.parametrize("param,optim", [("none", "none"), ("cpu", "cpu"), ("nvme", "nvme"),
                                          ("nvme", "cpu")])
-@pytest.mark.parametrize("gas", [1, 4])
+@pytest.mark.parametrize("gas", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_bf16_matches_pytorch_mixed_precision(tmp_path, param, optim, gas):
     """bf16 compute, fp32 masters and gradient accumulation: equal to plain
     PyTorch doing the same mixed precision, at fp32 tolerance."""

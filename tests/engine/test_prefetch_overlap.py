@@ -29,9 +29,10 @@ def _config(param, optim, path, switches, **kw):
     return cfg
 
 
+# The fast part: every switch, one micro-step per step, parameters or state on NVMe.
 @pytest.mark.parametrize("switches", SWITCHES.values(), ids=SWITCHES.keys())
-@pytest.mark.parametrize("param,optim", [("nvme", "nvme"), ("cpu", "nvme"), ("nvme", "cpu")])
-@pytest.mark.parametrize("gas", [1, 3])
+@pytest.mark.parametrize("param,optim", [("nvme", "nvme"), ("cpu", "nvme"), pytest.param("nvme", "cpu", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("gas", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_every_switch_matches_pytorch(tmp_path, switches, param, optim, gas):
     model = build("tiny_gpt")
     data = batches(STEPS, seed=3)
