@@ -119,9 +119,10 @@ def test_sigkill_during_saves_leaves_latest_loadable_and_exact(tmp_path):
     try:
         for round_ in range(ROUNDS):
             ready, saving = ctx.Event(), ctx.Value("i", 0, lock=False)  # a kill never leaves it locked
-            # A save whose temporary directory an earlier kill left is not picked (its
-            # files there could be taken for this save's); each round leaves at most one.
-            k = rng.choice([k for k in range(1, ROUNDS + 1) if f".global_step{k}.tmp" not in before])
+            # One of the first three saves whose temporary directory no earlier kill
+            # left (its files there could be taken for this save's; each round leaves
+            # at most one, so ROUNDS candidates never run out).
+            k = rng.choice([k for k in range(1, ROUNDS + 1) if f".global_step{k}.tmp" not in before][:3])
             child = ctx.Process(target=_saver, args=(str(tmp_path), round_, ready, saving))
             child.start()
             assert ready.wait(timeout=TIMEOUT_S), "saver process did not start"
