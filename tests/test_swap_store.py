@@ -162,7 +162,9 @@ def _aligned(values: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("numel", [1024, 1024 + 1, 3 * 1024 + 7, 262_144 + 5])
+# The fast part: a tail, and many blocks with a tail.
+@pytest.mark.parametrize("numel", [pytest.param(1024, marks=pytest.mark.slow), 1024 + 1,
+                                   pytest.param(3 * 1024 + 7, marks=pytest.mark.slow), 262_144 + 5])
 @pytest.mark.parametrize("checksum_on", [False, True], ids=["nocrc", "crc"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["atomic", "in-place"])
 def test_direct_transfers_of_aligned_tensors(tmp_path, backend, numel, checksum_on, in_place):

@@ -57,7 +57,7 @@ def test_device_tier_holds_one_layer_at_a_time(tmp_path):
         assert report["device"]["now"] == 0
 
 
-@pytest.mark.parametrize("live_layers", [None, 2])
+@pytest.mark.parametrize("live_layers", [pytest.param(None, marks=pytest.mark.slow), 2])
 def test_prefetch_stays_within_the_live_limit(tmp_path, live_layers):
     """Parameters gathered, read ahead or kept for reuse stay within
     stage3_max_live_parameters (by default three of the largest parameters,

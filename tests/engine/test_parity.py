@@ -8,12 +8,17 @@ from tests.engine.harness import (batches, build, make_config, run_engine, run_r
 
 PLACEMENTS = [("none", "none"), ("cpu", "cpu"), ("nvme", "nvme"), ("none", "cpu"),
               ("cpu", "nvme"), ("nvme", "cpu"), ("none", "nvme")]
+# The fast part: each tier for both, and parameters on NVMe with state on the host.
+SLOW_PLACEMENTS = {("none", "cpu"), ("cpu", "nvme"), ("none", "nvme")}
 STEPS = 20
 
 
 @pytest.mark.parametrize("model_name", ["tiny_gpt", "shared_param", "with_unused"])
-@pytest.mark.parametrize("param,optim", PLACEMENTS, ids=[f"{p}-{o}" for p, o in PLACEMENTS])
-@pytest.mark.parametrize("gas", [1, pytest.param(4, marks=pytest.mark.slow)])  # fast part: accumulation in the clipping test
+@pytest.mark.parametrize("param,optim", [
+    pytest.param(p, o, id=f"{p}-{o}", marks=pytest.mark.slow if (p, o) in SLOW_PLACEMENTS else ())
+    for p, o in PLACEMENTS])
+# The fast part accumulates gradients in the clipping test (gas 2).
+@pytest.mark.parametrize("gas", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_fp32_matches_pytorch(tmp_path, model_name, param, optim, gas):
     model = build(model_name)
     data = batches(STEPS)
@@ -59,7 +64,7 @@ def test_scheduler_drives_the_engine_lr(tmp_path):
 
 
 @pytest.mark.parametrize("param,optim", [("none", "none"), ("cpu", "cpu"), ("nvme", "nvme"),
-                                         ("nvme", "cpu")])
+                                         pytest.param("nvme", "cpu", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("gas", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_bf16_matches_pytorch_mixed_precision(tmp_path, param, optim, gas):
     """bf16 compute, fp32 masters and gradient accumulation: equal to plain

@@ -29,9 +29,10 @@ def _config(param, optim, path, switches, **kw):
     return cfg
 
 
-# The fast part: every switch, one micro-step per step, parameters or state on NVMe.
+# The fast part: every switch, one micro-step per step, parameters and state on NVMe.
 @pytest.mark.parametrize("switches", SWITCHES.values(), ids=SWITCHES.keys())
-@pytest.mark.parametrize("param,optim", [("nvme", "nvme"), ("cpu", "nvme"), pytest.param("nvme", "cpu", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("param,optim", [("nvme", "nvme"), pytest.param("cpu", "nvme", marks=pytest.mark.slow),
+                                         pytest.param("nvme", "cpu", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("gas", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_every_switch_matches_pytorch(tmp_path, switches, param, optim, gas):
     model = build("tiny_gpt")
@@ -216,7 +217,8 @@ def _train_tiny_with_late_writes(cfg, data):
         return torch.stack(losses), engine.full_state_dict(master=True), engine.manager.prefetch.stats, late
 
 
-@pytest.mark.parametrize("optim", ["nvme", "cpu"], ids=["overlapped update", "deferred update"])
+@pytest.mark.parametrize("optim", ["nvme", pytest.param("cpu", marks=pytest.mark.slow)],
+                         ids=["overlapped update", "deferred update"])
 def test_many_tiny_layers_never_read_a_stale_value(tmp_path, optim):
     """Parameters on NVMe, read ahead, with every new value's write landing as
     late as it may (LateWrites): the next forward must wait for them, on demand
