@@ -239,8 +239,6 @@ def test_gather_past_the_device_budget_raises_and_charges_nothing():
     assert big.residency is Residency.RELEASED and device_bytes(ctx) == 10 * F32
 
 
-@pytest.mark.xfail(strict=True, reason="Shard.gather counts the hold before the device charge that "
-                   "the budget refuses: the shard is left RELEASED but held (refs 1)")
 def test_a_gather_refused_by_the_budget_holds_nothing():
     ctx = make_ctx(device_budget=15 * F32)
     small, big = make_shard(ctx, numel=10, index=0), make_shard(ctx, numel=6, index=1)

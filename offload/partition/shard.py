@@ -183,24 +183,34 @@ class Shard:
         self.residency = Residency.FETCHING
 
     def gather(self) -> torch.Tensor:
-        """Holds the full parameter on the device (refcounted); returns param.data."""
+        """Holds the full parameter on the device (refcounted); returns param.data.
+
+        A gather that fails (the device budget refuses the buffer, a read fails)
+        holds nothing and charges nothing: the hold is counted only once the
+        parameter is there, so the caller's error leaves the shard as it was."""
+        if self.residency is not Residency.GATHERED:
+            self._materialize()
         self._refs += 1
-        if self.residency is Residency.GATHERED:
-            return self.param.data
+        return self.param.data
+
+    def _materialize(self) -> None:
         if self.residency is Residency.RELEASED and self._zero_copy:
             self._full = self.host_part
         elif self.residency is Residency.RELEASED:
-            self._full = self._alloc_full()
-            if self.home is Tier.HOST:
-                self.ctx.pg.all_gather(self._full, self.host_part)
-            else:
-                self.ctx.param_store.read_full(self, self._full).wait()
+            self._full = self._alloc_full()  # a refused charge raises here, before any state changes
+            try:
+                if self.home is Tier.HOST:
+                    self.ctx.pg.all_gather(self._full, self.host_part)
+                else:
+                    self.ctx.param_store.read_full(self, self._full).wait()
+            except BaseException:
+                self._drop_full()  # gives the buffer and its charge back
+                raise
         else:  # FETCHING
             self._fetch.wait()
             self._fetch = None
         self.param.data = self._full[:self.numel].view(self.shape)
         self.residency = Residency.GATHERED
-        return self.param.data
 
     def release(self) -> None:
         """Drops one hold; the last one frees the device copy (home copy stays authoritative)."""
