@@ -26,14 +26,21 @@ except Exception as exc:  # noqa: BLE001 - ImportError, or OSError when libaio.s
     IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 
+_probe_worked = False
+
+
 def unavailable_reason() -> str | None:
     if _libaio is None:
         return (f"python-libaio not importable ({IMPORT_ERROR}); `pip install libaio` and the "
                 "system package libaio1 (Debian/Ubuntu: libaio1 or libaio1t64)")
+    global _probe_worked
+    if _probe_worked:  # Note [backend probe] in offload/aio/native.py
+        return None
     try:
         _libaio.AIOContext(1).close()
     except OSError as exc:
         return f"io_setup failed: {exc}"
+    _probe_worked = True
     return None
 
 
