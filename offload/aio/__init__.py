@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from offload.aio._memory import ALIGN, aligned_empty, aligned_tensor, byte_view
+from offload.aio.memory import ALIGN, aligned_empty, aligned_tensor, byte_view
 from offload.aio.config import AioConfig, Backend
 from offload.aio.errors import (
     AioError,

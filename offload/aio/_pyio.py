@@ -15,7 +15,7 @@ import os
 import threading
 from dataclasses import dataclass
 
-from offload.aio._memory import ALIGN, c_buffer
+from offload.aio.memory import ALIGN, c_buffer
 
 TRUNCATED = -1  # transfer_sync's "end of file came first"
 

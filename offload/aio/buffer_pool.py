@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from offload.aio._memory import ALIGN, aligned_empty, round_up
+from offload.aio.memory import ALIGN, aligned_empty, round_up
 
 
 class BufferPool:

@@ -15,7 +15,7 @@ import zlib
 import torch
 
 from offload import _native
-from offload.aio._memory import byte_view
+from offload.aio.memory import byte_view
 
 
 class ChecksumKind(enum.IntEnum):

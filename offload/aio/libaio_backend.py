@@ -15,7 +15,7 @@ import errno
 import threading
 
 from offload.aio import _pyio
-from offload.aio._memory import ALIGN
+from offload.aio.memory import ALIGN
 
 try:
     import libaio as _libaio

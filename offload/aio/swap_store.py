@@ -37,7 +37,7 @@ from typing import Callable, Iterable
 import torch
 
 from offload.aio import AioConfig, AsyncIO
-from offload.aio._memory import ALIGN, byte_view, round_up
+from offload.aio.memory import ALIGN, byte_view, round_up
 from offload.aio.buffer_pool import BufferPool
 from offload.aio.checksum import ChecksumKind, checksum, default_kind
 from offload.aio.errors import AioError, CorruptFileError, SwapStoreError

@@ -12,7 +12,7 @@ import errno
 from concurrent.futures import ThreadPoolExecutor
 
 from offload.aio import _pyio
-from offload.aio._memory import ALIGN
+from offload.aio.memory import ALIGN
 
 MAX_THREADS = 64
 

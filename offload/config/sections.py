@@ -285,7 +285,7 @@ class SchedulerConfig(_Section):
 # --------------------------------------------------------------------------- zero
 
 # Note [pin_memory]: with CUDA every host I/O and staging buffer is allocated
-# pinned (offload.aio._memory.pin_by_default), and on a CPU-only host nothing
+# pinned (offload.aio.memory.pin_by_default), and on a CPU-only host nothing
 # can be pinned, so the key changes nothing either way. Making it choose,
 # within memory.pinned_budget, waits for a GPU to measure it on.
 _PIN_MEMORY = ("host I/O buffers are pinned whenever CUDA is present, whatever this key says, "

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from offload.aio._memory import BufferCache
+from offload.aio.memory import BufferCache
 from offload.config import Config
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
@@ -370,7 +370,7 @@ def _swap_config(nvme_path, sizes, staging_bytes, config: Config, pg: ProcessGro
     of the largest files up to 32 MiB: the engine's own transfers are aligned
     and skip staging (Note [direct transfers]); staging carries headers, small
     tensors and the first write of each parameter."""
-    from offload.aio._memory import ALIGN
+    from offload.aio.memory import ALIGN
     from offload.aio.swap_store import SwapConfig
 
     # atomic=False: swap files are scratch, written and read back by this

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.aio._memory import BufferCache, aligned_tensor
+from offload.aio.memory import BufferCache, aligned_tensor
 from offload.ops import adam_step
 from offload.optim.state_stream import StateLayout, StateStream
 from offload.partition.accounting import MemoryAccount
@@ -357,7 +357,7 @@ class ShardedAdam(torch.optim.Optimizer):
         """This rank's partition of the gathered parameter, as the shared master
         (Note [shared fp32 master]); None when it is not gathered now. On the
         host it is a view: the gathered buffer is not reused while the view
-        lives (offload/aio/_memory.py BufferCache)."""
+        lives (offload/aio/memory.py BufferCache)."""
         if not self.shares_master(shard) or shard.residency is not Residency.GATHERED:
             return None
         start = shard.ctx.pg.rank * shard.part_numel

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.aio._memory import ALIGN, aligned_tensor, round_up
+from offload.aio.memory import ALIGN, aligned_tensor, round_up
 from offload.tiers import Tier
 
 

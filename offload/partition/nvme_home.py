@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from offload.aio._memory import aligned_tensor
+from offload.aio.memory import aligned_tensor
 from offload.aio.swap_store import SwapStore
 from offload.partition.collectives import ProcessGroupInfo
 from offload.timeline import Timeline

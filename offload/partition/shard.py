@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from offload.aio._memory import BufferCache, aligned_tensor
+from offload.aio.memory import BufferCache, aligned_tensor
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
 from offload.tiers import Tier
@@ -241,7 +241,7 @@ class Shard:
         self.ctx.account.charge(Tier.DEVICE, self.padded_numel * self.dtype.itemsize, self.name)
         if self.ctx.device.type == "cpu":
             # Aligned, so an NVMe read lands in it with no staging copy; reused
-            # from step to step (Note in offload/aio/_memory.py BufferCache).
+            # from step to step (Note in offload/aio/memory.py BufferCache).
             if self.ctx.buffers is not None:
                 return self.ctx.buffers.take(self.padded_numel, self.dtype)
             return aligned_tensor(self.padded_numel, self.dtype)
