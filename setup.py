@@ -143,7 +143,11 @@ setup(
     long_description=open("README.md", encoding="utf-8").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["offload", "offload.*"]),
+    # offload is the engine; offload_bench (benchmarks/offload_bench) is the `offload bench`
+    # suite and the examples' GPT and corpus, installed beside it so a pip install can
+    # benchmark without a checkout while `import offload` loads none of it.
+    packages=find_packages(include=["offload", "offload.*"]) + ["offload_bench"],
+    package_dir={"offload_bench": "benchmarks/offload_bench"},
     ext_modules=ext_modules,
     cmdclass={"build_ext": OptionalBuildExt},
     install_requires=RUNTIME_REQUIREMENTS,  # offload/requirements.py says what each is for

@@ -1,6 +1,6 @@
 """Activation checkpointing: peak device-tier bytes and step time, with and without.
 
-Trains offload.models.GPT (parameters and optimizer state in host memory) for
+Trains offload_bench.gpt.GPT (parameters and optimizer state in host memory) for
 a few steps three ways: no checkpointing, every Block checkpointed, and
 Blocks checkpointed with cpu_checkpointing. Prints one JSON document (the
 engine's device/host peaks, the median step time) and writes a PNG.
@@ -19,9 +19,9 @@ import torch  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 import offload  # noqa: E402
-from offload.bench._common import (OtherLoad, log, machine_info, pyplot, save_png,  # noqa: E402
+from offload_bench.common import (OtherLoad, log, machine_info, pyplot, save_png,  # noqa: E402
                                    time_median, write_json)
-from offload.models.gpt import GPT, GPTConfig  # noqa: E402
+from offload_bench.gpt import GPT, GPTConfig  # noqa: E402
 
 MODES = {
     "none": None,

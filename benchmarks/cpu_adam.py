@@ -1,6 +1,6 @@
 """CPU Adam benchmark: ours vs torch AdamW (fused, foreach) and DeepSpeedCPUAdam.
 
-Same as `offload bench adam`; see offload/bench/cpu_adam.py for what it measures.
+Same as `offload bench adam`; see benchmarks/offload_bench/cpu_adam.py for what it measures.
 
   python benchmarks/cpu_adam.py                 # 1M,10M,50M,200M params
   python benchmarks/cpu_adam.py --quick         # smoke test
@@ -13,7 +13,7 @@ from pathlib import Path
 # Run from a checkout, benchmark that checkout (not some other installed copy).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from offload.bench import cpu_adam  # noqa: E402
+from offload_bench import cpu_adam  # noqa: E402
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -52,8 +52,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import offload
-    from offload.models import GPT, GPTConfig
-    from offload.models.gpt import lm_loss
+    from offload_bench.gpt import GPT, GPTConfig, lm_loss
 
     gcfg = GPTConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
                      max_seq=args.seq, tie_embeddings=False)

@@ -1,11 +1,11 @@
-"""Training step benchmark; same as `offload bench train` (see offload/bench/train.py).
+"""Training step benchmark; same as `offload bench train` (see benchmarks/offload_bench/train.py).
 
     python benchmarks/train.py [--out DIR] [--nvme-dir DIR] [--quick]
 """
 import argparse
 import sys
 
-from offload.bench import train
+from offload_bench import train
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=train.__doc__.split("\n\n")[0])

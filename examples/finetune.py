@@ -60,9 +60,8 @@ from torch import nn
 
 import offload
 from offload.checkpoint_io import CheckpointError
-from offload.data import VOCAB_SIZE, BatchSampler, StdlibSourcesNotFound, load_corpus, split_corpus
-from offload.models import GPT, GPTConfig
-from offload.models.gpt import lm_loss
+from offload_bench.corpus import VOCAB_SIZE, BatchSampler, StdlibSourcesNotFound, load_corpus, split_corpus
+from offload_bench.gpt import GPT, GPTConfig, lm_loss
 
 MIB = 1 << 20
 # Flags that define what is trained and on which batches: a resumed run must
@@ -77,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--model", choices=["gpt", "hf"], default="gpt",
-                   help="gpt: offload.models.GPT; hf: transformers' LlamaForCausalLM built from a config")
+                   help="gpt: offload_bench.gpt.GPT; hf: transformers' LlamaForCausalLM built from a config")
     m.add_argument("--hidden", type=int, default=256)
     m.add_argument("--layers", type=int, default=4)
     m.add_argument("--heads", type=int, default=4)

@@ -92,8 +92,8 @@ def test_io_writes_under_bench_out_and_removes_the_directory_it_made(tmp_path):
 def _baseline_rss(cwd) -> int:
     """Peak RSS of a process that has imported what the io benchmark imports and
     made one small aligned buffer (pinned, so CUDA is started, where there is one)."""
-    code = ("import offload.aio, offload.bench.io\n"
-            "from offload.bench._common import peak_rss_bytes, pyplot\n"
+    code = ("import offload.aio, offload_bench.io\n"
+            "from offload_bench.common import peak_rss_bytes, pyplot\n"
             "offload.aio.aligned_empty(4096); pyplot('x.png'); print(peak_rss_bytes())")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -123,7 +123,7 @@ def test_stream_covers_the_file_in_order_two_requests_at_most(tmp_path):
     """_stream's requests: every byte once, in offset order, alternating halves, two in flight."""
     import torch
 
-    from offload.bench import io
+    from offload_bench import io
 
     class Request:
         def __init__(self, log, t, offset):
@@ -149,7 +149,7 @@ def test_stream_covers_the_file_in_order_two_requests_at_most(tmp_path):
 
 
 def test_chunks_let_every_worker_fill_its_queue_and_stay_aligned():
-    from offload.bench import io
+    from offload_bench import io
 
     assert io._chunk_bytes(1 << 20, 32, 1, 1 << 30) == io.CHUNK_MIN
     assert io._chunk_bytes(4 << 20, 64, 2, 1 << 30) == 512 << 20  # block x depth x parallelism
@@ -157,3 +157,16 @@ def test_chunks_let_every_worker_fill_its_queue_and_stay_aligned():
     assert io._chunk_bytes(100_000, 1000, 1, 1 << 30) % 4096 == 0
     assert io._buffer_bytes(64 << 20, 1 << 30) == 128 << 20
     assert io._buffer_bytes(256 << 20, 256 << 20) == 256 << 20
+
+
+def test_the_engine_package_loads_no_benchmark_or_example_code():
+    # offload_bench ships beside offload (for `offload bench` without a checkout);
+    # importing the engine must not pull it, or its GPT and corpus, in.
+    code = ("import sys, offload, offload.engine, offload.checkpoint_io\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('offload_bench', 'matplotlib')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+    import offload_bench
+
+    assert Path(offload_bench.__file__).resolve().parent == ROOT / "benchmarks" / "offload_bench"

@@ -4,7 +4,7 @@ import statistics
 
 import pytest
 
-from offload.bench import train
+from offload_bench import train
 
 
 def _round(median, peak, load=0.0):

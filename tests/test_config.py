@@ -253,6 +253,14 @@ def test_values_offload_does_not_act_on_are_named(path, value, why):
     assert notes[path].startswith(why)
 
 
+def test_sections_given_to_config_directly_name_their_keys_with_no_effect():
+    c = Config(aio={"single_submit": True, "use_gds": True},
+               zero_optimization={"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}})
+    assert set(dict(c.no_effect())) == {"aio.single_submit", "aio.use_gds",
+                                        "zero_optimization.offload_param.pin_memory"}
+    assert Config(aio={"single_submit": False}).no_effect() == []
+
+
 def test_thread_count_is_mapped_to_intra_op_parallelism():
     d = with_("aio.intra_op_parallelism", DELETE)
     assert Config.load(with_("aio.thread_count", 4, base=d)).aio.intra_op_parallelism == 4

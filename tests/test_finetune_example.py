@@ -11,7 +11,7 @@ import torch
 
 from safetensors.torch import load_file
 
-from offload.data import BatchSampler, StdlibSourcesNotFound, load_corpus, split_corpus, stdlib_files
+from offload_bench.corpus import BatchSampler, StdlibSourcesNotFound, load_corpus, split_corpus, stdlib_files
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "finetune.py"
@@ -155,8 +155,7 @@ def test_finetune_resumes_after_ctrl_c_from_a_mid_run_checkpoint(straight_run, t
 def test_finetune_weights_load_into_the_plain_model(straight_run):
     from safetensors.torch import load_model
 
-    from offload.models import GPT, GPTConfig
-    from offload.models.gpt import lm_loss
+    from offload_bench.gpt import GPT, GPTConfig, lm_loss
 
     out = straight_run / "out"
     config = GPTConfig(**json.loads((out / "config.json").read_text()))

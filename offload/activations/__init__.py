@@ -3,12 +3,12 @@
     offload.checkpoint(fn, *args, **kwargs)   recompute fn in backward
     {"activation_checkpointing": {"modules": ["Block"], "cpu_checkpointing": true}}
 
-checkpoint.py: the recomputation (Note [activation checkpointing]); saver.py:
+recompute.py: the recomputation (Note [activation checkpointing]); saver.py:
 saved activations charged to the device tier, checkpoint inputs kept on the
 host (Note [activation bytes]); wrap.py: modules checkpointed by class name
 (Note [checkpointed modules]).
 """
-from offload.activations.checkpoint import checkpoint
+from offload.activations.recompute import checkpoint
 from offload.activations.saver import ActivationSaver
 from offload.activations.wrap import ActivationCheckpointing
 

@@ -25,7 +25,7 @@ Parameters are never charged here: an offloaded one is replaced by the
 manager's record before it reaches the saver, and a device-home one is
 already charged where it lives (Shard.adopt).
 
-A checkpoint's inputs (activations/checkpoint.py) are saved through the same
+A checkpoint's inputs (activations/recompute.py) are saved through the same
 hooks inside `checkpoint_inputs()`. With cpu_checkpointing they go to the
 host tier instead: with CUDA, a copy into pinned host memory (and a device
 copy, charged while it lives, when recomputation needs it back); on a

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from offload.activations.checkpoint import checkpoint
+from offload.activations.recompute import checkpoint
 from offload.activations.saver import ActivationSaver
 
 _CHECKPOINTED: dict[type, type] = {}

@@ -7,6 +7,16 @@
 Layout and commit protocol: Note [checkpoint layout] (manifest.py). What is
 captured when, and how an async save stays consistent while training goes
 on: Note [consistent async checkpoint] (save.py).
+
+Note [one word, two concepts]
+Users say "checkpoint" for two things: a saved training state (DeepSpeed's
+save_checkpoint / load_checkpoint, a ckpts/ directory) and recomputing
+activations in backward (torch.utils.checkpoint.checkpoint, DeepSpeed's
+`activation_checkpointing` key). Inside offload the noun means the first only:
+this package and the engine's save/load methods. Activation recomputation
+lives in offload/activations/ (recompute.py); the public names users type for
+it, `offload.checkpoint(fn, *args)` and the config key, keep torch's and
+DeepSpeed's spelling because they are what users replace.
 """
 from offload.checkpoint_io.manifest import CheckpointError
 

@@ -126,6 +126,11 @@ class Config(_Section):
         self._set("gradient_clipping", _float("gradient_clipping", self.gradient_clipping, lo=0.0, hf_auto=True))
         self._set("steps_per_print", _int("steps_per_print", self.steps_per_print, lo=1, none=True))
         _bool("wall_clock_breakdown", self.wall_clock_breakdown)
+        # Sections given as dicts (Config(aio={...}) as well as from_dict) name their
+        # keys with no effect; from_dict then adds the top level's.
+        given = {name: v for name, v in ((n, getattr(self, n)) for n in _SECTIONS) if isinstance(v, Mapping)}
+        if given and not self.inert:
+            self._set("inert", tuple(type(self).inert_keys(given)))
         for name, cls in _SECTIONS.items():
             v = getattr(self, name)
             kind = getattr(cls, "TYPE", cls)  # a section read into a type of its own layer (aio)

@@ -302,7 +302,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
         if pl.reuse:
             # The build-time shard as it is, now in the engine's context (same
             # device, ranks and account; the engine's stores and gradient tier).
-            pl.built.ctx = ctx
+            pl.built.join(ctx)
             shards.append(pl.built)
         else:
             shards.append(Shard(pl.index, pl.name, pl.param, compute_dtype=dtype, home=pl.home, ctx=ctx))

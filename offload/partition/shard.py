@@ -151,6 +151,20 @@ class Shard:
         padded[:piece.numel()] = piece
         return padded
 
+    def join(self, ctx: ShardContext) -> None:
+        """Moves a shard built under offload.init into the engine's context.
+
+        Only what the engine adds may change (its stores over the same files,
+        the gradient tier, gathered-buffer reuse): the device, the ranks and the
+        memory account the shard's bytes are charged to must be the same ones.
+        """
+        if ctx.device != self.ctx.device or ctx.pg != self.ctx.pg or ctx.account is not self.ctx.account:
+            raise RuntimeError(f"shard {self.name}: built for device {self.ctx.device}, rank "
+                               f"{self.ctx.pg.rank}/{self.ctx.pg.world_size}; the engine runs on "
+                               f"{ctx.device}, rank {ctx.pg.rank}/{ctx.pg.world_size} with its own "
+                               "memory account: initialize the model where offload.init built it")
+        self.ctx = ctx
+
     def adopt(self, value: torch.Tensor) -> None:
         """Takes the parameter's initial value (any dtype/device) into its home."""
         flat = value.detach().reshape(-1).to(self.dtype)

@@ -31,7 +31,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from offload.bench._common import (
+from offload_bench.common import (
     log, machine_info, parse_size, peak_rss_bytes, pyplot, save_png, stdout_to_stderr, write_json,
 )
 

@@ -144,8 +144,7 @@ def _child(name: str, spec: dict) -> dict:
 
     import torch
 
-    from offload.models import GPT, GPTConfig
-    from offload.models.gpt import lm_loss
+    from offload_bench.gpt import GPT, GPTConfig, lm_loss
 
     s = spec["settings"]
     res: dict = {"name": name, "torch_threads": torch.get_num_threads(), "rss_after_import": _rss()}
@@ -286,15 +285,18 @@ def _free_port() -> int:
 
 
 def _run_one(name: str, spec: dict, timeout: int, workdir: Path) -> dict:
-    from offload.bench._common import OtherLoad, log
+    from offload_bench.common import OtherLoad, log
 
     spec_path = workdir / f"{name}.spec.json"
     spec["result"] = str(workdir / f"{name}.result.json")
     spec_path.write_text(json.dumps(spec))
-    root = str(Path(__file__).resolve().parents[2])  # the directory holding the offload package
+    import offload
+
+    # the child imports offload and offload_bench from where this process found them
+    roots = [str(Path(offload.__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1])]
     env = dict(os.environ)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, "-m", "offload.bench.train", "--child", name, "--child-spec", str(spec_path)]
+    env["PYTHONPATH"] = os.pathsep.join(roots + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    cmd = [sys.executable, "-m", "offload_bench.train", "--child", name, "--child-spec", str(spec_path)]
     log(f"== {name}")
     load = OtherLoad()
     t0 = time.perf_counter()
@@ -414,7 +416,7 @@ def _roofline(results: dict, nvme_root: Path) -> dict:
 
 
 def _print_breakdown(results: dict, roofline: dict) -> None:
-    from offload.bench._common import log
+    from offload_bench.common import log
 
     for name, r in results.items():
         if "timeline" not in r:
@@ -431,7 +433,7 @@ def _print_breakdown(results: dict, roofline: dict) -> None:
 
 
 def _plot(results: dict, out_dir: str, title: str):
-    from offload.bench._common import pyplot, save_png
+    from offload_bench.common import pyplot, save_png
 
     plt = pyplot("train.png")
     if plt is None:
@@ -456,7 +458,7 @@ def _plot(results: dict, out_dir: str, title: str):
 def run(args) -> int:
     if args.child:
         return _child_main(args.child, args.child_spec)
-    from offload.bench._common import log, machine_info, write_json
+    from offload_bench.common import log, machine_info, write_json
 
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     bad = [n for n in names if n not in CONTENDERS]
@@ -467,7 +469,7 @@ def run(args) -> int:
         log(f"--rounds must be at least 1, got {args.rounds}")
         return 2
     settings = _settings(args)
-    from offload.models import GPTConfig
+    from offload_bench.gpt import GPTConfig
 
     gcfg = GPTConfig(**settings["model"])
     h, v = gcfg.hidden, gcfg.vocab_size

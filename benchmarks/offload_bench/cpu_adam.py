@@ -26,8 +26,8 @@ import sys
 
 import torch
 
-from offload.bench import _common
-from offload.bench._common import log
+from offload_bench import common
+from offload_bench.common import log
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 PEERS = ("torch_adamw_fused", "torch_adamw_foreach", "deepspeed_cpu_adam")
@@ -43,7 +43,7 @@ PEER_OFFLOAD_BYTES = G16_TO_G32_BYTES + STEP_BYTES + P32_TO_P16_BYTES  # 40: thr
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", type=_common.parse_size_list, default=None,
+    parser.add_argument("--sizes", type=common.parse_size_list, default=None,
                         help="parameter counts, comma separated, suffix K/M/G (default 1M,10M,50M,200M)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed steps per contender, the median is kept (default 5; "
@@ -63,7 +63,7 @@ def measure_roofline(numel: int, repeats: int) -> dict[str, float]:
     8 B per element each), timed interleaved like the contenders."""
     x = torch.ones(numel)
     y = torch.empty_like(x)
-    timed = _common.time_interleaved({"add_inplace": lambda: x.add_(1.0), "copy": lambda: y.copy_(x)},
+    timed = common.time_interleaved({"add_inplace": lambda: x.add_(1.0), "copy": lambda: y.copy_(x)},
                                      repeats, warmup=2)
     del x, y
     return {name: 8 * numel / t / 1e9 for name, (t, _) in timed.items()}
@@ -76,7 +76,7 @@ def _deepspeed():
     build print to stdout, which would corrupt our JSON, hence the redirect."""
     info = {"available": False, "version": None, "error": None}
     try:
-        with _common.stdout_to_stderr():
+        with common.stdout_to_stderr():
             import deepspeed
             from deepspeed.ops.adam import DeepSpeedCPUAdam
             from deepspeed.utils import logger as ds_logger
@@ -184,7 +184,7 @@ def bench_size(n, contenders, args, ds_cls) -> dict:
     for case in ("fp32", "offload"):
         built = {name: build_contender(name, case, p0, g32, g16, args.threads, ds_cls) for name in contenders}
         fns = {(name, variant): fn for name, variants in built.items() for variant, fn in variants.items()}
-        timed = _common.time_interleaved(fns, _repeats(n, args.repeats), args.warmup)
+        timed = common.time_interleaved(fns, _repeats(n, args.repeats), args.warmup)
         del built, fns
         gc.collect()  # free this case's state (~16 B/param per contender) before the next
         result[case] = {}
@@ -226,7 +226,7 @@ def _human(n: int) -> str:
 
 
 def plot(report, out_dir):
-    plt = _common.pyplot("cpu_adam.png")
+    plt = common.pyplot("cpu_adam.png")
     if plt is None:
         return None
     sizes = sorted(int(s) for s in report["results"])
@@ -254,7 +254,7 @@ def plot(report, out_dir):
     m = report["machine"]
     fig.suptitle(f"CPU Adam step, {m['cpu_model']}, {report['config']['threads']} threads, "
                  f"median of {report['config']['repeats']}", fontsize=11)
-    return str(_common.save_png(fig, out_dir, "cpu_adam.png"))
+    return str(common.save_png(fig, out_dir, "cpu_adam.png"))
 
 
 def run(args) -> int:
@@ -268,8 +268,8 @@ def run(args) -> int:
     ds_cls, ds_info = (None, {"available": False, "error": "skipped (--no-deepspeed)"}) \
         if args.no_deepspeed else _deepspeed()
     contenders = [c for c in CONTENDERS if c != "deepspeed_cpu_adam" or ds_cls is not None]
-    machine = _common.machine_info()
-    other_load = _common.OtherLoad()
+    machine = common.machine_info()
+    other_load = common.OtherLoad()
     log(f"cpu_adam: sizes {args.sizes}, {args.threads} threads, median of {args.repeats}, "
         f"load {machine['load_average']}, deepspeed {ds_info.get('version') or ds_info['error']}")
 
@@ -290,7 +290,7 @@ def run(args) -> int:
     report = {
         "benchmark": "cpu_adam",
         "machine": machine,
-        "load_average_end": _common.machine_info()["load_average"],
+        "load_average_end": common.machine_info()["load_average"],
         # CPU share other processes took during the run: these figures are only
         # trustworthy near 0 (with 2 cores, torch's OpenMP barriers slow 10x under contention)
         "other_processes_cpu_share": other_load.share(),
@@ -307,12 +307,12 @@ def run(args) -> int:
                      "torch foreach really makes ~9 passes (~92 B/param), so its GB/s understates its traffic"),
         },
         "deepspeed": ds_info,
-        "peak_rss_gib": _common.peak_rss_gib(),
+        "peak_rss_gib": common.peak_rss_gib(),
         "results": results,
         "ratios": _ratios(results[str(max(args.sizes))], max(args.sizes)),
     }
     report["files"] = {"png": plot(report, args.out), "json": os.path.join(args.out, "cpu_adam.json")}
-    _common.write_json(report, args.out, "cpu_adam.json")
+    common.write_json(report, args.out, "cpu_adam.json")
     r = report["ratios"]
     for n in args.sizes:
         for case, entries in results[str(n)].items():
