@@ -173,7 +173,8 @@ def load_into(engine, load_dir, tag: str | None = None):
     engine.micro_steps = state["micro_steps"]
     engine.skipped_steps = state["skipped_steps"]
     engine._zero_grads()
-    engine._pending_backward = False
+    engine._passes_at_step = engine._passes_at_update = engine.manager.backward_passes
+    engine._scaled_passes = 0
     restore_rng(state["rng"])
     return state["client_state"]
 

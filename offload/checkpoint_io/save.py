@@ -119,12 +119,12 @@ class SaveJob:
     """One checkpoint being written by this rank (Note [consistent async checkpoint])."""
 
     def __init__(self, engine, save_dir, tag: str | None, client_state, async_save: bool):
-        if engine._pending_backward or engine.micro_steps % engine.gradient_accumulation_steps:
+        if engine.gradients_pending or engine.micro_steps % engine.gradient_accumulation_steps:
             raise RuntimeError(
                 f"save_checkpoint inside a gradient accumulation window (micro-step "
                 f"{engine.micro_steps}, gradient_accumulation_steps "
-                f"{engine.gradient_accumulation_steps}, backward pending: "
-                f"{engine._pending_backward}): the gradients accumulated so far are not saved; "
+                f"{engine.gradient_accumulation_steps}, gradients pending: "
+                f"{engine.gradients_pending}): the gradients accumulated so far are not saved; "
                 f"save after the engine.step() that completes the window")
         self.pg = engine.pg
         self.root = Path(save_dir)

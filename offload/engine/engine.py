@@ -98,6 +98,7 @@ class Engine:
                                         prefetch=prefetch_scheduler(config.zero_optimization, self.shards),
                                         timeline=self._timeline)
         self.activation_checkpointing.attach(self.manager)
+        self.manager.on_forward = self._before_forward  # model(x) as well as engine(x)
 
         opt = config.optimizer
         self.optimizer = ShardedAdam(
@@ -108,6 +109,7 @@ class Engine:
             sub_group_size=config.zero_optimization.sub_group_size, timeline=self._timeline,
             pending_grad_elems=config.zero_optimization.reduce_bucket_size)
         built.place(self.optimizer.init_state)  # the parameters move home here, one at a time
+        self.optimizer.driver = self._update  # optimizer.step() from the user's loop
         self.lr_scheduler = None
         if config.scheduler is not None:
             from offload.schedulers import build_scheduler
@@ -124,22 +126,30 @@ class Engine:
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
-        self._pending_backward = False
+        self._passes_at_step = 0  # manager.backward_passes when the last step() ran
+        self._passes_at_update = 0  # ... when the last update ran (fp16: see _update)
+        self._scaled_passes = 0  # backward passes through engine.backward since then
+        self._in_engine_step = False
         self._closed = False
         self._checkpoint_job = None  # an async save in progress (offload/checkpoint_io)
 
     # ---- the training loop -------------------------------------------------
     def __call__(self, *args, **kwargs):
+        """model(*args, **kwargs), timed: the model's own hooks gather its parameters
+        (Note [the model is the interface] in partition/manager.py)."""
+        self._check_open()
+        with self._timeline.span("forward"):
+            return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def _before_forward(self) -> None:
         self._check_open()
         if self.optimizer.overlapping:
             raise RuntimeError(
                 "engine.step() must follow engine.backward() before the next forward: at a gradient "
                 "accumulation boundary the optimizer update runs during backward (Note [optimizer "
                 "overlap]) and step() completes it")
-        with self._timeline.span("forward"), self.manager.forward_context():
-            return self.module(*args, **kwargs)
-
-    forward = __call__
 
     def backward(self, loss: torch.Tensor) -> None:
         self._check_open()
@@ -150,9 +160,10 @@ class Engine:
         if not loss.requires_grad:
             raise RuntimeError("loss does not require grad: was the forward run under "
                                "torch.no_grad() or with every parameter frozen?")
-        if self._pending_backward:
-            raise RuntimeError("engine.backward() called twice without engine.step(): call step() "
-                               "after each backward (it counts gradient accumulation micro-steps)")
+        if self.optimizer.overlapping:
+            raise RuntimeError(
+                "engine.backward() called again before engine.step(): this window's last backward "
+                "already started the optimizer update (Note [optimizer overlap]); call step() first")
         scale = 1.0 / self.gradient_accumulation_steps
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
@@ -165,12 +176,12 @@ class Engine:
             with self._timeline.span("backward"):
                 (loss * scale).backward()
         except BaseException:
+            self.manager.abandon_backward()
             if self.optimizer.overlapping:
                 self._abandon_overlap()
             raise
-        finally:
-            self.manager.end_backward()
-        self._pending_backward = True
+        if self.loss_scaler is not None:
+            self._scaled_passes += 1
 
     def _can_overlap(self) -> bool:
         """Note [optimizer overlap]: updates may start during this backward when it
@@ -195,39 +206,64 @@ class Engine:
             log.exception("while finishing optimizer updates after a failed backward")
 
     def step(self) -> None:
+        """DeepSpeed's step: counts a micro-step; at the end of an accumulation window
+        applies the update (as engine.optimizer.step()) and clears the gradients."""
         self._check_open()
-        if not self._pending_backward:
-            raise RuntimeError("engine.step() called without engine.backward() since the last step")
-        self._pending_backward = False
+        if self.manager.backward_passes == self._passes_at_step:
+            raise RuntimeError("engine.step() called without a backward since the last step "
+                               "(engine.backward(loss) or loss.backward())")
+        self._passes_at_step = self.manager.backward_passes
         self.micro_steps += 1
         if self.micro_steps % self.gradient_accumulation_steps != 0:
             return
+        # Through optimizer.step(), so that a torch LR scheduler on it sees the step.
+        self._in_engine_step = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._in_engine_step = False
+        self._zero_grads()
+
+    def _update(self) -> None:
+        """The engine's whole update: engine.step() at a boundary, and
+        engine.optimizer.step() from a user's loop (Note [the optimizer users drive])."""
+        self._check_open()
+        from_engine_step = self._in_engine_step
         if self.optimizer.overlapping:
-            self.optimizer.step()  # waits for the updates that ran during backward
-            self._finish_step()
+            self.optimizer.update()  # waits for the updates that ran during backward
+            self._finish_update()
             return
         if self.loss_scaler is not None:
+            unscaled = self.manager.backward_passes - self._passes_at_update - self._scaled_passes
+            if not from_engine_step or unscaled:
+                what = ("engine.optimizer.step() was called" if not from_engine_step
+                        else f"{unscaled} backward pass(es) ran outside engine.backward")
+                raise RuntimeError(
+                    f"fp16 with loss scaling: {what}. Gradients must come from engine.backward(loss), "
+                    "which scales the loss, and be applied by engine.step(), which unscales them and "
+                    "skips overflowed steps. To drive the optimizer from your own loop, use bf16")
             overflow = self.pg.any_flag(not self._grads_finite(), self.device)
+            self._passes_at_update, self._scaled_passes = self.manager.backward_passes, 0
             if overflow:
                 self.loss_scaler.update(True, self.global_steps + self.skipped_steps + 1)
                 self.skipped_steps += 1
                 self._zero_grads()
                 return
             for s in self.shards:  # unscale with the scale backward used
-                s.grad_part.div_(self.loss_scaler.scale)
+                if s.has_grad:
+                    s.grad_part.div_(self.loss_scaler.scale)
             self.loss_scaler.update(False, self.global_steps + self.skipped_steps + 1)
         if self.config.gradient_clipping > 0:
             self._clip_grads(self.config.gradient_clipping)
         self._before_update()  # Note [consistent async checkpoint] (offload/checkpoint_io/save.py)
-        self.optimizer.step()
-        self._finish_step()
+        self.optimizer.update()
+        self._finish_update()
 
-    def _finish_step(self) -> None:
+    def _finish_update(self) -> None:
         if Tier.NVME in (self.param_tier, self.optim_tier):
             # Host memory is what an NVMe run is short of, and its step waits on
             # the disk anyway (Note [engine bytes and the OS]).
             release_free_host_memory()
-        self._zero_grads()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_steps += 1
@@ -255,6 +291,11 @@ class Engine:
         shard.take_grad(grad)
         if self.optimizer.overlapping:
             self.optimizer.submit(shard)
+
+    @property
+    def gradients_pending(self) -> bool:
+        """Whether a backward since the last optimizer step left gradients not yet applied."""
+        return any(s.has_grad for s in self.shards)
 
     def _grads_finite(self) -> bool:
         return all(bool(torch.isfinite(s.grad_part).all()) for s in self.shards if s.has_grad)
@@ -334,7 +375,7 @@ class Engine:
         try:
             self.wait_checkpoint()  # it may still be copying swap files
             if self.optimizer.overlapping:
-                self.optimizer.step()
+                self.optimizer.update()
         finally:
             self._closed = True
             self.optimizer.close()

@@ -211,12 +211,48 @@ class ShardedAdam(torch.optim.Optimizer):
         return f"optim.{shard.index}"
 
     # ---- the step -------------------------------------------------------
+    # Note [the optimizer users drive]
+    # Trainer, Accelerate and plain loops call optimizer.step() and
+    # optimizer.zero_grad() themselves, and torch's LR schedulers wrap step().
+    # So step() is the engine's whole update when an engine owns this
+    # optimizer (`driver`: fp16 unscaling and overflow skips, the config's
+    # gradient clipping, waiting for an async checkpoint, the config's LR
+    # schedule), and update() is the Adam update alone, which the engine calls.
+    # zero_grad() clears the gradient partitions, where the gradients are.
+    driver = None
+
     @torch.no_grad()
     def step(self, closure=None):
-        """Updates every shard that has a gradient (a deferred step: clipping
-        or an fp16 overflow check needed every gradient first)."""
         if closure is not None:
-            raise RuntimeError("the engine's optimizer takes no closure; call engine.step()")
+            raise RuntimeError("the engine's optimizer takes no closure: compute the loss and call "
+                               "backward before step()")
+        if self.driver is not None:
+            return self.driver()
+        self.update()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forgets the gradients accumulated since the last step (they live in the shards'
+        fp32 partitions, not in param.grad); the next backward starts from zero."""
+        if self._overlap is not None:
+            raise RuntimeError("optimizer.zero_grad() while an overlapped update runs: call step() first")
+        for shard in self.shards:
+            shard.clear_grad()
+
+    def state_dict(self):
+        raise RuntimeError(
+            "the engine's optimizer state is partitioned over tiers (NVMe included) and is not "
+            "returned as one dict: save and resume it with engine.save_checkpoint(dir) and "
+            "engine.load_checkpoint(dir), which restore it bit for bit")
+
+    def load_state_dict(self, state_dict) -> None:
+        raise RuntimeError("the engine's optimizer state is restored by engine.load_checkpoint(dir), "
+                           "from a checkpoint engine.save_checkpoint(dir) wrote")
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Updates every shard that has a gradient (a deferred step: clipping
+        or an fp16 overflow check needed every gradient first), or finishes
+        the updates that ran during backward (Note [optimizer overlap])."""
         if self._overlap is not None:
             self._finish_overlap()
             return

@@ -16,6 +16,24 @@ structure, and none is gathered in backward unless backward needs its value.
 A parameter's backward holds end in its post-accumulate-grad hook, which
 also moves the gradient into the shard's fp32 partition and frees it.
 
+Note [the model is the interface]
+Users call their own module (`model(x)`, Hugging Face's Trainer, Accelerate)
+as often as `engine(x)`, and recompute activations with any checkpoint
+function. So the hooks live for the engine's life, and every module also
+carries a pair that opens the forward context above around the outermost
+module call, whichever module that is: `engine(x)` is just `model(x)`.
+A module called during backward is a recomputation (torch's or Hugging
+Face's checkpointing, reentrant or not; ours); it joins the pass under way
+and pushes no saved-tensor hooks, because such hooks do not stack and the
+checkpoint function's own pair must stay innermost to catch what it saves.
+What a recomputation saves may then be a gathered parameter itself, so the
+holds it takes are not dropped after its forward but kept, as backward holds,
+until that parameter's gradient is final (its post-accumulate-grad hook) or
+the backward ends. The end of a backward is learned from autograd (a
+callback queued on the first graph task that touched a parameter), not from
+`engine.backward`, so `loss.backward()` ends a pass the same way and several
+backward calls before one optimizer step accumulate, as in PyTorch.
+
 Note [bookkeeping outside the mode]
 While the forward runs, every torch call made in Python goes through the
 TorchFunctionMode above, which costs about 2 us a call. The model makes a
@@ -94,6 +112,14 @@ class ParameterManager:
         self._internal = False  # set while the manager itself touches parameters
         self._on_demand: list[Shard] = []
         self._backward_holds: dict[Shard, int] = {}
+        # Note [the model is the interface]
+        self.on_forward = None  # called as a forward pass opens (the engine's checks)
+        self._module_depth = 0  # module calls under way
+        self._opened: list[tuple[int, contextlib.ExitStack]] = []  # (depth, context) opened by module hooks
+        self._context_depth = 0  # forward contexts open (module-opened or explicit)
+        self._deferring = 0  # forward contexts open inside a backward
+        self._backward_tasks: list[int] = []  # autograd graph tasks under way that touched a parameter
+        self.backward_passes = 0  # completed backward passes (engine.step counts them)
         # Storage address of each gathered buffer -> its shard, to recognise
         # saved tensors that are parameters (or views of them).
         self._live: dict[int, Shard] = {}
@@ -154,6 +180,9 @@ class ParameterManager:
                 continue
             self._handles.append(mod.register_forward_pre_hook(self._make_pre_hook(own)))
             self._handles.append(mod.register_forward_hook(self._make_post_hook(own), always_call=True))
+        for mod in self.module.modules():  # Note [the model is the interface]
+            self._handles.append(mod.register_forward_pre_hook(self._enter_module, prepend=True))
+            self._handles.append(mod.register_forward_hook(self._leave_module, always_call=True))
         for shard in self.shards:
             if shard.param.requires_grad:
                 self._handles.append(
@@ -171,17 +200,66 @@ class ParameterManager:
             with _bookkeeping():
                 for shard in own:
                     if shard.held:
-                        self.drop(shard)
+                        self._drop_or_defer(shard, defer=self._deferring > 0)
         return post_hook
+
+    def _drop_or_defer(self, shard: Shard, defer: bool) -> None:
+        """Ends a forward hold; in a recomputation during backward (defer), keeps it
+        until the parameter's gradient is final (Note [the model is the interface])."""
+        if defer:
+            self._note_backward()
+            self._backward_holds[shard] = self._backward_holds.get(shard, 0) + 1
+        else:
+            self.drop(shard)
 
     def _make_grad_hook(self, shard: Shard):
         def grad_hook(param):
+            self._note_backward()
             grad = param.grad
             param.grad = None
             self._on_grad(shard, grad)
             for _ in range(self._backward_holds.pop(shard, 0)):
                 self.drop(shard)
         return grad_hook
+
+    # ---- the outermost module call opens the forward context ---------------
+    def _enter_module(self, module, args) -> None:
+        self._module_depth += 1  # first: _leave_module runs even if what follows raises
+        if self._context_depth:
+            return
+        in_backward = torch._C._current_graph_task_id() != -1
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.forward_context(new_pass=not in_backward, recomputing=in_backward))
+        self._opened.append((self._module_depth, stack))
+
+    def _leave_module(self, module, args, output) -> None:
+        depth = self._module_depth
+        self._module_depth -= 1
+        if self._opened and self._opened[-1][0] == depth:
+            self._opened.pop()[1].close()
+
+    # ---- the end of a backward pass -----------------------------------------
+    def _note_backward(self) -> None:
+        """Called from every hook that runs in backward: the first time a graph
+        task touches a parameter, asks autograd to tell us when it ends."""
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task in self._backward_tasks:
+            return
+        self._backward_tasks.append(task)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_done(task))
+
+    def _backward_done(self, task: int) -> None:
+        if task in self._backward_tasks:
+            self._backward_tasks.remove(task)
+        if not self._backward_tasks:  # the outermost (a reentrant checkpoint's inner one ends first)
+            self.end_backward()
+            self.backward_passes += 1
+
+    def abandon_backward(self) -> None:
+        """After a backward that raised (autograd runs no callback then)."""
+        if self._backward_tasks:
+            self._backward_tasks.clear()
+            self.end_backward()
 
     def gather_on_use(self, shard: Shard) -> None:
         self.hold(shard)
@@ -211,27 +289,41 @@ class ParameterManager:
         if not isinstance(saved, _SavedParamView):
             return saved if self.activations is None else self.activations.unpack(saved)
         with _bookkeeping():  # a recomputation's unpack runs inside forward_context
+            self._note_backward()
             data = self.hold(saved.shard)
             self._backward_holds[saved.shard] = self._backward_holds.get(saved.shard, 0) + 1
             return data.as_strided(saved.size, saved.stride, saved.shard.full_storage_offset() + saved.offset)
 
     @contextlib.contextmanager
-    def forward_context(self, new_pass: bool = True):
-        """Active around the root forward: on-demand gathering and saved-tensor records.
+    def forward_context(self, new_pass: bool = True, recomputing: bool = False):
+        """Active around the outermost forward: on-demand gathering and saved-tensor records.
         new_pass=False: a recomputation inside backward (activation checkpointing),
-        part of the pass under way (Note [prefetch order])."""
+        part of the pass under way (Note [prefetch order]). recomputing=True: run by
+        another checkpoint function, whose saved-tensor hooks must stay innermost
+        (Note [the model is the interface])."""
         if new_pass:
+            if self._backward_tasks and torch._C._current_graph_task_id() == -1:
+                self.abandon_backward()  # a backward that raised left its holds
+            if self.on_forward is not None:
+                self.on_forward()
             self._end_pass()
             self.prefetch.begin_pass((self.module.training, torch.is_grad_enabled()))
         active = contextlib.nullcontext() if self.activations is None else self.activations.active()
+        saved = (contextlib.nullcontext() if recomputing
+                 else torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+        self._context_depth += 1
+        self._deferring += recomputing
         try:
-            with _GatherOnUse(self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), active:
+            with _GatherOnUse(self), saved, active:
                 yield
         finally:
-            while self._on_demand:
-                shard = self._on_demand.pop()
-                if shard.held:
-                    self.drop(shard)
+            self._context_depth -= 1
+            self._deferring -= recomputing
+            with _bookkeeping():
+                while self._on_demand:
+                    shard = self._on_demand.pop()
+                    if shard.held:
+                        self._drop_or_defer(shard, defer=recomputing)
 
     def end_backward(self) -> None:
         """After backward: drop holds whose gradient hook never ran (frozen params)."""
@@ -268,6 +360,7 @@ class ParameterManager:
             self._internal = False
         self._backward_holds.clear()
         self._on_demand.clear()
+        self._backward_tasks.clear()
 
     def remove_hooks(self) -> None:
         for h in self._handles:

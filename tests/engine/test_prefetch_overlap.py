@@ -267,8 +267,10 @@ def test_forward_before_step_is_refused_while_updates_run(tmp_path):
         engine.backward(lm_loss(engine(x), y))
         with pytest.raises(RuntimeError, match=r"engine.step\(\) must follow engine.backward\(\)"):
             engine(x)
-        with pytest.raises(RuntimeError, match="backward\\(\\) called twice"):
+        with pytest.raises(RuntimeError, match="backward\\(\\) called again before engine.step\\(\\)"):
             engine.backward(lm_loss(torch.zeros(3, 7, 37, requires_grad=True), y))
+        with pytest.raises(RuntimeError, match=r"engine.step\(\) must follow engine.backward\(\)"):
+            model(x)  # the user's own module: the same check
         engine.step()
         engine(x)  # fine again
 
