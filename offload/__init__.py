@@ -19,6 +19,7 @@ _LAZY = {
     "estimate": ("offload.estimate", "estimate"),
     "checkpoint": ("offload.activations", "checkpoint"),
     "consolidate": ("offload.checkpoint_io", "consolidate"),
+    "gathered": ("offload.partition.managed", "gathered"),
 }
 
 
@@ -32,4 +33,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'offload' has no attribute {name!r}")
 
 
-__all__ = ["initialize", "init", "Engine", "Config", "estimate", "checkpoint", "consolidate", "__version__"]
+__all__ = ["initialize", "init", "Engine", "Config", "estimate", "checkpoint", "consolidate", "gathered",
+           "__version__"]

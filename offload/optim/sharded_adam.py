@@ -513,6 +513,20 @@ class ShardedAdam(torch.optim.Optimizer):
         return self.state_store.path_of(self._key(shard))
 
     @torch.no_grad()
+    def set_master(self, shard: Shard, master: torch.Tensor) -> None:
+        """Replaces `shard`'s fp32 master (part_numel elements): the weights were edited
+        outside training (offload.gathered); the moments stay."""
+        if self.shares_master(shard):
+            shard.ctx.param_store.write(shard, master.cpu().contiguous()).wait()
+        elif self.tier is Tier.NVME:
+            packed = torch.empty(3 * shard.part_numel, dtype=torch.float32)
+            self.state_store.swap_in(self._key(shard), out=packed).wait()
+            packed[:shard.part_numel].copy_(master)
+            self.state_store.swap_out(self._key(shard), packed).wait()
+        else:
+            self._states[shard.index][0].copy_(master)
+
+    @torch.no_grad()
     def load_state_tensors(self, shard: Shard, master: torch.Tensor, exp_avg: torch.Tensor,
                            exp_avg_sq: torch.Tensor) -> None:
         """Replaces `shard`'s state with these values (part_numel fp32 elements each)."""

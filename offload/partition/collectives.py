@@ -40,6 +40,11 @@ class ProcessGroupInfo:
         start = self.rank * part_numel
         return full_flat[start:start + part_numel]
 
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """tensor <- rank src's tensor, in place."""
+        if self.world_size > 1:
+            dist.broadcast(tensor, src, group=self.group)
+
     def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
             dist.all_reduce(value, group=self.group)

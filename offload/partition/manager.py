@@ -261,6 +261,25 @@ class ParameterManager:
             self._backward_tasks.clear()
             self.end_backward()
 
+    @property
+    def in_forward(self) -> bool:
+        return self._context_depth > 0
+
+    # Set by the engine: an edited partition's fp32 value for the optimizer's master
+    # (offload.gathered with modifier_rank; Note [reading a parameter outside the engine]).
+    on_edit = None
+    closed = False  # set by the engine's close when the values were not given back
+
+    def write_edit(self, shard: Shard) -> None:
+        """The held parameter was edited: its partition goes home, and to the optimizer."""
+        self._internal = True
+        try:
+            shard.write_home()
+            if self.on_edit is not None:
+                self.on_edit(shard, shard.gathered_partition().float())
+        finally:
+            self._internal = False
+
     def gather_on_use(self, shard: Shard) -> None:
         self.hold(shard)
         self._on_demand.append(shard)

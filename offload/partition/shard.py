@@ -276,6 +276,28 @@ class Shard:
             return None
         return self.param.data.untyped_storage().data_ptr()
 
+    # ---- edits of the gathered value (offload.gathered) -------------------
+    def full_value_buffer(self) -> torch.Tensor:
+        """The padded flat gathered buffer (held), which edits of the parameter write."""
+        if self.residency is not Residency.GATHERED:
+            raise RuntimeError(f"parameter {self.name} is not gathered")
+        return self._full
+
+    def gathered_partition(self) -> torch.Tensor:
+        """This rank's partition of the gathered value (a view)."""
+        start = self.ctx.pg.rank * self.part_numel
+        return self.full_value_buffer()[start:start + self.part_numel]
+
+    def write_home(self) -> None:
+        """After an edit of the gathered value: this rank's partition goes home."""
+        part = self.gathered_partition()
+        if self.home is Tier.DEVICE or (self.home is Tier.HOST and self._zero_copy):
+            return  # the gathered buffer is the home
+        if self.home is Tier.HOST:
+            self.host_part.copy_(part)
+        else:
+            self.ctx.param_store.write(self, part.to("cpu").contiguous()).wait()
+
     def full_storage_offset(self) -> int:
         """Where the gathered buffer starts in its storage, in elements."""
         return self._full.storage_offset()

@@ -1,0 +1,250 @@
+"""Parameters read, edited or saved outside the engine's forward.
+
+Note [reading a parameter outside the engine]
+Between uses an offloaded parameter's `.data` is a placeholder (a zero
+expanded to its shape). Inside a forward the manager gathers it before any
+torch function sees it; outside, a user's `model.state_dict()`,
+`save_pretrained`, `print(model.fc.weight)` or `weight.sum()` would see the
+zeros. So for the engine's life every managed parameter's class is
+`ManagedParameter`, a subclass of nn.Parameter (isinstance checks, optimizers,
+Trainer and Accelerate see a Parameter) whose __torch_function__ looks at
+each call given a released one outside a forward:
+  metadata (shape, dtype, device, requires_grad, size(), hooks, ...) and
+  conversions that would return the parameter itself (`.to(its device)`,
+  Trainer's model.to(device)): passed through, nothing gathered;
+  a read (detach, clone, arithmetic, repr, state_dict's detach): the
+  parameter is gathered, the function runs, any result sharing the gathered
+  buffer is copied, and the parameter is released: the caller gets the real
+  values, never the buffer (which the next gather may reuse);
+  a write (in-place ops, `out=`, `param.data = value`) and `.data` itself
+  (an alias that may be written later): refused, naming
+  `offload.gathered(params, modifier_rank=0)`, which gathers, lets the
+  caller edit, and writes the edits home and into the optimizer's fp32 master.
+Inside a forward the manager's own rules apply (Note [when parameters are
+gathered]). The engine's code changes `.data` with subclass handling off
+(`engine_access`). Closing the engine gives the parameters their class back.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from offload.partition.shard import Residency
+
+# The engine's own access to param.data (Shard gathering and releasing).
+engine_access = torch._C.DisableTorchFunctionSubclass
+
+_METADATA_PROPERTIES = {"shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "grad_fn",
+                        "layout", "ndim", "names", "is_cuda", "is_cpu", "is_meta", "is_sparse",
+                        "is_quantized", "_backward_hooks", "_post_accumulate_grad_hooks", "itemsize",
+                        "nbytes", "_version", "output_nr", "_base", "retains_grad", "is_nested"}
+_METADATA_METHODS = {"size", "dim", "numel", "nelement", "stride", "element_size", "is_floating_point",
+                     "is_complex", "get_device", "requires_grad_", "register_hook", "is_contiguous",
+                     "register_post_accumulate_grad_hook", "retain_grad", "__hash__", "ndimension",
+                     "type", "__len__", "is_shared", "is_pinned", "storage_offset", "is_signed",
+                     "_is_view", "has_names", "__setstate__", "_has_compatible_shallow_copy_type"}
+_CONVERSIONS = {"to", "cpu", "cuda", "float", "half", "bfloat16", "double", "type_as"}
+
+
+def _name_of(func) -> tuple[str, str]:
+    """(kind, name): ('get'|'set', property) for attribute access, ('call', name) otherwise."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        owner = getattr(func, "__self__", None)
+        return ("get" if name == "__get__" else "set"), getattr(owner, "__name__", "")
+    return "call", name
+
+
+def _is_write(name: str, kwargs: dict) -> bool:
+    return kwargs.get("out") is not None or (name.endswith("_") and not name.startswith("__")) \
+        or name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                    "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__")
+
+
+def _refuse(param, what: str) -> RuntimeError:
+    shard = param._offload_shard
+    return RuntimeError(
+        f"{what} of parameter {shard.name}, which lives offloaded ({shard.home.value}) between uses: "
+        "outside the engine's forward its storage is a placeholder. To edit it (or keep an alias), "
+        "use `with offload.gathered(params, modifier_rank=0):` (edits are written home and into the "
+        "optimizer's fp32 master); reads (state_dict(), detach(), clone(), any function of it) "
+        "return its real values")
+
+
+class ManagedParameter(torch.nn.Parameter):
+    """An nn.Parameter whose value lives in a Shard (Note [reading a parameter outside the engine])."""
+
+    def __repr__(self):
+        return "Parameter containing:\n" + repr(self.detach())
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind, name = _name_of(func)
+        if kind != "call" and name != "data" or kind == "call" and name in _METADATA_METHODS:
+            with engine_access():
+                return func(*args, **kwargs)
+        released = _released_outside_forward(args, kwargs)
+        if not released:
+            with engine_access():
+                return func(*args, **kwargs)
+        first = released[0]
+        if kind == "set":
+            value = args[1] if len(args) > 1 else None
+            if value is first:  # module._apply's `param.data = fn(param)` with fn a no-op
+                return None
+            raise _refuse(first, "`param.data = value`")
+        if kind == "get":  # .data: an alias, maybe written later
+            raise _refuse(first, "`.data`")
+        if name in _CONVERSIONS and _converts_to_itself(func, args, kwargs):
+            return first
+        if _is_write(name, kwargs):
+            raise _refuse(first, f"in-place `{name}`")
+        return _read(released, func, args, kwargs)
+
+
+def _released_outside_forward(args, kwargs) -> list:
+    from offload.partition.manager import tensor_leaves
+
+    found = []
+    with engine_access():
+        for t in tensor_leaves((args, kwargs)):
+            shard = getattr(t, "_offload_shard", None)
+            if shard is None or shard.residency is Residency.GATHERED:
+                continue
+            manager = t._offload_manager
+            if manager.closed:
+                raise RuntimeError(f"parameter {shard.name}: its engine was closed and its value did not "
+                                   "fit in memory to be given back; read or save the weights before "
+                                   "engine.close() (state_dict(), engine.save_checkpoint)")
+            if manager._internal:
+                continue
+            if manager.in_forward:
+                manager.gather_on_use(shard)  # as the forward's mode does
+                continue
+            found.append(t)
+    return found
+
+
+def _converts_to_itself(func, args, kwargs) -> bool:
+    """Whether this conversion of a parameter returns the parameter (same dtype, device)."""
+    param = args[0]
+    with engine_access():
+        probe = torch.empty(0, dtype=param.dtype, device=param.device)
+        out = func(probe, *args[1:], **kwargs)
+    return isinstance(out, torch.Tensor) and out.dtype == param.dtype and out.device == param.device
+
+
+def _read(params: list, func, args, kwargs):
+    manager = params[0]._offload_manager
+    held = []
+    try:
+        with engine_access():
+            for p in params:
+                if p._offload_shard not in held:
+                    manager.hold(p._offload_shard)
+                    held.append(p._offload_shard)
+            buffers = {s.full_storage_ptr() for s in held}
+            out = func(*args, **kwargs)
+            return torch.utils._pytree.tree_map(
+                lambda x: x.clone() if isinstance(x, torch.Tensor) and x.layout == torch.strided
+                and x.untyped_storage().data_ptr() in buffers else x, out)
+    finally:
+        with engine_access():
+            for shard in held:
+                manager.drop(shard)
+
+
+def manage(manager, shards) -> None:
+    """Gives each shard's parameter the ManagedParameter class, for the engine's life."""
+    for shard in shards:
+        p = shard.param
+        if type(p) is torch.nn.Parameter:
+            p.__class__ = ManagedParameter
+        p._offload_shard = shard
+        p._offload_manager = manager
+
+
+def refuse_state_dict_larger_than_memory(module: torch.nn.Module, shards) -> object:
+    """A state_dict() pre-hook: every value it returns is a copy in host memory, so
+    a model larger than the memory available is refused before the first copy."""
+    offloaded = sum(s.numel * s.original_dtype.itemsize for s in shards if s.home.value != "device")
+
+    def pre_hook(mod, prefix, keep_vars):
+        if prefix:  # only the outermost call: submodules' calls are parts of it
+            return
+        import psutil
+
+        available = psutil.virtual_memory().available
+        if offloaded > 0.9 * available:
+            raise MemoryError(
+                f"state_dict(): the offloaded parameters take {offloaded / 2**30:.1f} GiB as full tensors "
+                f"and {available / 2**30:.1f} GiB of memory is available. Stream them instead: "
+                "engine.save_checkpoint(dir) then offload.consolidate(dir, 'model.safetensors') (one tensor "
+                "at a time), or read a few at a time with offload.gathered(params)")
+
+    return module.register_state_dict_pre_hook(pre_hook)
+
+
+def unmanage(shards) -> None:
+    """The engine is closing: plain nn.Parameters again."""
+    for shard in shards:
+        p = shard.param
+        if type(p) is ManagedParameter:
+            p.__class__ = torch.nn.Parameter
+        for attr in ("_offload_shard", "_offload_manager"):
+            p.__dict__.pop(attr, None)
+
+
+@contextlib.contextmanager
+def gathered(params, modifier_rank: int | None = None):
+    """Holds the full values of `params` (offloaded parameters of one engine) for the block.
+
+    modifier_rank: the rank whose edits count (0 with one process); at exit every
+    parameter whose value changed is written home and into the optimizer's fp32
+    master, so training goes on from the edited value. None: read only (edits
+    are refused at exit rather than lost). DeepSpeed's
+    zero.GatheredParameters(params, modifier_rank=...) in spirit.
+    """
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    params = list(params)
+    managed = [p for p in params if getattr(p, "_offload_shard", None) is not None]
+    managers = {id(p._offload_manager): p._offload_manager for p in managed}
+    if len(managers) > 1:
+        raise ValueError("offload.gathered: the parameters belong to different engines; gather each "
+                         "engine's separately")
+    if not managed:
+        yield params
+        return
+    manager = next(iter(managers.values()))
+    shards = list(dict.fromkeys(p._offload_shard for p in managed))
+    pg = shards[0].ctx.pg
+    if modifier_rank is not None and not 0 <= modifier_rank < pg.world_size:
+        raise ValueError(f"offload.gathered: modifier_rank {modifier_rank} is not a rank "
+                         f"(world size {pg.world_size})")
+    before = []
+    with engine_access():
+        for shard in shards:
+            manager.hold(shard)
+            before.append(shard.home_partition())
+    try:
+        yield params
+        with engine_access():
+            for shard, old in zip(shards, before):
+                if modifier_rank is not None and pg.world_size > 1:
+                    pg.broadcast(shard.full_value_buffer(), modifier_rank)
+                changed = not torch.equal(shard.gathered_partition(), old)
+                if changed and modifier_rank is None:
+                    # The buffer may be the home itself (and the master): undo, then say so.
+                    shard.gathered_partition().copy_(old)
+                    shard.write_home()
+                    raise RuntimeError(f"offload.gathered: parameter {shard.name} was changed inside a "
+                                       "read-only block; pass modifier_rank=0 to keep edits")
+                if changed:
+                    manager.write_edit(shard)
+    finally:
+        with engine_access():
+            for shard in shards:
+                manager.drop(shard)

@@ -1,0 +1,117 @@
+"""Weights read, saved and edited outside the engine's forward: real values, never
+the placeholder (Note [reading a parameter outside the engine] in
+offload/partition/managed.py)."""
+import copy
+
+import pytest
+import torch
+
+import offload
+from tests.engine.harness import batches, build, engine_weights, lm_loss, make_config, run_reference
+
+PLACEMENTS = [("cpu", "cpu"), ("nvme", "nvme"), ("nvme", "cpu")]
+
+
+def _train(model, engine, data):
+    for (x, y), in data:
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        engine.step()
+
+
+@pytest.mark.parametrize("param,optim", PLACEMENTS)
+def test_state_dict_and_reads_give_the_trained_weights(tmp_path, param, optim):
+    model = build("tiny_gpt")
+    data = batches(4)
+    ref_model, _ = run_reference(model, data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01)
+    model = copy.deepcopy(model)
+    with offload.initialize(model, make_config(param, optim, tmp_path)) as engine:
+        _train(model, engine, data)
+        state = model.state_dict()
+        weights = engine_weights(engine)
+        assert state.keys() == dict(ref_model.state_dict()).keys()
+        for name, value in weights.items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=0)
+            torch.testing.assert_close(state[name], ref_model.state_dict()[name])
+        # Direct reads outside a forward: the real values, as copies.
+        w = model.blocks[1].fc.weight
+        torch.testing.assert_close(w.detach(), weights["blocks.1.fc.weight"], rtol=0, atol=0)
+        torch.testing.assert_close(w.sum(), weights["blocks.1.fc.weight"].sum(), rtol=0, atol=0)
+        assert "0.0000, 0.0000, 0.0000" not in repr(w)
+        # Saved with torch and with safetensors, loaded into a plain model: equal.
+        torch.save(model.state_dict(), tmp_path / "sd.pt")
+        from safetensors.torch import load_model, save_model
+
+        save_model(model, str(tmp_path / "m.safetensors"))
+        # The model's own training goes on unaffected by the reads.
+        _train(model, engine, batches(1, seed=9))
+    for path in ("sd.pt", "m.safetensors"):
+        plain = build("tiny_gpt", seed=1)
+        if path.endswith(".pt"):
+            plain.load_state_dict(torch.load(tmp_path / path, weights_only=True))
+        else:
+            load_model(plain, str(tmp_path / path))
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(p.detach(), weights[name], rtol=0, atol=0)
+
+
+def test_writes_and_aliases_outside_a_forward_are_refused_with_what_to_do(tmp_path):
+    model = build("tiny_gpt")
+    with offload.initialize(model, make_config("nvme", "nvme", tmp_path)) as engine:
+        w = model.blocks[0].fc.weight
+        for write in (lambda: w.data, lambda: w.add_(1.0), lambda: setattr(w, "data", torch.ones(w.shape)),
+                      lambda: torch.add(w, 1.0, out=torch.empty(w.shape))):
+            with pytest.raises(RuntimeError, match=r"offload\.gathered\(params, modifier_rank=0\)"):
+                with torch.no_grad():
+                    write()
+        assert model.to("cpu") is model  # Trainer's move to its device: nothing gathered, nothing lost
+        assert w.shape == (99, 24) and w.dtype == torch.float32 and w.requires_grad
+        assert isinstance(w, torch.nn.Parameter)
+        assert all(not s.held for s in engine.shards if s.home.value != "device")
+
+
+@pytest.mark.parametrize("param,optim", [("cpu", "cpu"), ("nvme", "nvme")])
+def test_gathered_edits_reach_the_home_and_the_master(tmp_path, param, optim):
+    model = build("tiny_gpt")
+    data = batches(4, seed=3)
+    # Plain PyTorch: two steps, an edit, two steps.
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    for i, ((x, y),) in enumerate(data):
+        if i == 2:
+            with torch.no_grad():
+                ref.blocks[0].fc.weight.mul_(0.5)
+                ref.ln_f.bias.fill_(0.25)
+        lm_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    model = copy.deepcopy(model)
+    with offload.initialize(model, make_config(param, optim, tmp_path)) as engine:
+        for i, ((x, y),) in enumerate(data):
+            if i == 2:
+                params = [model.blocks[0].fc.weight, model.ln_f.bias]
+                with offload.gathered(params, modifier_rank=0), torch.no_grad():
+                    model.blocks[0].fc.weight.mul_(0.5)
+                    model.ln_f.bias.fill_(0.25)
+            lm_loss(model(x), y).backward()
+            engine.step()
+        weights = engine_weights(engine)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{name}: {m}")
+        # A read-only block that changes a value is refused rather than losing the edit.
+        with pytest.raises(RuntimeError, match="read-only block"):
+            with offload.gathered(model.ln_f.bias), torch.no_grad():
+                model.ln_f.bias.add_(1.0)
+        torch.testing.assert_close(engine_weights(engine)["ln_f.bias"], weights["ln_f.bias"], rtol=0, atol=0)
+
+
+def test_close_gives_the_values_back_to_a_plain_model(tmp_path):
+    model = build("tiny_gpt")
+    with offload.initialize(model, make_config("nvme", "nvme", tmp_path)) as engine:
+        _train(model, engine, batches(2))
+        weights = engine_weights(engine)
+    for name, p in model.named_parameters():
+        assert type(p) is torch.nn.Parameter
+        torch.testing.assert_close(p.detach(), weights[name], rtol=0, atol=0)
+    (x, y), = batches(1)[0]
+    lm_loss(model(x), y).backward()  # a plain model again
