@@ -29,6 +29,7 @@ from offload.engine.memory import ProcessMemory, map_large_allocations, release_
 from offload.optim.sharded_adam import ShardedAdam
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
+from offload.partition.managed import manage, refuse_state_dict_larger_than_memory, unmanage
 from offload.partition.manager import ParameterManager
 from offload.partition.prefetch import prefetch_scheduler
 from offload.partition.shard import ShardContext
@@ -110,6 +111,11 @@ class Engine:
             pending_grad_elems=config.zero_optimization.reduce_bucket_size)
         built.place(self.optimizer.init_state)  # the parameters move home here, one at a time
         self.optimizer.driver = self._update  # optimizer.step() from the user's loop
+        # Reads outside a forward see real values, edits go through offload.gathered
+        # (Note [reading a parameter outside the engine] in partition/managed.py).
+        manage(self.manager, self.shards)
+        self.manager.on_edit = self.optimizer.set_master
+        self._state_dict_guard = refuse_state_dict_larger_than_memory(model, self.shards)
         self.lr_scheduler = None
         if config.scheduler is not None:
             from offload.schedulers import build_scheduler
@@ -378,13 +384,37 @@ class Engine:
                 self.optimizer.update()
         finally:
             self._closed = True
-            self.optimizer.close()
             self.manager.release_all()
+            if not self._give_values_back():  # before the optimizer and the files go
+                self.manager.closed = True  # reads of its parameters now raise, naming why
+            self.optimizer.close()
+            self._state_dict_guard.remove()
             if self.shard_context is not None and self.shard_context.buffers is not None:
                 self.shard_context.buffers.clear()
             self.manager.remove_hooks()
             self.activation_checkpointing.remove()
             self._remove_swap_files()
+
+    def _give_values_back(self) -> bool:
+        """At close: each parameter becomes a plain tensor holding its value (the
+        fp32 master, in its original dtype) when the model fits in half the memory
+        available; otherwise its values go with the swap files, and reading them
+        raises (Note [reading a parameter outside the engine])."""
+        need = sum(s.numel * max(4, s.original_dtype.itemsize) for s in self.shards if s.home is not Tier.DEVICE)
+        # Every rank decides alike: reading the values back is a collective.
+        if self.pg.any_flag(need > 0.5 * psutil.virtual_memory().available, self.device):
+            log.warning("engine.close(): the parameters (%.1f GiB) do not fit in memory and are not given "
+                        "back to the model; save them before closing", need / 2**30)
+            return False
+        try:
+            values = self.full_state_dict(master=True)
+        except Exception:  # noqa: BLE001 - closing after a failure: reads then raise instead
+            log.exception("engine.close(): could not read the parameters back")
+            return False
+        unmanage(self.shards)
+        for shard in self.shards:
+            shard.param.data = values[shard.name].to(shard.original_dtype)
+        return True
 
     def _remove_swap_files(self) -> None:
         for store in self._stores:
@@ -393,6 +423,7 @@ class Engine:
             shutil.rmtree(path, ignore_errors=True)
 
     def _abort(self) -> None:
+        unmanage(self.shards)
         for shard in self.shards:
             if self.pg.world_size > 1:
                 break  # a partition is not the whole value
