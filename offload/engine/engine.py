@@ -485,6 +485,16 @@ class Engine:
             consolidate(save_dir, os.path.join(save_dir, job.tag, "model_16bit.safetensors"), tag=job.tag,
                         dtype=dtype)
 
+    def save_pretrained(self, save_dir, *, max_shard_size="5GB", dtype: torch.dtype | None = None):
+        """The model in Hugging Face's layout (sharded safetensors, index, config), streamed one
+        tensor at a time, so a model larger than RAM is saved too; `from_pretrained(save_dir)`
+        loads it (Note [streamed pretrained save]). dtype: of floating tensors (default: as they
+        are). A collective with several ranks; rank 0 writes."""
+        from offload.checkpoint_io.pretrained import save_pretrained
+
+        self._check_open()
+        return save_pretrained(self, save_dir, max_shard_size=max_shard_size, dtype=dtype)
+
     def load_checkpoint(self, load_dir, tag: str | None = None):
         """Restores everything save_checkpoint saved (tag default: `latest`); returns client_state.
 

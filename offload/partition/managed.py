@@ -172,7 +172,7 @@ def refuse_state_dict_larger_than_memory(module: torch.nn.Module, shards) -> obj
     offloaded = sum(s.numel * s.original_dtype.itemsize for s in shards if s.home.value != "device")
 
     def pre_hook(mod, prefix, keep_vars):
-        if prefix:  # only the outermost call: submodules' calls are parts of it
+        if prefix or keep_vars:  # submodules' calls are parts of the outermost; keep_vars copies nothing
             return
         import psutil
 

@@ -115,3 +115,58 @@ def test_close_gives_the_values_back_to_a_plain_model(tmp_path):
         torch.testing.assert_close(p.detach(), weights[name], rtol=0, atol=0)
     (x, y), = batches(1)[0]
     lm_loss(model(x), y).backward()  # a plain model again
+
+
+@pytest.mark.parametrize("param,optim", [("cpu", "cpu"), ("nvme", "nvme")])
+def test_save_pretrained_streams_shards_in_hugging_faces_layout(tmp_path, param, optim):
+    import json
+
+    from safetensors import safe_open
+
+    model = build("tiny_gpt")
+    with offload.initialize(model, make_config(param, optim, tmp_path / "swap")) as engine:
+        _train(model, engine, batches(2))
+        weights = engine_weights(engine)
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "model.safetensors").write_bytes(b"an earlier save")  # stale: removed
+        engine.save_pretrained(tmp_path / "out", max_shard_size="8KiB")
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    # The tied LM head is the embedding: saved once, under its first name.
+    assert set(index["weight_map"]) == set(weights)
+    for name in files:
+        with safe_open(tmp_path / "out" / name, "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            for key in f.keys():
+                torch.testing.assert_close(f.get_tensor(key), weights[key], rtol=0, atol=0)
+                assert index["weight_map"][key] == name
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return transformers, transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.slow
+def test_hugging_face_save_pretrained_and_ours_load_with_from_pretrained(tmp_path):
+    transformers, model = _tiny_llama()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 96, (2, 12), generator=gen)
+    with offload.initialize(model, make_config("nvme", "nvme", tmp_path / "swap")) as engine:
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+            engine.step()
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        model.save_pretrained(tmp_path / "hf")  # transformers' own save: state_dict() values
+        engine.save_pretrained(tmp_path / "ours", max_shard_size="40KB")
+    for where in ("hf", "ours"):
+        loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / where)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=ids).logits, logits, msg=lambda m: f"{where}: {m}")
