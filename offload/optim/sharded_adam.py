@@ -238,15 +238,71 @@ class ShardedAdam(torch.optim.Optimizer):
         for shard in self.shards:
             shard.clear_grad()
 
-    def state_dict(self):
-        raise RuntimeError(
-            "the engine's optimizer state is partitioned over tiers (NVMe included) and is not "
-            "returned as one dict: save and resume it with engine.save_checkpoint(dir) and "
-            "engine.load_checkpoint(dir), which restore it bit for bit")
+    # torch's format, for Trainer's and Accelerate's checkpoints (they torch.save it),
+    # with each shard's fp32 master beside its moments so a resume is exact in bf16
+    # too. Indices follow self.shards. Before the first step it is empty, as torch's.
+    def state_dict(self) -> dict:
+        if self._overlap is not None:
+            raise RuntimeError("optimizer.state_dict() while an overlapped update runs: call step() first")
+        stepped = [(i, s) for i, s in enumerate(self.shards) if self.shard_steps[s.index]]
+        need = sum(3 * s.part_numel * 4 for _, s in stepped)
+        import psutil
 
-    def load_state_dict(self, state_dict) -> None:
-        raise RuntimeError("the engine's optimizer state is restored by engine.load_checkpoint(dir), "
-                           "from a checkpoint engine.save_checkpoint(dir) wrote")
+        if need > 0.5 * psutil.virtual_memory().available:
+            raise MemoryError(
+                f"optimizer.state_dict(): the optimizer state takes {need / 2**30:.1f} GiB as tensors, more "
+                "than half the memory available; save and resume it with engine.save_checkpoint(dir) / "
+                "engine.load_checkpoint(dir), which stream it")
+        state = {}
+        for i, shard in stepped:
+            master, m, v = self._host_state(shard)
+            state[i] = {"step": torch.tensor(float(self.shard_steps[shard.index])), "exp_avg": m,
+                        "exp_avg_sq": v, "offload_fp32_master": master}
+        groups, first = [], 0
+        for group in self.param_groups:
+            n = len(group["params"])
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": list(range(first, first + n))})
+            first += n
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if groups is None or [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("optimizer.load_state_dict: the saved parameter groups "
+                             f"{None if groups is None else [len(g['params']) for g in groups]} do not match "
+                             f"this optimizer's {[len(g['params']) for g in self.param_groups]}")
+        saved = {int(k): v for k, v in state_dict.get("state", {}).items()}
+        for i, shard in enumerate(self.shards):
+            entry = saved.get(i)
+            n = shard.part_numel
+            if entry is None:
+                if self.shard_steps[shard.index] == 0:
+                    continue  # fresh already (Accelerate's prepare round trip reads nothing)
+                zeros = torch.zeros(n, dtype=torch.float32)
+                self.load_state_tensors(shard, self.master_partition(shard), zeros, zeros.clone())
+                self.shard_steps[shard.index] = 0
+                continue
+            master = entry.get("offload_fp32_master")
+            master = self.master_partition(shard) if master is None else master
+            self.load_state_tensors(shard, *(_partition(t, shard) for t in (master, entry["exp_avg"],
+                                                                              entry["exp_avg_sq"])))
+            self.shard_steps[shard.index] = int(float(entry["step"]))
+        for group, saved_group in zip(self.param_groups, groups):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+
+    def _host_state(self, shard: Shard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Host copies of (master, exp_avg, exp_avg_sq), this rank's partition."""
+        n = shard.part_numel
+        if self.tier is Tier.NVME:
+            shared = self.shares_master(shard)
+            packed = torch.empty((2 if shared else 3) * n, dtype=torch.float32)
+            self.state_store.swap_in(self._key(shard), out=packed).wait()
+            if shared:
+                return shard.home_partition().float(), packed[:n], packed[n:]
+            return packed[:n], packed[n:2 * n], packed[2 * n:]
+        return tuple(t.detach().to("cpu", copy=True) for t in self._states[shard.index])
 
     @torch.no_grad()
     def update(self) -> None:
@@ -545,6 +601,18 @@ class ShardedAdam(torch.optim.Optimizer):
             return
         for dst, src in zip(self._states[shard.index], (master, exp_avg, exp_avg_sq)):
             dst.copy_(src)
+
+
+def _partition(t: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """A saved state tensor as this rank's fp32 partition: ours already is; torch's
+    (the parameter's shape, one process) is flattened and padded."""
+    flat = t.detach().reshape(-1).to("cpu", torch.float32)
+    if flat.numel() == shard.part_numel:
+        return flat
+    if flat.numel() == shard.numel and shard.ctx.pg.world_size == 1:
+        return torch.cat([flat, flat.new_zeros(shard.part_numel - flat.numel())])
+    raise ValueError(f"optimizer state of {shard.name}: {flat.numel()} elements, expected "
+                     f"{shard.part_numel} (this rank's partition) or {shard.numel} (the parameter)")
 
 
 def _fused_torch_adam(master, grad, m, v, step: int, group: dict) -> None:

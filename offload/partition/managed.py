@@ -16,10 +16,27 @@ each call given a released one outside a forward:
   parameter is gathered, the function runs, any result sharing the gathered
   buffer is copied, and the parameter is released: the caller gets the real
   values, never the buffer (which the next gather may reuse);
-  a write (in-place ops, `out=`, `param.data = value`) and `.data` itself
-  (an alias that may be written later): refused, naming
-  `offload.gathered(params, modifier_rank=0)`, which gathers, lets the
-  caller edit, and writes the edits home and into the optimizer's fp32 master.
+  a write to the parameter itself (in-place ops such as load_state_dict's
+  copy_, `out=`, `param.data = value` of the same shape and dtype): written
+  through: gathered, applied, written home and into the optimizer's fp32
+  master (so training goes on from it), released;
+  `.data` itself (an alias that may be written later, unseen) and writes
+  through other aliases: refused, naming `offload.gathered(params,
+  modifier_rank=0)`, which holds the parameters for a block of edits.
+  A known gap: a read returns a copy, so `p[0].zero_()` (in-place on a
+  slice) changes the copy only; write the parameter itself (`p[0] = 0`) or
+  edit inside offload.gathered.
+Note [gradients users read]
+After backward each gradient lives in its shard's fp32 partition, not in
+`param.grad`. Trainer and Accelerate clip with
+torch.nn.utils.clip_grad_norm_(model.parameters()), which reads p.grad and
+scales it in place; model.zero_grad() sets p.grad = None. So with one rank
+`p.grad` of a managed parameter is a view of its partition (fp32, the
+parameter's shape): norms are computed and clipping is applied on the real
+gradients, and `p.grad = None` clears the partition. With several ranks a
+partition is not the whole gradient, and reading p.grad raises, naming the
+config's gradient_clipping (engine.get_global_grad_norm() for the norm).
+
 Inside a forward the manager's own rules apply (Note [when parameters are
 gathered]). The engine's code changes `.data` with subclass handling off
 (`engine_access`). Closing the engine gives the parameters their class back.
@@ -82,6 +99,8 @@ class ManagedParameter(torch.nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         kind, name = _name_of(func)
+        if name == "grad" and kind != "call":
+            return _grad_access(kind, args)
         if kind != "call" and name != "data" or kind == "call" and name in _METADATA_METHODS:
             with engine_access():
                 return func(*args, **kwargs)
@@ -94,14 +113,49 @@ class ManagedParameter(torch.nn.Parameter):
             value = args[1] if len(args) > 1 else None
             if value is first:  # module._apply's `param.data = fn(param)` with fn a no-op
                 return None
-            raise _refuse(first, "`param.data = value`")
+            if isinstance(value, torch.Tensor) and value.shape == first.shape and value.dtype == first.dtype:
+                with torch.no_grad():  # `.data =` is invisible to autograd
+                    _write(released, first, torch.Tensor.copy_, (first, value), {})
+                return None
+            raise _refuse(first, "`param.data = value` with another shape or dtype")
         if kind == "get":  # .data: an alias, maybe written later
             raise _refuse(first, "`.data`")
         if name in _CONVERSIONS and _converts_to_itself(func, args, kwargs):
             return first
         if _is_write(name, kwargs):
-            raise _refuse(first, f"in-place `{name}`")
-        return _read(released, func, args, kwargs)
+            target = kwargs.get("out") if kwargs.get("out") is not None else args[0]
+            if any(target is p for p in released):
+                _write(released, target, func, args, kwargs)
+                return target
+        return _read(released, func, args, kwargs)  # a write elsewhere reads the parameter
+
+
+def _grad_access(kind: str, args):
+    """Note [gradients users read]."""
+    param = args[0]
+    shard = getattr(param, "_offload_shard", None)
+    with engine_access():
+        if shard is None or param._offload_manager._internal:
+            return (param.grad if kind == "get" else setattr(param, "grad", args[1])) if kind != "delete" \
+                else delattr(param, "grad")
+        if kind == "get":
+            real = param.grad
+            if real is not None:  # inside backward, before the hook takes it
+                return real
+            if not shard.has_grad or shard.grad_part is None:
+                return None
+            if shard.ctx.pg.world_size > 1:
+                raise RuntimeError(
+                    f"{shard.name}.grad: with {shard.ctx.pg.world_size} ranks each holds a partition of the "
+                    "gradient, not the whole; clip with the config's gradient_clipping (the engine clips "
+                    "every update) and read the norm with engine.get_global_grad_norm()")
+            return shard.grad_part[:shard.numel].view(shard.shape)
+        value = args[1] if kind == "set" else None
+        if value is not None:
+            raise RuntimeError(f"{shard.name}.grad = tensor: the engine keeps gradients in its partitions; "
+                               "set p.grad = None to clear them, or scale them in place (p.grad.mul_(c))")
+        shard.clear_grad()
+        return None
 
 
 def _released_outside_forward(args, kwargs) -> list:
@@ -150,6 +204,26 @@ def _read(params: list, func, args, kwargs):
             return torch.utils._pytree.tree_map(
                 lambda x: x.clone() if isinstance(x, torch.Tensor) and x.layout == torch.strided
                 and x.untyped_storage().data_ptr() in buffers else x, out)
+    finally:
+        with engine_access():
+            for shard in held:
+                manager.drop(shard)
+
+
+def _write(params: list, target, func, args, kwargs):
+    """An in-place op (or `param.data = value` of the same shape and dtype) on a released
+    parameter: gathered, applied, written home and into the fp32 master, released."""
+    manager = target._offload_manager
+    held = []
+    try:
+        with engine_access():
+            for p in params:
+                if p._offload_shard not in held:
+                    manager.hold(p._offload_shard)
+                    held.append(p._offload_shard)
+            result = func(*args, **kwargs)
+            manager.write_edit(target._offload_shard)
+            return result
     finally:
         with engine_access():
             for shard in held:

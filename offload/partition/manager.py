@@ -215,8 +215,9 @@ class ParameterManager:
     def _make_grad_hook(self, shard: Shard):
         def grad_hook(param):
             self._note_backward()
-            grad = param.grad
-            param.grad = None
+            with _bookkeeping():  # the real .grad (Note [gradients users read] in managed.py)
+                grad = param.grad
+                param.grad = None
             self._on_grad(shard, grad)
             for _ in range(self._backward_holds.pop(shard, 0)):
                 self.drop(shard)

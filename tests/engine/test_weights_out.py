@@ -55,15 +55,30 @@ def test_state_dict_and_reads_give_the_trained_weights(tmp_path, param, optim):
             torch.testing.assert_close(p.detach(), weights[name], rtol=0, atol=0)
 
 
-def test_writes_and_aliases_outside_a_forward_are_refused_with_what_to_do(tmp_path):
+@pytest.mark.parametrize("param,optim", [("cpu", "cpu"), ("nvme", "nvme")])
+def test_writes_outside_a_forward_reach_the_home_and_the_master_and_aliases_are_refused(tmp_path, param, optim):
     model = build("tiny_gpt")
-    with offload.initialize(model, make_config("nvme", "nvme", tmp_path)) as engine:
+    with offload.initialize(model, make_config(param, optim, tmp_path)) as engine:
         w = model.blocks[0].fc.weight
-        for write in (lambda: w.data, lambda: w.add_(1.0), lambda: setattr(w, "data", torch.ones(w.shape)),
-                      lambda: torch.add(w, 1.0, out=torch.empty(w.shape))):
+        before = engine_weights(engine)["blocks.0.fc.weight"]
+        with torch.no_grad():
+            assert w.add_(1.0) is w  # written through
+        torch.testing.assert_close(engine_weights(engine)["blocks.0.fc.weight"], before + 1.0, rtol=0, atol=0)
+        w.data = torch.full(w.shape, 0.5)  # PEFT's merge writes weights so: written through
+        torch.testing.assert_close(engine_weights(engine)["blocks.0.fc.weight"], torch.full(w.shape, 0.5))
+        # model.load_state_dict copies into every parameter in place: the values land.
+        plain = build("tiny_gpt", seed=5)
+        model.load_state_dict(plain.state_dict())
+        for name, value in engine_weights(engine).items():
+            torch.testing.assert_close(value, plain.state_dict()[name], rtol=0, atol=0)
+        # A write elsewhere only reads the parameter.
+        out = torch.empty(w.shape)
+        with torch.no_grad():
+            torch.add(w, 1.0, out=out)
+        torch.testing.assert_close(out, plain.blocks[0].fc.weight.detach() + 1.0, rtol=0, atol=0)
+        for refused in (lambda: w.data, lambda: setattr(w, "data", torch.ones(3))):
             with pytest.raises(RuntimeError, match=r"offload\.gathered\(params, modifier_rank=0\)"):
-                with torch.no_grad():
-                    write()
+                refused()
         assert model.to("cpu") is model  # Trainer's move to its device: nothing gathered, nothing lost
         assert w.shape == (99, 24) and w.dtype == torch.float32 and w.requires_grad
         assert isinstance(w, torch.nn.Parameter)
