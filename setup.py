@@ -154,7 +154,7 @@ setup(
     extras_require={
         "bench": ["matplotlib"],
         "test": ["pytest"],
-        "hf": ["transformers"],
+        "hf": ["transformers", "accelerate"],
     },
     entry_points={"console_scripts": ["offload=offload.cli:main"]},
 )
