@@ -144,3 +144,32 @@ def test_an_accelerate_loop_matches_the_same_loop_on_plain_pytorch(tmp_path):
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-4, atol=0)
     for name, p in plain.named_parameters():
         torch.testing.assert_close(weights[name], p.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_hugging_face_gradient_checkpointing_gives_pytorchs_weights(tmp_path, reentrant):
+    data = _data()[:6]
+
+    def steps(model, step):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
+        model.train()
+        for i in range(0, len(data), 2):
+            batch = {k: torch.stack([d[k] for d in data[i:i + 2]]) for k in data[0]}
+            model(**batch).loss.backward()
+            step()
+
+    plain = _model()
+    opt = torch.optim.AdamW(plain.parameters(), lr=2e-3, weight_decay=0.01)
+    steps(plain, lambda: (opt.step(), opt.zero_grad()))
+    model = _model()
+    cfg = {"train_micro_batch_size_per_gpu": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                 "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    with offload.initialize(model, cfg) as engine:
+        steps(model, engine.step)
+        weights = engine.full_state_dict(master=True)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{name}: {m}")
