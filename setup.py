@@ -153,7 +153,7 @@ setup(
     install_requires=RUNTIME_REQUIREMENTS,  # offload/requirements.py says what each is for
     extras_require={
         "bench": ["matplotlib"],
-        "test": ["pytest", "transformers", "accelerate"],  # the Trainer/Accelerate/HF-model tests
+        "test": ["pytest", "transformers", "accelerate", "lightning"],  # the Trainer/Accelerate/Lightning tests
         "hf": ["transformers", "accelerate"],
     },
     entry_points={"console_scripts": ["offload=offload.cli:main"]},

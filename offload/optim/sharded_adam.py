@@ -15,8 +15,10 @@ kernel writes the rounded value straight into a host home; a device home
 receives the new partition by all-gather; an NVMe home gets a file write.
 
 The class is a torch.optim.Optimizer so LR schedulers drive param_groups as
-usual. Its "params" are the shards' fp32 masters (DEVICE, HOST) or one empty
-tensor per shard (NVME, where the masters are not in memory).
+usual. Its "params" are the model's parameters, as a torch optimizer's are:
+code that clips or inspects `p.grad` over `optimizer.param_groups`
+(Lightning, Accelerate) reaches the gradients (Note [gradients users read]
+in partition/managed.py); the fp32 masters live in the state, not there.
 """
 from __future__ import annotations
 
@@ -156,7 +158,7 @@ class ShardedAdam(torch.optim.Optimizer):
             if not shared:
                 packed[:shard.part_numel].copy_(init)
             self.state_store.swap_out(self._key(shard), packed).wait()
-            params.append(torch.empty(0))
+            params.append(shard.param)
             return
         if self._aliases_home(shard):
             master = shard.host_part  # fp32 host home is the master itself
@@ -171,7 +173,7 @@ class ShardedAdam(torch.optim.Optimizer):
         m = torch.zeros_like(master)
         v = torch.zeros_like(master)
         self._states[shard.index] = (master, m, v)
-        params.append(master)
+        params.append(shard.param)
 
     def add_param_group(self, param_group: dict) -> None:
         """The one group over every shard, made by __init__. torch's own version
@@ -223,12 +225,17 @@ class ShardedAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """The update; closure (as torch's optimizers take it, Lightning passes one):
+        called first, with gradients enabled, to compute the loss and its backward."""
+        loss = None
         if closure is not None:
-            raise RuntimeError("the engine's optimizer takes no closure: compute the loss and call "
-                               "backward before step()")
+            with torch.enable_grad():
+                loss = closure()
         if self.driver is not None:
-            return self.driver()
-        self.update()
+            self.driver()
+        else:
+            self.update()
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forgets the gradients accumulated since the last step (they live in the shards'
