@@ -1,41 +1,94 @@
-"""offload.ops.adam_step against torch.optim.Adam/AdamW, element by element.
+"""offload.ops.adam_step against torch.optim.Adam/AdamW, bit for bit.
 
 Every test that exercises the kernel runs once per SIMD path this CPU has
 (the simd_level fixture forces each with OFFLOAD_SIMD). Sizes straddle the
 vector widths (8, 16) and the thread split so tails and chunk edges are hit.
+
+The reference is torch's default CPU AdamW/Adam itself (single-tensor path),
+compared with rtol=0, atol=0. Only sqrt's bits depend on the CPU (Note
+[bitwise torch order], csrc/adam/adam_kernels.h): a kernel whose sqrt is not
+the one torch runs here (the AVX2 or scalar kernel forced on an AVX-512 CPU)
+is compared, bit for bit, with torch run with an IEEE sqrt instead.
 """
+import contextlib
 import struct
 import threading
 
+import numpy as np
 import pytest
 import torch
 
 from offload import _native, simd
 from offload.ops import adam_step
 
-SIZES = [1, 7, 15, 16, 17, 1023, 1_000_003]
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 
 
-def _torch_reference(p0, grads, *, adamw_mode, weight_decay, lr=HP["lr"]):
+def _torch_sqrt_flavour() -> str:
+    """'ieee' if torch.sqrt is correctly rounded on this CPU, else 'mkl_avx512'
+    (MKL's AVX-512 vsSqrt, which the AVX-512 kernel reproduces)."""
+    x = torch.rand(1 << 14, generator=torch.Generator().manual_seed(0)) * 4 + 0.25
+    return "ieee" if torch.equal(x.sqrt(), torch.from_numpy(np.sqrt(x.numpy()))) else "mkl_avx512"
+
+
+def kernel_sqrt_flavour(level: str) -> str:
+    return "mkl_avx512" if level == "avx512" else "ieee"
+
+
+@contextlib.contextmanager
+def torch_sqrt_as(flavour: str):
+    """torch.optim's own update, with Tensor.sqrt replaced by the correctly
+    rounded one when `flavour` is 'ieee' and torch's is not."""
+    if flavour == _torch_sqrt_flavour():
+        yield
+        return
+    if flavour != "ieee":
+        pytest.skip(f"torch's sqrt here is IEEE; no reference for a {flavour} kernel")
+    mp = pytest.MonkeyPatch()
+    # numpy's sqrt is the IEEE one (torch's double sqrt is MKL's too).
+    mp.setattr(torch.Tensor, "sqrt", lambda t: torch.from_numpy(np.sqrt(t.numpy())))
+    try:
+        yield
+    finally:
+        mp.undo()
+
+
+def _lr_at(step, lr):
+    """A schedule: the lr changes every step, decaying then jumping back."""
+    return lr * (0.93 ** (step % 20))
+
+
+def _torch_reference(p0, grads, *, adamw_mode, weight_decay, lr=HP["lr"], beta1=HP["beta1"],
+                     schedule=False, sqrt="torch"):
     p = p0.clone().requires_grad_(True)
     cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
-    opt = cls([p], lr=lr, betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
-              weight_decay=weight_decay, foreach=False)
-    for g in grads:
-        p.grad = g.float().clone()
-        opt.step()
+    # Default arguments: foreach=None picks the single-tensor path for CPU tensors.
+    opt = cls([p], lr=lr, betas=(beta1, HP["beta2"]), eps=HP["eps"], weight_decay=weight_decay)
+    with (contextlib.nullcontext() if sqrt == "torch" else torch_sqrt_as(sqrt)):
+        for step, g in enumerate(grads, start=1):
+            if schedule:
+                opt.param_groups[0]["lr"] = _lr_at(step, lr)
+            p.grad = g.float().clone()
+            opt.step()
     st = opt.state[p]
     return p.detach(), st["exp_avg"], st["exp_avg_sq"]
 
 
-def _run_ours(p0, grads, *, adamw_mode, weight_decay, out=None, lr=HP["lr"], **kw):
+def _run_ours(p0, grads, *, adamw_mode, weight_decay, out=None, lr=HP["lr"], beta1=HP["beta1"],
+              schedule=False, **kw):
     p = p0.clone()
     m, v = torch.zeros_like(p), torch.zeros_like(p)
     for step, g in enumerate(grads, start=1):
-        adam_step(p, g, m, v, step=step, lr=lr, beta1=HP["beta1"], beta2=HP["beta2"],
-                  eps=HP["eps"], weight_decay=weight_decay, adamw_mode=adamw_mode, out=out, **kw)
+        adam_step(p, g, m, v, step=step, lr=_lr_at(step, lr) if schedule else lr, beta1=beta1,
+                  beta2=HP["beta2"], eps=HP["eps"], weight_decay=weight_decay,
+                  adamw_mode=adamw_mode, out=out, **kw)
     return p, m, v
+
+
+def _assert_bitwise(ours, ref, equal_nan=False):
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), ours, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=equal_nan,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 def _grads(n, steps=10, dtype=torch.float32, seed=0):
@@ -44,16 +97,53 @@ def _grads(n, steps=10, dtype=torch.float32, seed=0):
     return [(torch.randn(n, generator=gen) * (0.1 + step)).to(dtype) for step in range(steps)]
 
 
+SIZES = [1, 7, 15, 16, 17, 31, 33, 1_000_003]
+OPTIMIZERS = [(True, 0.01), (True, 0.0), (False, 0.0), (False, 0.1)]
+_REFERENCES: dict = {}
+
+
+def _cached_reference(n, adamw_mode, weight_decay, beta1, sqrt, steps):
+    """torch's result, computed once per case and shared by the SIMD levels."""
+    key = (n, adamw_mode, weight_decay, beta1, sqrt, steps)
+    if key not in _REFERENCES:
+        p0 = torch.randn(n, generator=torch.Generator().manual_seed(1))
+        grads = _grads(n, steps=steps)
+        ref = _torch_reference(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay,
+                               beta1=beta1, schedule=True, sqrt=sqrt)
+        _REFERENCES[key] = (p0, grads, ref)
+    return _REFERENCES[key]
+
+
 @pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-@pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "adam"])
-def test_parity_with_torch(simd_level, n, weight_decay, adamw_mode):
-    p0 = torch.randn(n, generator=torch.Generator().manual_seed(1))
-    grads = _grads(n)
-    ref = _torch_reference(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay)
-    ours = _run_ours(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay)
-    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), ours, ref):
-        torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
+@pytest.mark.parametrize("adamw_mode,weight_decay", OPTIMIZERS,
+                         ids=["adamw-wd", "adamw", "adam", "adam-l2"])
+def test_bitwise_equal_to_torch(simd_level, n, adamw_mode, weight_decay):
+    """50 steps (fewer for the 1M size), the lr changing every step."""
+    steps = 50 if n < 1000 else 6
+    p0, grads, ref = _cached_reference(n, adamw_mode, weight_decay, HP["beta1"],
+                                       kernel_sqrt_flavour(simd_level), steps)
+    ours = _run_ours(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay, schedule=True)
+    _assert_bitwise(ours, ref)
+
+
+@pytest.mark.parametrize("n", [17, 33])
+def test_bitwise_lerp_with_a_large_weight(simd_level, n):
+    """beta1 < 0.5: torch's lerp takes its other form, end - (end - self) * (1 - w)."""
+    p0, grads, ref = _cached_reference(n, True, 0.01, 0.3, kernel_sqrt_flavour(simd_level), 50)
+    ours = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.01, beta1=0.3, schedule=True)
+    _assert_bitwise(ours, ref)
+
+
+def test_default_kernel_equals_torch_itself():
+    """The kernel this CPU selects needs no sqrt substitute where MKL's path is
+    one the kernels reproduce (AVX-512 on an AVX-512 CPU, IEEE otherwise)."""
+    if kernel_sqrt_flavour(simd.detected_level()) != _torch_sqrt_flavour():
+        pytest.skip("torch's sqrt on this CPU is neither kernel's (see adam_kernels.h)")
+    n = 4099
+    p0 = torch.randn(n)
+    grads = _grads(n, steps=20)
+    _assert_bitwise(_run_ours(p0, grads, adamw_mode=True, weight_decay=0.01, schedule=True),
+                    _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.01, schedule=True))
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
@@ -61,10 +151,10 @@ def test_parity_with_torch(simd_level, n, weight_decay, adamw_mode):
 def test_low_precision_grad_is_widened_exactly(simd_level, grad_dtype, n):
     p0 = torch.randn(n)
     grads = _grads(n, dtype=grad_dtype)
-    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.01)
+    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.01,
+                           sqrt=kernel_sqrt_flavour(simd_level))
     ours = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.01)
-    for a, b in zip(ours, ref):
-        torch.testing.assert_close(a, b)
+    _assert_bitwise(ours, ref)
 
 
 def _bits(t):
@@ -126,10 +216,10 @@ def test_nan_and_inf_gradients_propagate_as_in_torch(simd_level, n):
     grads[1][0] = float("nan")
     grads[2][n - 1] = float("inf")
     grads[3][n // 2] = -float("inf")
-    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.1)
+    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.1,
+                           sqrt=kernel_sqrt_flavour(simd_level))
     ours = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.1)
-    for a, b in zip(ours, ref):
-        torch.testing.assert_close(a, b, equal_nan=True)
+    _assert_bitwise(ours, ref, equal_nan=True)
     assert ours[0].isnan().sum() >= 3  # the poisoned elements really are NaN
 
 
@@ -152,16 +242,22 @@ def test_without_bias_correction_matches_closed_form(simd_level, n):
 
 @pytest.mark.parametrize("level", [lvl for lvl in simd.available_levels() if lvl != "scalar"])
 def test_simd_kernel_agrees_with_scalar_reference(level, monkeypatch):
+    """Bit for bit where the sqrt is the same (AVX2); the AVX-512 kernel's sqrt
+    is MKL's, so there the moments (computed before any sqrt, AdamW) still
+    agree bit for bit and the masters to a few ulp."""
     n = 100_003
     p0 = torch.randn(n)
     grads = _grads(n, steps=5, dtype=torch.bfloat16)
     out_s, out_v = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
     monkeypatch.setenv(simd.ENV_VAR, "scalar")
-    scalar = _run_ours(p0, grads, adamw_mode=False, weight_decay=0.1, out=out_s)
+    scalar = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.1, out=out_s)
     monkeypatch.setenv(simd.ENV_VAR, level)
-    vector = _run_ours(p0, grads, adamw_mode=False, weight_decay=0.1, out=out_v)
-    for a, b in zip(vector, scalar):
-        torch.testing.assert_close(a, b)
+    vector = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.1, out=out_v)
+    if kernel_sqrt_flavour(level) == kernel_sqrt_flavour("scalar"):
+        _assert_bitwise(vector, scalar)
+    else:
+        _assert_bitwise(vector[1:], scalar[1:])
+        torch.testing.assert_close(vector[0], scalar[0])
     # The roundings may differ only where the masters themselves differ.
     same = vector[0] == scalar[0]
     assert torch.equal(out_v[same], out_s[same])
@@ -199,18 +295,22 @@ def test_concurrent_callers_each_get_correct_results():
             assert torch.equal(a, b)
 
 
-def test_pure_pytorch_fallback_matches_torch(monkeypatch):
+@pytest.mark.parametrize("n", [1, 33, 1031])
+@pytest.mark.parametrize("adamw_mode,weight_decay", OPTIMIZERS,
+                         ids=["adamw-wd", "adamw", "adam", "adam-l2"])
+def test_pure_pytorch_fallback_matches_torch(monkeypatch, n, adamw_mode, weight_decay):
+    """torch's own ops in torch's order: bit for bit whatever this CPU's sqrt."""
     monkeypatch.setattr(_native, "native", None)
     monkeypatch.setattr(_native, "_warned", set())
-    n = 1031
     p0 = torch.randn(n)
-    grads = _grads(n, steps=6)
+    grads = _grads(n, steps=50)
     out = torch.empty(n, dtype=torch.bfloat16)
     with pytest.warns(RuntimeWarning, match="pure-PyTorch fallback"):
-        ours = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.1, out=out)
-    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.1)
-    for a, b in zip(ours, ref):
-        torch.testing.assert_close(a, b)
+        ours = _run_ours(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay, out=out,
+                         schedule=True)
+    ref = _torch_reference(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay,
+                           schedule=True)
+    _assert_bitwise(ours, ref)
     assert torch.equal(out, ours[0].to(torch.bfloat16))
 
 

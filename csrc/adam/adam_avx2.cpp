@@ -4,6 +4,8 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
+#include <cmath>
+
 #include "adam_kernels.h"
 
 #define OFFLOAD_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -49,30 +51,34 @@ OFFLOAD_AVX2 inline __m128i to_f16x8(__m256 x) {
 }
 
 struct Consts {
-  __m256 beta2, one_minus_beta1, one_minus_beta2, eps, step_size, inv_bias2_sqrt, decay;
+  __m256 beta2, one_minus_beta2, lerp_coeff, eps, neg_step_size, bias2_sqrt, decay;
+  bool lerp_small;  // |1 - beta1| < 0.5: which of ATen's two lerp forms
 };
 
 OFFLOAD_AVX2 inline Consts make_consts(const AdamParams& a) {
-  return Consts{_mm256_set1_ps(a.beta2),
-                _mm256_set1_ps(a.one_minus_beta1), _mm256_set1_ps(a.one_minus_beta2),
-                _mm256_set1_ps(a.eps),          _mm256_set1_ps(a.step_size),
-                _mm256_set1_ps(a.inv_bias2_sqrt),   _mm256_set1_ps(a.decay)};
+  const bool small = std::fabs(a.one_minus_beta1) < 0.5f;
+  return Consts{_mm256_set1_ps(a.beta2),         _mm256_set1_ps(a.one_minus_beta2),
+                _mm256_set1_ps(small ? a.one_minus_beta1 : a.one_minus_beta1 - 1.0f),
+                _mm256_set1_ps(a.eps),           _mm256_set1_ps(a.neg_step_size),
+                _mm256_set1_ps(a.bias2_sqrt),    _mm256_set1_ps(a.decay), small};
 }
 
+// Note [bitwise torch order]: one intrinsic per rounding torch does, fmadd
+// only where ATen's Vectorized code has one.
 OFFLOAD_AVX2 inline void update8(const AdamParams& a, const Consts& c, const AdamBuffers& b,
                                  size_t i) {
   __m256 g = load_grad8(b, i);
   __m256 p = _mm256_loadu_ps(b.master + i);
   if (a.has_weight_decay) {
     if (a.adamw_mode) p = _mm256_mul_ps(p, c.decay);
-    else g = _mm256_fmadd_ps(c.decay, p, g);
+    else g = _mm256_fmadd_ps(p, c.decay, g);
   }
   const __m256 m0 = _mm256_loadu_ps(b.exp_avg + i);
-  const __m256 m = _mm256_fmadd_ps(c.one_minus_beta1, _mm256_sub_ps(g, m0), m0);
-  const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(c.one_minus_beta2, g), g,
-                                   _mm256_mul_ps(c.beta2, _mm256_loadu_ps(b.exp_avg_sq + i)));
-  const __m256 denom = _mm256_fmadd_ps(_mm256_sqrt_ps(v), c.inv_bias2_sqrt, c.eps);
-  p = _mm256_fnmadd_ps(c.step_size, _mm256_div_ps(m, denom), p);
+  const __m256 m = _mm256_fmadd_ps(c.lerp_coeff, _mm256_sub_ps(g, m0), c.lerp_small ? m0 : g);
+  const __m256 v0 = _mm256_mul_ps(_mm256_loadu_ps(b.exp_avg_sq + i), c.beta2);
+  const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(c.one_minus_beta2, g), g, v0);
+  const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bias2_sqrt), c.eps);
+  p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c.neg_step_size, m), denom));
   _mm256_storeu_ps(b.exp_avg + i, m);
   _mm256_storeu_ps(b.exp_avg_sq + i, v);
   _mm256_storeu_ps(b.master + i, p);

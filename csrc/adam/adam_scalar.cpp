@@ -29,20 +29,26 @@ inline float load_grad(const AdamBuffers& b, size_t i) {
 }  // namespace
 
 void adam_kernel_scalar(const AdamParams& a, const AdamBuffers& b, size_t begin, size_t end) {
-  const float one_minus_beta1 = a.one_minus_beta1;
-  const float one_minus_beta2 = a.one_minus_beta2;
+  // Note [bitwise torch order]: one rounding per torch op, std::fma exactly
+  // where ATen's vector code uses fmadd. This file is built without FMA
+  // instructions, so the compiler cannot contract the other lines either.
+  const float w = a.one_minus_beta1;
+  const bool small_w = std::fabs(w) < 0.5f;
+  const float lerp_coeff = small_w ? w : w - 1.0f;
   uint16_t* out16 = static_cast<uint16_t*>(b.out);
   for (size_t i = begin; i < end; ++i) {
     float g = load_grad(b, i);
     float p = b.master[i];
     if (a.has_weight_decay) {
       if (a.adamw_mode) p = p * a.decay;
-      else g = g + a.decay * p;
+      else g = std::fma(p, a.decay, g);
     }
-    const float m = b.exp_avg[i] + one_minus_beta1 * (g - b.exp_avg[i]);
-    const float v = a.beta2 * b.exp_avg_sq[i] + (one_minus_beta2 * g) * g;
-    const float denom = std::sqrt(v) * a.inv_bias2_sqrt + a.eps;
-    p = p - a.step_size * (m / denom);
+    const float m0 = b.exp_avg[i];
+    const float m = std::fma(lerp_coeff, g - m0, small_w ? m0 : g);
+    float v = b.exp_avg_sq[i] * a.beta2;
+    v = std::fma(a.one_minus_beta2 * g, g, v);
+    const float denom = std::sqrt(v) / a.bias2_sqrt + a.eps;
+    p = p + (a.neg_step_size * m) / denom;
     b.exp_avg[i] = m;
     b.exp_avg_sq[i] = v;
     b.master[i] = p;

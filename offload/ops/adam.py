@@ -90,41 +90,45 @@ def adam_step(
     if n == 0:
         return
 
-    # Scalars in double, as torch computes them, then handed to the kernel.
-    bias1 = 1.0 - beta1**step if bias_correction else 1.0
-    bias2 = 1.0 - beta2**step if bias_correction else 1.0
+    # Note [bitwise torch order] (csrc/adam/adam_kernels.h): the scalars
+    # exactly as torch's _single_tensor_adam computes them, in double, with
+    # the same expressions (`** 0.5`, not math.sqrt: pow and sqrt may differ
+    # in the last bit); each is rounded to fp32 once, where it is used.
+    bias1 = 1 - beta1**step if bias_correction else 1.0
+    bias2 = 1 - beta2**step if bias_correction else 1.0
     step_size = lr / bias1
-    inv_bias2_sqrt = 1.0 / math.sqrt(bias2)
-    decay = 1.0 - lr * weight_decay if adamw_mode else weight_decay
+    bias2_sqrt = bias2**0.5
+    decay = 1 - lr * weight_decay if adamw_mode else weight_decay
 
     if _native.native is None:
         _native.warn_fallback("CPU Adam")
         _adam_step_torch(master, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, step_size,
-                         inv_bias2_sqrt, weight_decay, decay, adamw_mode, out)
+                         bias2_sqrt, weight_decay, decay, adamw_mode, out)
         return
     _native.native.adam.update(
         master.data_ptr(), grad.data_ptr(), _DTYPE_NAMES[grad.dtype],
         exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
         0 if out is None else out.data_ptr(), _DTYPE_NAMES[out.dtype] if out is not None else "",
-        n, step_size, inv_bias2_sqrt, beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps, decay,
-        bool(adamw_mode), weight_decay != 0.0, simd.selected_level(), threads,
+        n, -step_size, bias2_sqrt, beta1, beta2, 1 - beta1, 1 - beta2, eps, decay,
+        bool(adamw_mode), weight_decay != 0, simd.selected_level(), threads,
     )
 
 
 @torch.no_grad()
 def _adam_step_torch(master, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, step_size,
-                     inv_bias2_sqrt, weight_decay, decay, adamw_mode, out) -> None:
-    """Pure-PyTorch path with the kernel's arithmetic, for hosts without the extension."""
+                     bias2_sqrt, weight_decay, decay, adamw_mode, out) -> None:
+    """Pure-PyTorch path for hosts without the extension: torch's own ops in
+    _single_tensor_adam's order, so it equals torch bit for bit as the kernel does."""
     master, exp_avg, exp_avg_sq = master.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
     g = grad.reshape(-1).float()
-    if weight_decay != 0.0:
+    if weight_decay != 0:
         if adamw_mode:
             master.mul_(decay)
         else:
             g = g.add(master, alpha=weight_decay)
-    exp_avg.lerp_(g, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    denom = exp_avg_sq.sqrt().mul_(inv_bias2_sqrt).add_(eps)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(eps)
     master.addcdiv_(exp_avg, denom, value=-step_size)
     if out is not None:
         out.view(-1).copy_(master)
