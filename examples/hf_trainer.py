@@ -83,6 +83,9 @@ def training_args(args, out: Path):
         str(out), per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
         max_steps=args.steps, learning_rate=args.lr, weight_decay=0.01, max_grad_norm=args.max_grad_norm,
         lr_scheduler_type="linear", warmup_steps=0, logging_steps=1, save_strategy="no", report_to=[],
+        # torch's default AdamW (its fused variant rounds differently), which offload's update equals
+        # bit for bit: so --compare's plain Trainer is the same arithmetic.
+        optim="adamw_torch",
         use_cpu=True, seed=args.seed, data_seed=args.seed, disable_tqdm=True, dataloader_drop_last=True)
 
 

@@ -190,7 +190,9 @@ def _converts_to_itself(func, args, kwargs) -> bool:
     return isinstance(out, torch.Tensor) and out.dtype == param.dtype and out.device == param.device
 
 
-def _read(params: list, func, args, kwargs):
+@contextlib.contextmanager
+def _holding(params: list):
+    """Holds each distinct shard of `params` for one call; yields the shards held."""
     manager = params[0]._offload_manager
     held = []
     try:
@@ -199,35 +201,31 @@ def _read(params: list, func, args, kwargs):
                 if p._offload_shard not in held:
                     manager.hold(p._offload_shard)
                     held.append(p._offload_shard)
-            buffers = {s.full_storage_ptr() for s in held}
-            out = func(*args, **kwargs)
-            return torch.utils._pytree.tree_map(
-                lambda x: x.clone() if isinstance(x, torch.Tensor) and x.layout == torch.strided
-                and x.untyped_storage().data_ptr() in buffers else x, out)
+            yield held
     finally:
         with engine_access():
             for shard in held:
                 manager.drop(shard)
+
+
+def _read(params: list, func, args, kwargs):
+    """A read: the function runs on the gathered values; results sharing a gathered
+    buffer are copied (the next gather may reuse it)."""
+    with _holding(params) as held:
+        buffers = {s.full_storage_ptr() for s in held}
+        out = func(*args, **kwargs)
+        return torch.utils._pytree.tree_map(
+            lambda x: x.clone() if isinstance(x, torch.Tensor) and x.layout == torch.strided
+            and x.untyped_storage().data_ptr() in buffers else x, out)
 
 
 def _write(params: list, target, func, args, kwargs):
     """An in-place op (or `param.data = value` of the same shape and dtype) on a released
     parameter: gathered, applied, written home and into the fp32 master, released."""
-    manager = target._offload_manager
-    held = []
-    try:
-        with engine_access():
-            for p in params:
-                if p._offload_shard not in held:
-                    manager.hold(p._offload_shard)
-                    held.append(p._offload_shard)
-            result = func(*args, **kwargs)
-            manager.write_edit(target._offload_shard)
-            return result
-    finally:
-        with engine_access():
-            for shard in held:
-                manager.drop(shard)
+    with _holding(params):
+        result = func(*args, **kwargs)
+        target._offload_manager.write_edit(target._offload_shard)
+        return result
 
 
 def manage(manager, shards) -> None:
