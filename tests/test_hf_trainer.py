@@ -41,6 +41,14 @@ def _model():
     return transformers.LlamaForCausalLM(config)
 
 
+def _nvme_config(path) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                  "offload_param": {"device": "nvme", "nvme_path": str(path)},
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": str(path)}}}
+
+
 def _data():
     gen = torch.Generator().manual_seed(1)
     rows = [torch.randint(0, 64, (12,), generator=gen) for _ in range(48)]
@@ -56,12 +64,7 @@ def _args(out, **kw):
 
 def _train(tmp_path, name, resume=None, stop_after=None):
     model = _model()
-    cfg = {"train_micro_batch_size_per_gpu": 2,
-           "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                 "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / f"nvme-{name}")},
-                                 "offload_optimizer": {"device": "nvme",
-                                                       "nvme_path": str(tmp_path / f"nvme-{name}")}}}
+    cfg = _nvme_config(tmp_path / f"nvme-{name}")
     with offload.initialize(model, cfg) as engine:
         schedule = transformers.get_linear_schedule_with_warmup(engine.optimizer, 0, 8)
         callbacks = [] if stop_after is None else [_StopAt(stop_after)]
@@ -131,11 +134,7 @@ def test_an_accelerate_loop_matches_the_same_loop_on_plain_pytorch(tmp_path):
     opt = torch.optim.AdamW(plain.parameters(), lr=2e-3, weight_decay=0.01)
     ref_losses, ref_norms = _accelerate_loop(plain, opt, torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.1, 8), data)
     model = _model()
-    cfg = {"train_micro_batch_size_per_gpu": 2,
-           "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                 "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
-                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    cfg = _nvme_config(tmp_path)
     with offload.initialize(model, cfg) as engine:
         sched = torch.optim.lr_scheduler.LinearLR(engine.optimizer, 1.0, 0.1, 8)
         losses, norms = _accelerate_loop(model, engine.optimizer, sched, data)
@@ -163,11 +162,7 @@ def test_hugging_face_gradient_checkpointing_gives_pytorchs_weights(tmp_path, re
     opt = torch.optim.AdamW(plain.parameters(), lr=2e-3, weight_decay=0.01)
     steps(plain, lambda: (opt.step(), opt.zero_grad()))
     model = _model()
-    cfg = {"train_micro_batch_size_per_gpu": 2,
-           "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                 "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
-                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    cfg = _nvme_config(tmp_path)
     with offload.initialize(model, cfg) as engine:
         steps(model, engine.step)
         weights = engine.full_state_dict(master=True)

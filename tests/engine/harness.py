@@ -139,6 +139,15 @@ def engine_weights(engine):
     return {name: value.clone() for name, value in engine.full_state_dict(master=True).items()}
 
 
+def assert_weights(engine, ref_model, **tolerance):
+    """The engine's full weights equal `ref_model`'s, parameter by parameter."""
+    weights = engine_weights(engine)
+    expected = dict(ref_model.named_parameters())
+    assert weights.keys() == expected.keys()
+    for name, value in weights.items():
+        torch.testing.assert_close(value, expected[name].detach(), msg=lambda m: f"{name}: {m}", **tolerance)
+
+
 def build(name, seed=0):
     torch.manual_seed(seed)
     return MODELS[name]()

@@ -10,18 +10,11 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import offload
-from tests.engine.harness import batches, build, engine_weights, lm_loss, make_config, run_reference
+from tests.engine.harness import (assert_weights, batches, build, engine_weights, lm_loss, make_config,
+                                  run_reference)
 from tests.engine.models import TinyGPT
 
 PLACEMENTS = [("cpu", "cpu"), ("nvme", "nvme")]
-
-
-def assert_weights(engine, ref_model):
-    weights = engine_weights(engine)
-    expected = dict(ref_model.named_parameters())
-    assert weights.keys() == expected.keys()
-    for name, value in weights.items():
-        torch.testing.assert_close(value, expected[name].detach(), msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("param,optim", PLACEMENTS)
