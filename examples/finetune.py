@@ -401,7 +401,7 @@ def start_or_resume(engine, args, sampler) -> tuple[dict, str | None]:
                   file=sys.stderr)
         return new_run_state(args, planned_warmup(args)), None
     where = os.path.join(args.ckpt_dir, tag)
-    state = engine.load_checkpoint(args.ckpt_dir)  # verified first; CheckpointError changes nothing
+    _, state = engine.load_checkpoint(args.ckpt_dir)  # verified first; CheckpointError changes nothing
     check_resumable(state, args, where)
     sampler.generator.set_state(state["sampler"])
     print(f"resuming from {where}: step {state['step']}, LR schedule of {state['schedule']['steps']} steps",

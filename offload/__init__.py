@@ -1,6 +1,7 @@
 """offload: train PyTorch models larger than the GPU, and larger than RAM.
 
     engine = offload.initialize(model, config)   # also offload.engine.initialize
+    engine, optimizer, loader, sched = offload.initialize(model=model, config=config, ...)  # DeepSpeed's form
     with offload.init(config): model = Big()      # built straight into its home tiers
     loss = loss_fn(engine(inputs)); engine.backward(loss); engine.step()
 
@@ -20,6 +21,9 @@ _LAZY = {
     "checkpoint": ("offload.activations", "checkpoint"),
     "consolidate": ("offload.checkpoint_io", "consolidate"),
     "gathered": ("offload.partition.managed", "gathered"),
+    # DeepSpeed's names, so `import offload as deepspeed` runs its scripts (offload/engine/deepspeed_api.py)
+    "add_config_arguments": ("offload.engine.deepspeed_api", "add_config_arguments"),
+    "init_distributed": ("offload.engine.deepspeed_api", "init_distributed"),
 }
 
 
@@ -34,4 +38,4 @@ def __getattr__(name):
 
 
 __all__ = ["initialize", "init", "Engine", "Config", "estimate", "checkpoint", "consolidate", "gathered",
-           "__version__"]
+           "add_config_arguments", "init_distributed", "__version__"]

@@ -1,7 +1,7 @@
 """Checkpoints: crash-safe, exactly resumable saves of an engine, and consolidation.
 
     tag = engine.save_checkpoint("ckpts", client_state={"epoch": 3})   # every rank calls it
-    client_state = engine.load_checkpoint("ckpts")                     # the tag `latest` names
+    path, client_state = engine.load_checkpoint("ckpts")               # the tag `latest` names
     offload.consolidate("ckpts", "model.safetensors")                  # one file, plain PyTorch
 
 Layout and commit protocol: Note [checkpoint layout] (manifest.py). What is
@@ -21,17 +21,18 @@ DeepSpeed's spelling because they are what users replace.
 from offload.checkpoint_io.manifest import CheckpointError
 
 
-def save_checkpoint(engine, save_dir, tag=None, client_state=None, async_save=False):
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, async_save=False, save_latest=True):
     """Starts (async_save) or performs a save; returns the SaveJob (finish() commits)."""
     from offload.checkpoint_io.save import SaveJob
 
-    return SaveJob(engine, save_dir, tag, client_state, async_save)
+    return SaveJob(engine, save_dir, tag, client_state, async_save, save_latest)
 
 
-def load_checkpoint(engine, load_dir, tag=None):
+def load_checkpoint(engine, load_dir, tag=None, **parts):
+    """(tag directory, client_state); parts: load.load_into's keywords."""
     from offload.checkpoint_io.load import load_into
 
-    return load_into(engine, load_dir, tag)
+    return load_into(engine, load_dir, tag, **parts)
 
 
 def consolidate(ckpt_dir, out_path, tag=None, dtype=None, progress=True):

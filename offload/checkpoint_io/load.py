@@ -145,10 +145,44 @@ def _verify(engine, load_dir, tag):
     return result
 
 
+def _check_groups(engine, state) -> None:
+    """The optimizer's groups must be the saved ones (Note [parameter groups]): their
+    hyperparameters and the LR schedule's per-group state are restored by position."""
+    from offload.checkpoint_io.save import group_shards
+
+    here = group_shards(engine)
+    saved = state.get("param_group_shards")  # absent from checkpoints older than parameter groups
+    if saved is None:
+        if len(state["param_groups"]) == len(here):
+            return
+        saved = [None] * len(state["param_groups"])
+    if saved == here:
+        return
+    names = {s.index: s.name for s in engine.shards}
+    detail = f"{len(saved)} in the checkpoint, {len(here)} in this engine"
+    for i, (a, b) in enumerate(zip(saved, here)):
+        if a is not None and a != b:
+            detail += (f"; group {i} holds {[names.get(j, j) for j in a][:4]}... ({len(a)}) in the checkpoint, "
+                       f"{[names[j] for j in b][:4]}... ({len(b)}) here")
+            break
+    raise mf.CheckpointError(f"parameter group mismatch: {detail}. Build the engine with the same "
+                             "model_parameters groups, or load with load_optimizer_states=False and "
+                             "load_lr_scheduler_states=False (weights and counters only)")
+
+
 @torch.no_grad()
-def load_into(engine, load_dir, tag: str | None = None):
-    """Restores the engine from a checkpoint; returns the client_state it was saved with."""
-    _tag_dir, _manifest, src, state = _verify(engine, load_dir, tag)
+def load_into(engine, load_dir, tag: str | None = None, *, optimizer_states: bool = True,
+              lr_scheduler_states: bool = True, module_only: bool = False):
+    """Restores the engine from a checkpoint; returns (tag directory, the client_state it was saved with).
+
+    Always the weights (parameters, fp32 masters, buffers). optimizer_states: Adam's moments,
+    per-shard step counts and the groups' hyperparameters; lr_scheduler_states: the schedule's
+    state; module_only: the weights alone, no counters, RNG or loss scale (DeepSpeed's options)."""
+    tag_dir, _manifest, src, state = _verify(engine, load_dir, tag)
+    optimizer_states = optimizer_states and not module_only
+    lr_scheduler_states = lr_scheduler_states and not module_only
+    if optimizer_states or lr_scheduler_states:
+        _check_groups(engine, state)  # before anything changes
     engine.manager.release_all()  # nothing gathered or being fetched while homes are rewritten
     opt = engine.optimizer
     for s in engine.shards:
@@ -159,24 +193,30 @@ def load_into(engine, load_dir, tag: str | None = None):
             s.ctx.pg.all_gather(s.device_full(), part.to(s.ctx.device))
         else:
             s.ctx.param_store.write(s, part.contiguous()).wait()
-        opt.load_state_tensors(s, *src.state(s.index, s.part_numel))
+        if optimizer_states:
+            opt.load_state_tensors(s, *src.state(s.index, s.part_numel))
+        else:  # the fp32 weights, with this engine's moments (DeepSpeed keeps them too)
+            opt.set_master(s, src.master(s.index, s.part_numel))
     for b in mf.describe_model(engine)["buffers"]:
         engine.module.get_buffer(b["name"]).copy_(src.tensor(f"buffer.{b['name']}"))
-    opt.shard_steps.update({int(k): v for k, v in state["shard_steps"].items()})
-    for group, saved in zip(opt.param_groups, state["param_groups"]):
-        group.update(saved)
-    if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+    if optimizer_states:
+        opt.shard_steps.update({int(k): v for k, v in state["shard_steps"].items()})
+        for group, saved in zip(opt.param_groups, state["param_groups"]):
+            group.update(saved)
+    if lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    if engine.loss_scaler is not None and state["loss_scaler"] is not None:
-        engine.loss_scaler.load_state_dict(state["loss_scaler"])
-    engine.global_steps = state["global_steps"]
-    engine.micro_steps = state["micro_steps"]
-    engine.skipped_steps = state["skipped_steps"]
+    if not module_only:
+        if engine.loss_scaler is not None and state["loss_scaler"] is not None:
+            engine.loss_scaler.load_state_dict(state["loss_scaler"])
+        engine.global_steps = state["global_steps"]
+        engine.micro_steps = state["micro_steps"]
+        engine.skipped_steps = state["skipped_steps"]
+        restore_rng(state["rng"])
     engine._zero_grads()
+    engine._micro_in_window = 0
     engine._passes_at_step = engine._passes_at_update = engine.manager.backward_passes
     engine._scaled_passes = 0
-    restore_rng(state["rng"])
-    return state["client_state"]
+    return tag_dir, state["client_state"]
 
 
 def restore_rng(rng: dict) -> None:

@@ -89,3 +89,58 @@ def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype: torch.dtyp
             if config is not None and hasattr(config, "save_pretrained"):
                 config.save_pretrained(save_dir)
     return save_dir
+
+
+def save_state_dict(engine, path, *, dtype: torch.dtype, exclude_frozen: bool = False, streamed: bool) -> None:
+    """engine.save_16bit_model: the model's state_dict keys, floating tensors in `dtype`, in one file
+    written by rank 0. streamed: one safetensors file, one tensor at a time (tied weights once);
+    else DeepSpeed's torch.save of the whole dict (every tied name), refused when it does not fit."""
+    model = engine.module
+    entries, seen = [], set()
+    for key, value in model.state_dict(keep_vars=True).items():
+        if exclude_frozen and isinstance(value, torch.nn.Parameter) and not value.requires_grad:
+            continue
+        if streamed and id(value) in seen:
+            continue
+        seen.add(id(value))
+        entries.append((key, value, dtype if value.is_floating_point() else value.dtype))
+    path = Path(path)
+    writer = engine.pg.rank == 0
+    if writer:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    if not streamed:
+        import psutil
+
+        need = sum(v.numel() * dt.itemsize for _, v, dt in entries)
+        if need > 0.5 * psutil.virtual_memory().available:
+            raise MemoryError(f"save_16bit_model({path.name!r}): torch.save holds all {need / 2**30:.1f} GiB at "
+                              "once, more than half the memory available; name the file *.safetensors, "
+                              "which is streamed one tensor at a time")
+        out, copies = {}, {}
+        with torch.no_grad():
+            for key, value, out_dtype in entries:  # a tied weight: one tensor under each name, as torch saves it
+                if id(value) not in copies:
+                    copies[id(value)] = value.detach().to(out_dtype, copy=True)
+                out[key] = copies[id(value)]
+        if writer:
+            torch.save(out, tmp)
+            os.replace(tmp, path)
+        return
+    stream = SafetensorsStream(tmp, [(k, dt, tuple(v.shape)) for k, v, dt in entries], {"format": "pt"}) \
+        if writer else None
+    try:
+        for key, value, out_dtype in entries:
+            with torch.no_grad():
+                tensor = value.detach().to(out_dtype)  # an offloaded parameter: read alone
+            if stream is not None:
+                stream.write(key, tensor)
+            del tensor
+        if stream is not None:
+            stream.close()
+            os.replace(tmp, path)
+    except BaseException:
+        if stream is not None:
+            stream.abort()
+            tmp.unlink(missing_ok=True)
+        raise

@@ -51,6 +51,7 @@ def capture_engine_state(engine, client_state) -> bytes:
         "skipped_steps": engine.skipped_steps,
         "shard_steps": dict(opt.shard_steps),
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        "param_group_shards": group_shards(engine),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "rng": capture_rng(),
@@ -59,6 +60,12 @@ def capture_engine_state(engine, client_state) -> bytes:
     out = io.BytesIO()
     torch.save(state, out)
     return out.getvalue()
+
+
+def group_shards(engine) -> list[list[int]]:
+    """Each optimizer group's shard indices, in order (Note [parameter groups])."""
+    index = {id(s.param): s.index for s in engine.shards}
+    return [[index[id(p)] for p in g["params"]] for g in engine.optimizer.param_groups]
 
 
 def capture_rng() -> dict:
@@ -118,15 +125,17 @@ def plan_items(engine) -> list[_Item]:
 class SaveJob:
     """One checkpoint being written by this rank (Note [consistent async checkpoint])."""
 
-    def __init__(self, engine, save_dir, tag: str | None, client_state, async_save: bool):
-        if engine.gradients_pending or engine.micro_steps % engine.gradient_accumulation_steps:
+    def __init__(self, engine, save_dir, tag: str | None, client_state, async_save: bool,
+                 save_latest: bool = True):
+        if engine.gradients_pending or engine._micro_in_window:
             raise RuntimeError(
                 f"save_checkpoint inside a gradient accumulation window (micro-step "
                 f"{engine.micro_steps}, gradient_accumulation_steps "
-                f"{engine.gradient_accumulation_steps}, gradients pending: "
+                f"{engine.gradient_accumulation_steps()}, gradients pending: "
                 f"{engine.gradients_pending}): the gradients accumulated so far are not saved; "
                 f"save after the engine.step() that completes the window")
         self.pg = engine.pg
+        self.save_latest = save_latest
         self.root = Path(save_dir)
         self.tag = mf.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
         self.tmp = mf.tmp_dir(self.root, self.tag)
@@ -215,7 +224,8 @@ class SaveJob:
             final.rename(old)
         files.replace_durably(self.tmp, final)
         shutil.rmtree(old, ignore_errors=True)
-        mf.write_latest(self.root, self.tag)
+        if self.save_latest:
+            mf.write_latest(self.root, self.tag)
         self.committed = True
 
     # ---- the caller's side --------------------------------------------------

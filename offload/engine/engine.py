@@ -24,6 +24,7 @@ import torch
 
 from offload.config import Config, Precision
 from offload.engine.build import build_shards, default_device
+from offload.engine.deepspeed_api import DeepSpeedMethods
 from offload.engine.loss_scaler import LossScaler
 from offload.engine.memory import ProcessMemory, map_large_allocations, release_free_host_memory
 from offload.optim.sharded_adam import ShardedAdam
@@ -39,10 +40,13 @@ from offload.timeline import Timeline
 log = logging.getLogger("offload")
 
 
-class Engine:
-    def __init__(self, model: torch.nn.Module, config: Config, *, builder=None, weights=None):
+class Engine(DeepSpeedMethods):
+    def __init__(self, model: torch.nn.Module, config: Config, *, builder=None, weights=None,
+                 param_groups: list[dict] | None = None):
         """builder: the offload.init ModelBuilder the model was built in (its shards
-        are adopted); weights: values for the parameters (offload/engine/weights.py)."""
+        are adopted); weights: values for the parameters (offload/engine/weights.py);
+        param_groups: the optimizer's groups, each {"params": [parameter names], "lr": ...}
+        (Note [parameter groups] in offload/optim/sharded_adam.py); None: one group."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if config.optimizer is None:
@@ -66,7 +70,7 @@ class Engine:
         self._created_dirs: list[str] = []
 
         self._timeline = Timeline(enabled=True)
-        self._builder, self._weights = builder, weights
+        self._builder, self._weights, self._param_groups = builder, weights, param_groups
         # What every shard shares: made once, complete, by build_shards.
         self.shard_context: ShardContext | None = None
         self.shards, self._stores, self.manager, self.optimizer = [], [], None, None
@@ -102,13 +106,17 @@ class Engine:
         self.manager.on_forward = self._before_forward  # model(x) as well as engine(x)
 
         opt = config.optimizer
+        groups = None
+        if self._param_groups is not None:  # names -> the parameters build_shards settled on
+            by_name = {s.name: s.param for s in self.shards}
+            groups = [{**g, "params": [by_name[n] for n in g["params"]]} for g in self._param_groups]
         self.optimizer = ShardedAdam(
             self.shards, lr=opt.lr, betas=opt.betas, eps=opt.eps,
             weight_decay=opt.weight_decay, adamw_mode=opt.decoupled_weight_decay, tier=self.optim_tier,
             device=self.device, account=self.account, state_store=built.state_store,
             param_store=built.param_writer,
             sub_group_size=config.zero_optimization.sub_group_size, timeline=self._timeline,
-            pending_grad_elems=config.zero_optimization.reduce_bucket_size)
+            pending_grad_elems=config.zero_optimization.reduce_bucket_size, param_groups=groups)
         built.place(self.optimizer.init_state)  # the parameters move home here, one at a time
         self.optimizer.driver = self._update  # optimizer.step() from the user's loop
         # Reads outside a forward see real values, edits go through offload.gathered
@@ -128,7 +136,6 @@ class Engine:
                 static_scale=fp16.loss_scale, initial_scale_power=fp16.initial_scale_power,
                 window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
                 min_scale=fp16.min_loss_scale)
-        self.gradient_accumulation_steps = config.gradient_accumulation_steps
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
@@ -136,6 +143,9 @@ class Engine:
         self._passes_at_update = 0  # ... when the last update ran (fp16: see _update)
         self._scaled_passes = 0  # backward passes through engine.backward since then
         self._in_engine_step = False
+        # DeepSpeed's methods (deepspeed_api.py): set_gradient_accumulation_boundary (None: by micro_steps),
+        # was_step_applied, get_global_grad_norm; step() calls since the last update (or skipped one).
+        self._boundary, self._step_applied, self._global_grad_norm, self._micro_in_window = None, False, None, 0
         self._closed = False
         self._checkpoint_job = None  # an async save in progress (offload/checkpoint_io)
 
@@ -170,13 +180,14 @@ class Engine:
             raise RuntimeError(
                 "engine.backward() called again before engine.step(): this window's last backward "
                 "already started the optimizer update (Note [optimizer overlap]); call step() first")
-        scale = 1.0 / self.gradient_accumulation_steps
+        scale = 1.0 / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         if self._can_overlap():
             # Updates start during this backward: an async checkpoint must have
             # read what it saves first (Note [consistent async checkpoint]).
             self._before_update()
+            self.optimizer.grad_sq = 0.0
             self.optimizer.begin_overlap()
         try:
             with self._timeline.span("backward"):
@@ -198,7 +209,7 @@ class Engine:
         worth_it = self.optim_tier is Tier.NVME or (self.optim_tier is Tier.HOST
                                                     and self.device.type == "cuda")
         return (worth_it and self.config.zero_optimization.overlap_comm
-                and (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+                and self.is_gradient_accumulation_boundary()
                 and self.loss_scaler is None and not self.config.gradient_clipping > 0)
 
     def _abandon_overlap(self) -> None:
@@ -219,15 +230,21 @@ class Engine:
             raise RuntimeError("engine.step() called without a backward since the last step "
                                "(engine.backward(loss) or loss.backward())")
         self._passes_at_step = self.manager.backward_passes
+        boundary = self.is_gradient_accumulation_boundary()  # DeepSpeed's: asked before counting
         self.micro_steps += 1
-        if self.micro_steps % self.gradient_accumulation_steps != 0:
+        self._step_applied = False
+        if not boundary:
+            self._micro_in_window += 1
             return
         # Through optimizer.step(), so that a torch LR scheduler on it sees the step.
         self._in_engine_step = True
+        skipped = self.skipped_steps
         try:
             self.optimizer.step()
         finally:
             self._in_engine_step = False
+        self._micro_in_window = 0
+        self._step_applied = self.skipped_steps == skipped
         self._zero_grads()
 
     def _update(self) -> None:
@@ -259,13 +276,16 @@ class Engine:
                 if s.has_grad:
                     s.grad_part.div_(self.loss_scaler.scale)
             self.loss_scaler.update(False, self.global_steps + self.skipped_steps + 1)
+        clipped_norm = None
         if self.config.gradient_clipping > 0:
-            self._clip_grads(self.config.gradient_clipping)
+            clipped_norm = self._clip_grads(self.config.gradient_clipping)
+        self.optimizer.grad_sq = 0.0
         self._before_update()  # Note [consistent async checkpoint] (offload/checkpoint_io/save.py)
         self.optimizer.update()
-        self._finish_update()
+        self._finish_update(clipped_norm)
 
-    def _finish_update(self) -> None:
+    def _finish_update(self, grad_norm: float | None = None) -> None:
+        self._record_grad_norm(grad_norm)  # Note [global gradient norm] (engine/deepspeed_api.py)
         if Tier.NVME in (self.param_tier, self.optim_tier):
             # Host memory is what an NVMe run is short of, and its step waits on
             # the disk anyway (Note [engine bytes and the OS]).
@@ -306,9 +326,9 @@ class Engine:
     def _grads_finite(self) -> bool:
         return all(bool(torch.isfinite(s.grad_part).all()) for s in self.shards if s.has_grad)
 
-    def _clip_grads(self, max_norm: float) -> None:
+    def _clip_grads(self, max_norm: float) -> float:
         # As torch.nn.utils.clip_grad_norm_: total 2-norm over every gradient,
-        # coefficient max_norm / (norm + 1e-6), applied only when below 1.
+        # coefficient max_norm / (norm + 1e-6), applied only when below 1. Returns the norm.
         sq = torch.zeros(1, dtype=torch.float32, device=self.device)
         for s in self.shards:
             if s.has_grad:
@@ -319,6 +339,7 @@ class Engine:
             for s in self.shards:
                 if s.has_grad:
                     s.grad_part.mul_(coef)
+        return total
 
     def _zero_grads(self) -> None:
         for s in self.shards:
@@ -451,21 +472,25 @@ class Engine:
         self.close()
 
     # ---- checkpoints (offload/checkpoint_io) ---------------------------------
-    def save_checkpoint(self, save_dir, tag: str | None = None, client_state=None, *,
-                        async_save: bool = False) -> str:
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state=None, save_latest: bool = True, *,
+                        async_save: bool = False, exclude_frozen_parameters: bool = False) -> str:
         """Saves every tier's state under save_dir/tag (default tag: global_step{N}); returns the tag.
 
         Crash-safe: the checkpoint appears complete or not at all, and `latest`
-        names it only then. async_save=True returns once the small state is
-        captured; tensors are written while training goes on (the next
-        optimizer update waits until they are read). wait_checkpoint(), the
-        next save and close() wait for it. A collective with several ranks.
+        names it only then (save_latest=False: `latest` is left alone).
+        async_save=True returns once the small state is captured; tensors are
+        written while training goes on (the next optimizer update waits until
+        they are read). wait_checkpoint(), the next save and close() wait for
+        it. A collective with several ranks.
         """
         from offload.checkpoint_io import save_checkpoint
 
         self._check_open()
+        if exclude_frozen_parameters:
+            raise ValueError("save_checkpoint(exclude_frozen_parameters=True) is not supported: a checkpoint "
+                             "holds every parameter, and load_checkpoint verifies it against the whole model")
         self.wait_checkpoint()
-        job = save_checkpoint(self, save_dir, tag, client_state, async_save)
+        job = save_checkpoint(self, save_dir, tag, client_state, async_save, save_latest)
         job.save_dir = save_dir
         if async_save:
             self._checkpoint_job = job
@@ -495,17 +520,27 @@ class Engine:
         self._check_open()
         return save_pretrained(self, save_dir, max_shard_size=max_shard_size, dtype=dtype)
 
-    def load_checkpoint(self, load_dir, tag: str | None = None):
-        """Restores everything save_checkpoint saved (tag default: `latest`); returns client_state.
+    def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None):
+        """Restores what save_checkpoint saved (tag default: `latest`); returns DeepSpeed's
+        (load_path, client_state), load_path being the tag's directory.
 
         The checkpoint is verified first (manifest, sizes, checksums, model,
-        world size); a bad one raises CheckpointError and changes nothing.
+        world size, parameter groups); a bad one raises CheckpointError and
+        changes nothing. (None, None) when tag is None and load_dir holds no
+        complete checkpoint, as DeepSpeed. The options: docs/CONFIG.md, "DeepSpeed drop-in".
         """
         from offload.checkpoint_io import load_checkpoint
 
         self._check_open()
+        if self._nothing_to_load(load_dir, tag, load_module_strict, custom_load_fn):  # deepspeed_api.py
+            return None, None
         self.wait_checkpoint()
-        return load_checkpoint(self, load_dir, tag)
+        tag_dir, client_state = load_checkpoint(
+            self, load_dir, tag, optimizer_states=load_optimizer_states,
+            lr_scheduler_states=load_lr_scheduler_states, module_only=load_module_only)
+        return os.fspath(tag_dir), client_state
 
     def wait_checkpoint(self) -> None:
         """Waits for an async save to be written and committed; raises its error, if any."""
@@ -518,7 +553,23 @@ class Engine:
             self._checkpoint_job.before_update()
 
 
-def initialize(model: torch.nn.Module, config, weights=None) -> Engine:
+def initialize(*args, **kwargs):
+    """offload.initialize(model, config, weights=None) -> Engine: the model positional (_initialize).
+    DeepSpeed's form, model= as a keyword (or DeepSpeed's positional order, args first) ->
+    (engine, engine.optimizer, training dataloader or None, lr scheduler or None):
+    offload/engine/deepspeed_api.py; docs/CONFIG.md, "DeepSpeed drop-in"."""
+    if args and isinstance(args[0], torch.nn.Module):
+        extra = set(kwargs) - {"config", "weights"}
+        if extra:
+            raise TypeError(f"initialize(model, config, weights=None) got {sorted(extra)}: DeepSpeed's form, "
+                            "which returns (engine, optimizer, dataloader, lr_scheduler), takes model= as a keyword")
+        return _initialize(*args, **kwargs)
+    from offload.engine.deepspeed_api import initialize_deepspeed
+
+    return initialize_deepspeed(*args, **kwargs)
+
+
+def _initialize(model: torch.nn.Module, config, weights=None, *, param_groups=None) -> Engine:
     """Wraps `model` for training with its state spread over device, host and NVMe.
 
     config: a dict, a path to a JSON file, or an offload.Config (DeepSpeed's
@@ -542,7 +593,7 @@ def initialize(model: torch.nn.Module, config, weights=None) -> Engine:
                                      world_size=ProcessGroupInfo.current().world_size)
     builder = claim(model, config)
     try:
-        return Engine(model, config, builder=builder, weights=weights)
+        return Engine(model, config, builder=builder, weights=weights, param_groups=param_groups)
     except BaseException:
         if builder is not None:
             builder.unclaim()  # refused before taking it over: initialize may be called again

@@ -32,6 +32,7 @@ import torch
 
 from offload.aio.memory import BufferCache, aligned_tensor
 from offload.ops import adam_step
+from offload.optim.param_groups import check_group
 from offload.optim.state_stream import StateLayout, StateStream
 from offload.partition.accounting import MemoryAccount
 from offload.partition.shard import Residency, Shard
@@ -77,7 +78,7 @@ class _OptimizerThread:
 class _Overlap:
     """One overlapped step in progress (Note [optimizer overlap])."""
 
-    group: dict  # hyperparameters as of the step's start (the LR schedule moves after it)
+    groups: list[dict]  # each group's hyperparameters as of the step's start (the LR schedule moves after it)
     futures: list[Future]
     submitted: set[int]
     arrival: list[Shard]
@@ -92,10 +93,15 @@ class ShardedAdam(torch.optim.Optimizer):
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  adamw_mode: bool, tier: Tier, device: torch.device, account: MemoryAccount,
                  state_store=None, param_store=None, sub_group_size: int | None = None,
-                 timeline: Timeline | None = None, pending_grad_elems: int | None = None):
+                 timeline: Timeline | None = None, pending_grad_elems: int | None = None,
+                 param_groups: list[dict] | None = None):
         """Built empty: it places nothing. The build step (engine/build.py
         `Built.place`) moves each shard home and then gives init_state() its
-        initial fp32 partition, in order, once per shard."""
+        initial fp32 partition, in order, once per shard.
+
+        param_groups: torch's form, [{"params": [the model's parameters], "lr": ..., ...}],
+        each group's lr, betas, eps and weight_decay overriding the defaults above
+        (Note [parameter groups]). None: one group over every shard."""
         if not shards:
             raise ValueError("optimizer got an empty parameter list")
         self.shards = shards
@@ -140,16 +146,21 @@ class ShardedAdam(torch.optim.Optimizer):
                                    charge=lambda n: account.charge(Tier.HOST, n, "idle optimizer buffers"),
                                    credit=lambda n: account.credit(Tier.HOST, n))
         self._states: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # Sum of squares of the gradients updated since the engine last read it (this rank's partitions).
+        self.grad_sq = 0.0
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         adamw_mode=adamw_mode)
-        # One group; init_state() adds each shard's param to it, in shard order.
-        super().__init__([{"params": []}], defaults)
+        self._group_of: dict[int, int] = {}  # shard.index -> the index of its group
+        self._groups_open = True
+        # No groups given: one group, and init_state() adds each shard's param to it, in shard order.
+        self._one_group = param_groups is None
+        super().__init__([{"params": []}] if self._one_group else list(param_groups), defaults)
+        self._groups_open = False
 
     def init_state(self, shard: Shard, init: torch.Tensor) -> None:
         """Takes `init`, this rank's fp32 partition of the shard's initial weights,
         as its master (moments zero). The shard is already home."""
         nbytes = 3 * shard.part_numel * 4
-        params = self.param_groups[0]["params"]
         if self.tier is Tier.NVME:
             shared = self.shares_master(shard)  # then the parameter's file holds `init`
             nbytes = (2 if shared else 3) * shard.part_numel * 4
@@ -158,7 +169,7 @@ class ShardedAdam(torch.optim.Optimizer):
             if not shared:
                 packed[:shard.part_numel].copy_(init)
             self.state_store.swap_out(self._key(shard), packed).wait()
-            params.append(shard.param)
+            self._adopt(shard)
             return
         if self._aliases_home(shard):
             master = shard.host_part  # fp32 host home is the master itself
@@ -173,16 +184,55 @@ class ShardedAdam(torch.optim.Optimizer):
         m = torch.zeros_like(master)
         v = torch.zeros_like(master)
         self._states[shard.index] = (master, m, v)
-        params.append(shard.param)
+        self._adopt(shard)
 
+    def _adopt(self, shard: Shard) -> None:
+        if self._one_group:
+            self.param_groups[0]["params"].append(shard.param)
+            self._group_of[shard.index] = 0
+
+    # Note [parameter groups]
+    # Groups are fixed when the optimizer is made (DeepSpeed's model_parameters,
+    # torch's param_groups form): each names some of the model's parameters and
+    # may give its own lr, betas, eps and weight_decay; the rest come from the
+    # config's optimizer section. Every shard is updated with its own group's
+    # values, read from param_groups[i] at the update (so LR schedulers, which
+    # set param_groups[i]["lr"], drive each group). A parameter in no group is
+    # never updated: the engine only allows that for frozen ones. Indices in
+    # state_dict() follow the groups' params in order, as torch's do.
     def add_param_group(self, param_group: dict) -> None:
-        """The one group over every shard, made by __init__. torch's own version
-        is wrapped in torch._disable_dynamo, whose first call imports torch._dynamo
-        (70 MiB of RSS, sympy included) into a process that may never compile."""
-        if self.param_groups:
-            raise RuntimeError("the engine's optimizer updates every parameter in one group; "
-                               "give each parameter's settings in the config instead")
-        self.param_groups.append({**self.defaults, **param_group, "params": list(param_group["params"])})
+        """Only while __init__ makes the groups. torch's own version is wrapped in
+        torch._disable_dynamo, whose first call imports torch._dynamo (70 MiB of
+        RSS, sympy included) into a process that may never compile."""
+        if not self._groups_open:
+            raise RuntimeError("the engine's optimizer groups are fixed when it is made: give them to "
+                               "offload.initialize(model_parameters=[{'params': [...], 'lr': ...}, ...], ...)")
+        gi = len(self.param_groups)
+        params, hyper = check_group(gi, param_group)
+        by_param = {id(s.param): s for s in self.shards}
+        for p in params:
+            shard = by_param.get(id(p))
+            if shard is None:
+                raise ValueError(f"parameter group {gi}: holds a tensor of shape {tuple(getattr(p, 'shape', ()))} "
+                                 "that is not one of the engine's parameters")
+            if shard.index in self._group_of:
+                raise ValueError(f"parameter {shard.name} appears in more than one parameter group "
+                                 f"(groups {self._group_of[shard.index]} and {gi})")
+            self._group_of[shard.index] = gi
+        self.param_groups.append({**self.defaults, **hyper, "params": params})
+
+    def group_of(self, shard: Shard) -> dict:
+        """The param group whose hyperparameters update `shard` (Note [parameter groups])."""
+        gi = self._group_of.get(shard.index)
+        if gi is None:
+            raise RuntimeError(f"parameter {shard.name} got a gradient but is in no parameter group: "
+                               "it was frozen (requires_grad=False) when the optimizer was made")
+        return self.param_groups[gi]
+
+    def _indexed(self) -> list[tuple[int, Shard]]:
+        """(torch's state index, shard): the groups' params in order."""
+        by_param = {id(s.param): s for s in self.shards}
+        return list(enumerate(by_param[id(p)] for g in self.param_groups for p in g["params"]))
 
     def _aliases_home(self, shard: Shard) -> bool:
         return (self.tier is Tier.HOST and shard.home is Tier.HOST
@@ -251,7 +301,7 @@ class ShardedAdam(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         if self._overlap is not None:
             raise RuntimeError("optimizer.state_dict() while an overlapped update runs: call step() first")
-        stepped = [(i, s) for i, s in enumerate(self.shards) if self.shard_steps[s.index]]
+        stepped = [(i, s) for i, s in self._indexed() if self.shard_steps[s.index]]
         need = sum(3 * s.part_numel * 4 for _, s in stepped)
         import psutil
 
@@ -281,7 +331,7 @@ class ShardedAdam(torch.optim.Optimizer):
                              f"{None if groups is None else [len(g['params']) for g in groups]} do not match "
                              f"this optimizer's {[len(g['params']) for g in self.param_groups]}")
         saved = {int(k): v for k, v in state_dict.get("state", {}).items()}
-        for i, shard in enumerate(self.shards):
+        for i, shard in self._indexed():
             entry = saved.get(i)
             n = shard.part_numel
             if entry is None:
@@ -319,12 +369,11 @@ class ShardedAdam(torch.optim.Optimizer):
         if self._overlap is not None:
             self._finish_overlap()
             return
-        group = self.param_groups[0]
         shards = self._stepping()
         stream = self._stream(shards)
         try:
             for shard in shards:
-                self._update_shard(shard, group, stream)
+                self._update_shard(shard, self.group_of(shard), stream)
         finally:
             self._close_stream(stream)
         self._flush_publishes()
@@ -377,7 +426,7 @@ class ShardedAdam(torch.optim.Optimizer):
             self._executor = _OptimizerThread()
         self._kernel_threads = 1
         order = self._arrival_order or list(reversed(self.shards))
-        self._overlap = _Overlap(group=dict(self.param_groups[0]), futures=[], submitted=set(),
+        self._overlap = _Overlap(groups=[dict(g) for g in self.param_groups], futures=[], submitted=set(),
                                  arrival=[])
         stream_order = [s for s in order if s.has_grad or s.param.requires_grad]
         self._overlap.stream = self._executor.submit(self._stream, stream_order,
@@ -411,7 +460,9 @@ class ShardedAdam(torch.optim.Optimizer):
         if master is not None:
             ov.masters_brought.add(shard.index)
             self.account.charge(Tier.HOST, shard.part_numel * 4, f"master of {shard.name} from its gathered copy")
-        future = self._executor.submit(self._update_shard, shard, ov.group, ov.stream, master)
+        self.group_of(shard)  # in a group, or the error is raised here, not on the optimizer thread
+        future = self._executor.submit(self._update_shard, shard, ov.groups[self._group_of[shard.index]],
+                                       ov.stream, master)
         ov.futures.append(future)
         ov.backlog.append((future, shard.part_numel))
         ov.backlog_elems += shard.part_numel
@@ -430,8 +481,9 @@ class ShardedAdam(torch.optim.Optimizer):
             with self.timeline.span("wait", "optimizer"):
                 self._kernel_threads = None  # backward is over: the late ones may use every core
                 late = [s for s in self._stepping() if s.index not in ov.submitted] if update_late else []
-                ov.futures += [self._executor.submit(self._update_shard, s, ov.group, ov.stream)
-                               for s in late]
+                ov.futures += [self._executor.submit(self._update_shard, s,
+                                                     ov.groups[self._group_of[s.index]], ov.stream)
+                               for s in late if self.group_of(s)]
                 error = None
                 for f in ov.futures:
                     try:
@@ -469,6 +521,8 @@ class ShardedAdam(torch.optim.Optimizer):
     def _update_shard(self, shard: Shard, group: dict, stream: StateStream | None,
                       master_value: torch.Tensor | None = None) -> None:
         with self.timeline.span("optimizer", shard.name):
+            # Note [global gradient norm] (engine/deepspeed_api.py): the gradients this update applies.
+            self.grad_sq += float(torch.linalg.vector_norm(shard.grad_part, dtype=torch.float32)) ** 2
             if stream is None:
                 master, m, v = self._states[shard.index]
                 self._update(shard, master, m, v, group)

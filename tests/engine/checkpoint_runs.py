@@ -84,7 +84,7 @@ def second_half(case, root, rank=0):
     model = build(case[0], seed=11)
     seed(rank, salt=7)
     with offload.initialize(model, case_config(case, os.path.join(root, "c"), str(rank))) as e:
-        client = e.load_checkpoint(os.path.join(root, "ckpt"))
+        _, client = e.load_checkpoint(os.path.join(root, "ckpt"))
         counters = (e.global_steps, e.micro_steps, e.skipped_steps)
         losses = train(e, MICRO_STEPS // 2)
         return snapshot(e) | {"losses": losses, "client": client, "counters": counters}
