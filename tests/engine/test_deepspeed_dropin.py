@@ -459,3 +459,18 @@ def test_engine_refusals(tmp_path):
             engine.save_checkpoint(tmp_path / "ck", exclude_frozen_parameters=True)
         with pytest.raises(RuntimeError, match="groups are fixed when it is made"):
             engine.optimizer.add_param_group({"params": []})
+
+
+def test_deepspeeds_positional_order_and_its_argument_parser(tmp_path):
+    import deepspeed as real
+
+    argv = ["--deepspeed", "--deepspeed_config", "ds.json"]
+    ours = offload.add_config_arguments(argparse.ArgumentParser()).parse_args(argv)
+    theirs = real.add_config_arguments(argparse.ArgumentParser()).parse_args(argv)
+    assert vars(ours) == vars(theirs)
+    config_path = tmp_path / "ds.json"
+    config_path.write_text(json.dumps(ds_config(tmp_path)))
+    args = argparse.Namespace(deepspeed_config=str(config_path))
+    engine, opt, loader, sched = offload.initialize(args, net(), None, None, trainset())  # DeepSpeed's order
+    with engine:
+        assert opt is engine.optimizer and loader.batch_size == 4 and sched is None
