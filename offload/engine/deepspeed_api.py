@@ -132,7 +132,6 @@ class DeepSpeedMethods:
                         streamed=save_filename.endswith(".safetensors"))
         return True
 
-
     # ---- pieces of Engine's own methods --------------------------------------
     def _record_grad_norm(self, clipped_norm: float | None) -> None:
         """At each update: the clipping's norm, else the one the optimizer summed (Note [global gradient norm])."""
