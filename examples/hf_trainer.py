@@ -6,7 +6,8 @@ Needs transformers and accelerate: `pip install transformers accelerate`, then
 
 The route (README, "Hugging Face Trainer and Accelerate", says why it is this one):
 
-    engine = offload.initialize(model, config)              # parameters and Adam state on NVMe
+    engine, *_ = offload.initialize(model=model, model_parameters=decay_groups(model),
+                                    config=config)          # parameters and Adam state on NVMe
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       optimizers=(engine.optimizer, scheduler))
     trainer.train(); trainer.save_model(out)                 # real weights; from_pretrained loads them
@@ -89,6 +90,16 @@ def training_args(args, out: Path):
         use_cpu=True, seed=args.seed, data_seed=args.seed, disable_tqdm=True, dataloader_drop_last=True)
 
 
+def decay_groups(model, weight_decay: float = 0.01) -> list[dict]:
+    """Trainer's split: weight decay except on biases and norm weights (its own rule)."""
+    from transformers import Trainer
+
+    decay = set(Trainer.get_decay_parameter_names(None, model))  # uses no Trainer state
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+
+
 def offload_config(args, nvme: str) -> dict:
     where = {"device": args.offload, **({"nvme_path": nvme} if args.offload == "nvme" else {})}
     return {
@@ -117,7 +128,10 @@ def main(argv=None) -> int:
     reference = copy.deepcopy(model) if args.compare else None
 
     with tempfile.TemporaryDirectory(prefix="offload-hf-trainer-") as tmp:
-        engine = offload.initialize(model, offload_config(args, args.nvme_path or tmp))
+        # Trainer's own parameter groups (no weight decay on biases and norms), so the
+        # engine's update is the one plain Trainer would make: DeepSpeed's form of initialize.
+        engine, _, _, _ = offload.initialize(model=model, model_parameters=decay_groups(model),
+                                             config=offload_config(args, args.nvme_path or tmp))
         with engine:
             schedule = transformers.get_linear_schedule_with_warmup(engine.optimizer, 0, args.steps)
             trainer = transformers.Trainer(model=model, args=training_args(args, out / "trainer"),
