@@ -97,7 +97,10 @@ class OptionalBuildExt(build_ext):
         cached = os.path.join(cache, _build_key(self.compiler, ext), os.path.basename(target))
         if os.path.isfile(cached):
             os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-            shutil.copy2(cached, target)
+            # shutil.copy, not copy2: the copy must be newer than any extension
+            # already in the source tree, or an editable install keeps that one
+            # (it copies only over an older file), e.g. after reverting csrc/.
+            shutil.copy(cached, target)
             sys.stderr.write(f"offload: native extension unchanged, reused {cached}\n")
             return
         super().build_extension(ext)
@@ -131,7 +134,10 @@ if Pybind11Extension is not None:
             "offload._C",
             sources,
             cxx_std=17,
-            extra_compile_args=["-O3", "-fno-math-errno", "-pthread"],
+            # -ffp-contract=off: GCC fuses a*b+c into one fma by default in C++,
+            # which would change the Adam kernels' rounding (Note [bitwise
+            # torch order]); the kernels place every fma themselves.
+            extra_compile_args=["-O3", "-fno-math-errno", "-ffp-contract=off", "-pthread"],
             extra_link_args=["-pthread"],
         )
     )

@@ -223,6 +223,26 @@ def test_nan_and_inf_gradients_propagate_as_in_torch(simd_level, n):
     assert ours[0].isnan().sum() >= 3  # the poisoned elements really are NaN
 
 
+def test_second_moment_across_the_fast_path_boundary_bit_exact(simd_level):
+    """The AVX-512 kernel takes a shorter sequence for vectors whose v lies in
+    [2^-100, inf) and the general one otherwise (denom_as_torch): v from 0
+    through tiny, the boundary and huge, mixed within a vector and alone in
+    others, equals torch either way."""
+    scales = torch.logspace(-60, 15, 48, base=10.0)  # g^2 * (1 - beta2) spans ~1e-123 .. 1e27
+    row = torch.cat([scales, torch.zeros(8), torch.full((8,), 2.0 ** -48.5)])
+    grads = []
+    for step in range(4):
+        g = row[torch.randperm(row.numel(), generator=torch.Generator().manual_seed(step))]
+        grads.append(torch.cat([g, torch.ones(64) * (step + 1) * 1e-3]))  # and all-normal vectors
+    p0 = torch.randn(grads[0].numel())
+    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.1,
+                           sqrt=kernel_sqrt_flavour(simd_level))
+    ours = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.1)
+    _assert_bitwise(ours, ref)
+    v = ours[2]
+    assert (v == 0).any() and ((v > 0) & (v < 2.0 ** -100)).any() and (v > 2.0 ** -100).any()
+
+
 @pytest.mark.parametrize("n", [1, 33, 70_001])
 def test_without_bias_correction_matches_closed_form(simd_level, n):
     p0 = torch.randn(n, dtype=torch.float64)
