@@ -102,6 +102,7 @@ class Config(_Section):
     gradient_accumulation_steps: Any = 1
     gradient_clipping: float = 0.0
     steps_per_print: int | None = None
+    dataloader_drop_last: bool = False
     wall_clock_breakdown: bool = False
     bf16: BF16Config = field(default_factory=BF16Config)
     fp16: FP16Config = field(default_factory=FP16Config)
@@ -125,6 +126,7 @@ class Config(_Section):
                   _int("gradient_accumulation_steps", self.gradient_accumulation_steps, lo=1, auto=True))
         self._set("gradient_clipping", _float("gradient_clipping", self.gradient_clipping, lo=0.0, hf_auto=True))
         self._set("steps_per_print", _int("steps_per_print", self.steps_per_print, lo=1, none=True))
+        _bool("dataloader_drop_last", self.dataloader_drop_last)
         _bool("wall_clock_breakdown", self.wall_clock_breakdown)
         # Sections given as dicts (Config(aio={...}) as well as from_dict) name their
         # keys with no effect; from_dict then adds the top level's.

@@ -61,6 +61,15 @@ class DeepSpeedMethods:
         mb = self.config.train_micro_batch_size_per_gpu
         return None if mb is None else mb * self.gradient_accumulation_steps() * self.pg.world_size
 
+    def dataloader_drop_last(self) -> bool:
+        return self.config.dataloader_drop_last
+
+    @property
+    def global_samples(self) -> int:
+        """Samples consumed by the steps taken so far (DeepSpeed's counter): the
+        global batch per step; 0 when no batch size is configured."""
+        return self.global_steps * (self.train_batch_size() or 0)
+
     @property
     def local_rank(self) -> int:
         """The launcher's LOCAL_RANK (0 without one); scripts move batches with it."""
@@ -356,7 +365,8 @@ def _adopt_optimizer(optimizer, config):
 def training_dataloader(engine, dataset, collate_fn=None) -> torch.utils.data.DataLoader:
     """DeepSpeed's deepspeed_io for training: batches of train_micro_batch_size_per_gpu,
     sampled by a DistributedSampler over the data-parallel ranks (shuffled, seed 0, no
-    set_epoch: the same order each epoch, as DeepSpeed's loader), last batch kept. Not
+    set_epoch: the same order each epoch, as DeepSpeed's loader), a short last batch
+    kept unless the config's dataloader_drop_last is true. Not
     DeepSpeed's 2 worker processes per device: the order is the same without them."""
     if not isinstance(dataset, torch.utils.data.Dataset):
         raise ValueError("training_data must be a torch Dataset")
@@ -368,4 +378,5 @@ def training_dataloader(engine, dataset, collate_fn=None) -> torch.utils.data.Da
         raise ValueError("training_data needs train_micro_batch_size_per_gpu (or train_batch_size) in the config")
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=engine.pg.world_size, rank=engine.pg.rank)
     return torch.utils.data.DataLoader(dataset, batch_size=mb, sampler=sampler, collate_fn=collate_fn,
+                                       drop_last=engine.dataloader_drop_last(),
                                        pin_memory=torch.cuda.is_available())

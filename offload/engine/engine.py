@@ -167,7 +167,7 @@ class Engine(DeepSpeedMethods):
                 "accumulation boundary the optimizer update runs during backward (Note [optimizer "
                 "overlap]) and step() completes it")
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
         self._check_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("engine.backward(loss) takes a scalar loss tensor")
@@ -199,6 +199,7 @@ class Engine(DeepSpeedMethods):
             raise
         if self.loss_scaler is not None:
             self._scaled_passes += 1
+        return loss  # as DeepSpeed's engine.backward: scripts log what it returns
 
     def _can_overlap(self) -> bool:
         """Note [optimizer overlap]: updates may start during this backward when it

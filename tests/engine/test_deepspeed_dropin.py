@@ -150,6 +150,24 @@ def test_the_dataloader_is_deepspeeds(tmp_path):
         first_x, _ = next(iter(loader))
         torch.testing.assert_close(first_x, torch.stack([data[i][0] for i in order[:4]]) * 2)
         assert [len(b[0]) for b in loader] == [4, 4, 4, 4, 4, 2]
+    engine, _, loader, _ = offload.initialize(model=net(), config={**cfg, "dataloader_drop_last": True},
+                                              training_data=data)
+    with engine:
+        assert [len(b[0]) for b in loader] == [4, 4, 4, 4, 4]
+
+
+def test_backward_returns_the_loss_and_global_samples_counts_the_batches(tmp_path):
+    engine, *_ = offload.initialize(model=net(), config=ds_config(tmp_path))
+    with engine:
+        data = trainset()
+        for step in range(2):
+            for micro in range(2):  # gradient_accumulation_steps 2, micro batch 4
+                x = torch.stack([data[4 * micro + i][0] for i in range(4)])
+                y = torch.stack([data[4 * micro + i][1] for i in range(4)])
+                loss = F.cross_entropy(engine(x), y)
+                assert engine.backward(loss) is loss
+                engine.step()
+            assert engine.global_steps == step + 1 and engine.global_samples == 8 * (step + 1)
 
 
 def test_the_offload_form_still_returns_one_engine(tmp_path):
