@@ -28,15 +28,19 @@ from offload.checkpoint_io.files import SafetensorsStream
 from offload.config.base import parse_bytes
 
 
-def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype: torch.dtype | None = None) -> Path:
+def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype: torch.dtype | None = None,
+                    master: bool = False) -> Path:
     model = engine.module
     limit = parse_bytes(max_shard_size, "max_shard_size")
+    # master=True: a trained parameter is read from its fp32 master, one at a time too.
+    trained = {id(s.param): s for s in engine.shards if s.param.requires_grad} if master else {}
     entries, seen = [], set()
     for key, value in model.state_dict(keep_vars=True).items():
         if id(value) in seen:
             continue  # a tied weight: saved once, under its first name
         seen.add(id(value))
-        out_dtype = dtype if dtype is not None and value.is_floating_point() else value.dtype
+        source_dtype = torch.float32 if id(value) in trained else value.dtype
+        out_dtype = dtype if dtype is not None and value.is_floating_point() else source_dtype
         entries.append((key, value, out_dtype))
     files, current, size = [], [], 0
     for entry in entries:
@@ -63,7 +67,10 @@ def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype: torch.dtyp
         try:
             for key, value, out_dtype in group:
                 with torch.no_grad():
-                    tensor = value.detach().to(out_dtype)  # an offloaded parameter: read alone
+                    if id(value) in trained:
+                        tensor = engine.full_value(trained[id(value)], master=True).to(out_dtype)
+                    else:
+                        tensor = value.detach().to(out_dtype)  # an offloaded parameter: read alone
                 if stream is not None:
                     stream.write(key, tensor)
                 weight_map[key] = name

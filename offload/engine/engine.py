@@ -354,16 +354,15 @@ class Engine(DeepSpeedMethods):
         master=True gives the fp32 master weights, else the compute-dtype copy.
         A collective with several ranks: every rank must call it.
         """
-        out = {}
-        for shard in self.shards:
-            if master:
-                part = self.optimizer.master_partition(shard)
-            else:
-                part = shard.home_partition()
-            full = torch.empty(shard.padded_numel, dtype=part.dtype, device=part.device)
-            self.pg.all_gather(full, part)
-            out[shard.name] = full[:shard.numel].view(shard.shape).cpu()
-        return out
+        return {shard.name: self.full_value(shard, master) for shard in self.shards}
+
+    def full_value(self, shard, master: bool = False) -> torch.Tensor:
+        """One parameter's full value on the host: the fp32 master (master=True) or
+        the compute-dtype copy. A collective with several ranks."""
+        part = self.optimizer.master_partition(shard) if master else shard.home_partition()
+        full = torch.empty(shard.padded_numel, dtype=part.dtype, device=part.device)
+        self.pg.all_gather(full, part)
+        return full[:shard.numel].view(shard.shape).cpu()
 
     # ---- reporting and lifetime ---------------------------------------------
     def timeline(self) -> dict:
@@ -511,15 +510,18 @@ class Engine(DeepSpeedMethods):
             consolidate(save_dir, os.path.join(save_dir, job.tag, "model_16bit.safetensors"), tag=job.tag,
                         dtype=dtype)
 
-    def save_pretrained(self, save_dir, *, max_shard_size="5GB", dtype: torch.dtype | None = None):
+    def save_pretrained(self, save_dir, *, max_shard_size="5GB", dtype: torch.dtype | None = None,
+                        master: bool = False):
         """The model in Hugging Face's layout (sharded safetensors, index, config), streamed one
         tensor at a time, so a model larger than RAM is saved too; `from_pretrained(save_dir)`
         loads it (Note [streamed pretrained save]). dtype: of floating tensors (default: as they
-        are). A collective with several ranks; rank 0 writes."""
+        are). master=True: the trained parameters' fp32 master weights (what a bf16 run's
+        optimizer holds) instead of their compute-dtype copies. A collective with several
+        ranks; rank 0 writes."""
         from offload.checkpoint_io.pretrained import save_pretrained
 
         self._check_open()
-        return save_pretrained(self, save_dir, max_shard_size=max_shard_size, dtype=dtype)
+        return save_pretrained(self, save_dir, max_shard_size=max_shard_size, dtype=dtype, master=master)
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -159,6 +159,28 @@ def test_save_pretrained_streams_shards_in_hugging_faces_layout(tmp_path, param,
                 assert index["weight_map"][key] == name
 
 
+@pytest.mark.parametrize("optim", ["cpu", "nvme"])
+def test_save_pretrained_master_writes_the_fp32_masters_of_a_bf16_run(tmp_path, optim):
+    from safetensors.torch import load_file
+
+    model = build("tiny_gpt")
+    with offload.initialize(model, make_config("nvme", optim, tmp_path / "swap", precision="bf16")) as engine:
+        _train(model, engine, batches(2))
+        masters = engine.full_state_dict(master=True)
+        copies = engine.full_state_dict()
+        engine.save_pretrained(tmp_path / "masters", master=True)
+        engine.save_pretrained(tmp_path / "copies")
+    saved_masters = load_file(tmp_path / "masters" / "model.safetensors")
+    saved_copies = load_file(tmp_path / "copies" / "model.safetensors")
+    assert set(saved_masters) == set(masters)
+    for key, value in masters.items():
+        assert saved_masters[key].dtype == torch.float32 and saved_copies[key].dtype == torch.bfloat16
+        torch.testing.assert_close(saved_masters[key], value, rtol=0, atol=0)
+        torch.testing.assert_close(saved_copies[key], copies[key], rtol=0, atol=0)
+    # The masters carry what bf16 rounds away.
+    assert any(not torch.equal(saved_masters[k].to(torch.bfloat16).float(), saved_masters[k]) for k in masters)
+
+
 def _tiny_llama():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
