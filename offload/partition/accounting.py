@@ -6,6 +6,11 @@ one source of truth. A charge that would pass the tier's budget raises
 TierBudgetError naming the tier, the request and what is held: the budget is
 a promise made at initialize, and breaking it mid-step is a bug to surface,
 not to hide.
+
+Reclaimers (`add_reclaimer`) hold bytes the step can do without (the
+prefetcher's reads ahead and parameters kept for reuse): a charge that would
+pass the budget first asks them to give bytes back, then is tried once more
+(Note [prefetch within the device budget] in offload/partition/prefetch.py).
 """
 from __future__ import annotations
 
@@ -32,6 +37,25 @@ class MemoryAccount:
         self._lock = threading.Lock()
         self._usage = {tier: TierUsage(budget=budgets.get(tier)) for tier in Tier}
         self._settlers: list = []
+        self._reclaimers: dict[Tier, object] = {}
+        # Per tier, what initialize reserved out of the budget, said in a refusal
+        # (engine/build.py `_preflight_budgets`).
+        self.budget_notes: dict[Tier, str] = {}
+
+    def add_reclaimer(self, tier: Tier, reclaim) -> None:
+        """reclaim(nbytes): frees up to about nbytes of optional holdings on `tier`
+        (credited through credit()); called when a charge would pass the budget."""
+        self._reclaimers[tier] = reclaim
+
+    def remove_reclaimer(self, tier: Tier) -> None:
+        self._reclaimers.pop(tier, None)
+
+    def fits(self, tier: Tier, nbytes: int) -> bool:
+        """Whether nbytes more can be charged to `tier` now without reclaiming anything."""
+        self._settle()
+        with self._lock:
+            usage = self._usage[tier]
+            return usage.budget is None or usage.now + nbytes <= usage.budget
 
     def add_settler(self, settle) -> None:
         """settle() is called before every charge and read: it credits bytes freed
@@ -45,15 +69,22 @@ class MemoryAccount:
 
     def charge(self, tier: Tier, nbytes: int, what: str) -> None:
         self._settle()
-        with self._lock:
-            usage = self._usage[tier]
-            if usage.budget is not None and usage.now + nbytes > usage.budget:
+        reclaim = self._reclaimers.get(tier)
+        while True:
+            with self._lock:
+                usage = self._usage[tier]
+                if usage.budget is None or usage.now + nbytes <= usage.budget:
+                    usage.now += nbytes
+                    usage.peak = max(usage.peak, usage.now)
+                    return
+                short, held, budget = usage.now + nbytes - usage.budget, usage.now, usage.budget
+            if reclaim is None:
+                note = self.budget_notes.get(tier)
                 raise TierBudgetError(
                     f"{tier.value} tier budget exceeded allocating {nbytes} bytes for {what}: "
-                    f"{usage.now} of {usage.budget} bytes already held"
-                )
-            usage.now += nbytes
-            usage.peak = max(usage.peak, usage.now)
+                    f"{held} of {budget} bytes already held" + (f"; {note}" if note else ""))
+            reclaim(short)
+            reclaim = None  # once: what it could not free stays held
 
     def credit(self, tier: Tier, nbytes: int) -> None:
         with self._lock:

@@ -48,6 +48,7 @@ has no business placing the engine's I/O buffers either.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,10 @@ from offload.tiers import Tier
 
 # Note [bookkeeping outside the mode]
 _bookkeeping = torch._C.DisableTorchFunction
+
+
+def _nothing(*args) -> None:
+    pass
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,12 @@ class ParameterManager:
             self._track(s)
         self._handles = []
         self._install_hooks()
+        # Note [prefetch within the device budget]; held weakly, so the account
+        # (which outlives the manager in every shard's context) keeps no manager alive.
+        self._account = shards[0].ctx.account if shards else None
+        if self._account is not None:
+            reclaim = weakref.WeakMethod(self.reclaim_device)
+            self._account.add_reclaimer(Tier.DEVICE, lambda nbytes: (reclaim() or _nothing)(nbytes))
 
     # ---- holds -----------------------------------------------------------
     def _track(self, shard: Shard) -> None:
@@ -368,6 +379,23 @@ class ParameterManager:
         finally:
             self._internal = False
 
+    def reclaim_device(self, nbytes: int) -> None:
+        """A charge on the device tier would pass the budget: releases what only
+        the prefetcher holds (Note [prefetch within the device budget])."""
+        internal, self._internal = self._internal, True
+        try:
+            with _bookkeeping():
+                for shard in self.prefetch.reclaim():
+                    if shard.refs > 0:
+                        shard.release()  # the scheduler's reference
+                    elif shard.residency is not Residency.RELEASED:
+                        shard.force_release()  # a read ahead: waits for its bytes, then frees them
+                    if not shard.held:
+                        self._track(shard)
+                        self.prefetch.on_released(shard)
+        finally:
+            self._internal = internal
+
     def release_all(self) -> None:
         self.prefetch.end_pass()
         self._internal = True
@@ -386,3 +414,5 @@ class ParameterManager:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._account is not None:
+            self._account.remove_reclaimer(Tier.DEVICE)

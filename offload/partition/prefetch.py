@@ -20,6 +20,20 @@ data-dependent branch, eval between training steps), that pass falls back to
 on-demand reads from the point of departure and its own order is learned for
 the next: never an error (DeepSpeed's trace-based prefetch raised there).
 Prefetches a diverged pass no longer needs are dropped at the end of the pass.
+
+Note [prefetch within the device budget]
+Reads ahead and parameters kept for reuse are optional: the step needs
+neither. So with memory.device_budget set, a read ahead starts only when its
+buffer fits in what the budget leaves now (else the scheduler stops and
+tries again at the next use, once something was released), and when a
+charge the step does need (a gather, a saved activation) would pass the
+budget, the manager first gives back what the scheduler holds (`reclaim`:
+retained parameters, reads not yet used) and the charge is tried again
+(MemoryAccount reclaimers). So prefetching never turns a budget that trains
+without it into a TierBudgetError, and initialize's check
+(`_preflight_budgets` in offload/engine/build.py) counts the scheduler's
+live limit plus the one read ahead (`working_set_elems`) so that at an
+accepted budget the configured depth has room.
 Only NVMe homes are read ahead: a host home on a CPU-only machine is already
 the device copy (Note [zero-copy gather]), and gathers that need collectives
 run in use order on the compute thread, the same on every rank.
@@ -73,7 +87,8 @@ class PrefetchScheduler:
         self._unused: dict[Shard, int] = {}    # read ahead, not yet taken into use
         self._retained: set[Shard] = set()     # kept for reuse: the scheduler holds one ref
         self._live: dict[Shard, int] = {}      # offloaded shards not RELEASED -> elements
-        self.stats = {"prefetched": 0, "hits": 0, "diverged_passes": 0, "retained": 0}
+        self.stats = {"prefetched": 0, "hits": 0, "diverged_passes": 0, "retained": 0,
+                      "deferred_for_budget": 0}
 
     # ---- pass boundaries -------------------------------------------------
     def begin_pass(self, key: tuple) -> None:
@@ -102,6 +117,16 @@ class PrefetchScheduler:
 
     def is_retained(self, shard: Shard) -> bool:
         return shard in self._retained
+
+    def reclaim(self) -> list[Shard]:
+        """Note [prefetch within the device budget]: hands back every shard whose
+        device bytes only the scheduler wants (reads not yet used, parameters kept
+        for reuse), unused reads first; the manager releases them. The learned
+        order stays: a shard handed back is read on demand when its turn comes."""
+        handed = list(self._unused) + list(self._retained)
+        self._unused.clear()
+        self._retained.clear()
+        return handed
 
     # ---- events from the manager -----------------------------------------
     def on_use(self, shard: Shard) -> bool:
@@ -161,6 +186,11 @@ class PrefetchScheduler:
                 n = s.padded_numel
                 if self._unused and (ahead + n > self.bucket_elems or live + n > self.max_live_elems):
                     return  # the bucket is full: continue when the next one is used
+                if not s.ctx.account.fits(Tier.DEVICE, n * s.dtype.itemsize):
+                    # Note [prefetch within the device budget]: fetch less; try
+                    # again at the next use, after releases.
+                    self.stats["deferred_for_budget"] += 1
+                    return
                 s.prefetch()
                 self._unused[s] = n
                 self._live[s] = n
@@ -170,24 +200,43 @@ class PrefetchScheduler:
             self._issued += 1
 
 
-def prefetch_scheduler(zero, shards: list[Shard]) -> PrefetchScheduler:
-    """The scheduler for a zero_optimization config. Keys left unset are sized
-    from the model, not DeepSpeed's defaults (50M elements ahead, 1G live,
-    1G reuse distance: on a model under a billion parameters those keep all of
-    it gathered, which is what offloading is meant to avoid):
+def prefetch_limits(zero, largest: int) -> tuple[int, int, int]:
+    """(bucket, max live, reuse distance) in elements for a zero_optimization
+    config, `largest` being the largest offloaded parameter's padded elements.
+    Keys left unset are sized from the model, not DeepSpeed's defaults (50M
+    elements ahead, 1G live, 1G reuse distance: on a model under a billion
+    parameters those keep all of it gathered, which is what offloading is
+    meant to avoid):
       bucket        the largest offloaded parameter ahead (more held memory
                     and bought no time on a disk-bound step, GPT 67M)
       max live      three of the largest
       reuse         the largest (the turn from forward to backward)
     A bucket of 0 turns prefetching off, as in DeepSpeed."""
-    largest = max((s.padded_numel for s in shards if s.home is not Tier.DEVICE), default=0)
-
     def pick(value, default):
         return default if value is None else value
 
-    bucket = pick(zero.stage3_prefetch_bucket_size, largest)
+    return (pick(zero.stage3_prefetch_bucket_size, largest),
+            pick(zero.stage3_max_live_parameters, 3 * largest),
+            pick(zero.stage3_max_reuse_distance, largest))
+
+
+def working_set_elems(zero, padded_numels: list[int], any_nvme: bool, on_demand: int) -> int:
+    """Elements of offloaded parameters gathered at once, at most: `on_demand`
+    (what the step itself holds: the largest set of parameters one module
+    gathers together) or, with prefetching on, the scheduler's live limit if
+    larger, plus the one read always allowed ahead; never more than all of
+    them (Note [prefetch within the device budget])."""
+    largest = max(padded_numels, default=0)
+    bucket, max_live, _ = prefetch_limits(zero, largest)
+    if not (bucket > 0 and any_nvme):
+        return min(sum(padded_numels), on_demand)
+    return min(sum(padded_numels), max(on_demand, max_live) + largest)
+
+
+def prefetch_scheduler(zero, shards: list[Shard]) -> PrefetchScheduler:
+    """The scheduler for a zero_optimization config (limits: `prefetch_limits`)."""
+    largest = max((s.padded_numel for s in shards if s.home is not Tier.DEVICE), default=0)
+    bucket, max_live, reuse = prefetch_limits(zero, largest)
     return PrefetchScheduler(
-        bucket_elems=bucket,
-        max_live_elems=pick(zero.stage3_max_live_parameters, 3 * largest),
-        reuse_distance=pick(zero.stage3_max_reuse_distance, largest),
+        bucket_elems=bucket, max_live_elems=max_live, reuse_distance=reuse,
         enabled=bucket > 0 and any(s.home is Tier.NVME for s in shards))
