@@ -259,12 +259,9 @@ def _remove_if_empty(dirs: list[str]) -> None:
 
 
 def _cleanup(new_dirs: list[str], engine_made: bool) -> None:
-    """Removes the swap directories this run created. engine.close() removes its rank
-    directory itself; when Ctrl-C or an error stops offload.initialize() before it
-    returns there is no engine to close, so its rank directory (new_dirs[0], made by
-    this run) goes here."""
-    if new_dirs and not engine_made:
-        shutil.rmtree(new_dirs[0], ignore_errors=True)
+    """Removes the swap directories this run created, where empty. offload removes
+    its own directory inside them (at close, at exit, or when Ctrl-C or an error
+    stops offload.initialize()); another job may still be using the same path."""
     _remove_if_empty(new_dirs)
 
 
@@ -492,8 +489,8 @@ def main(argv=None) -> int:
     train_data, val_data = split_corpus(data, val_fraction=0.05)
     model = build_model(args)
     n_params = sum(p.numel() for p in model.parameters())
-    # the swap directory offload makes (<nvme-path>/rank0) and the parents it needs
-    created = _created_parents(os.path.join(args.nvme_path, "rank0")) if args.offload == "nvme" else []
+    # <nvme-path> and its parents where missing (offload removes its own directory in it)
+    created = _created_parents(args.nvme_path) if args.offload == "nvme" else []
     print(f"{args.model}: {n_params / 1e6:.2f}M parameters, offload {args.offload}"
           + (f" ({args.nvme_path})" if args.offload == "nvme" else "")
           + f", corpus {data.numel() / MIB:.1f} MiB of stdlib source, {args.precision}, "

@@ -306,7 +306,7 @@ def test_finetune_ctrl_c_removes_swap_files(tmp_path):
         # The event: step 2's checkpoint committed (`latest` written last). Steps
         # 3 (train only) and 4 (train and save) follow, so the signal lands in either.
         wait_for(latest.exists, proc, 120, "a first checkpoint was committed")
-        assert any((nvme / "rank0").glob("*.swp"))
+        assert any(nvme.glob("offload-*/rank0/*.swp"))
         proc.send_signal(signal.SIGINT)
         try:
             _, err = proc.communicate(timeout=60)

@@ -53,9 +53,11 @@ const char* io_op_name(IoOp op) { return op == IoOp::kRead ? "pread" : "pwrite";
 // ---------------------------------------------------------------- OpenFile
 
 OpenFile::OpenFile(const std::string& path, IoOp op, bool refuse_direct) : path_(path), op_(op) {
-  const int flags = (op == IoOp::kRead ? O_RDONLY : (O_WRONLY | O_CREAT)) | O_CLOEXEC;
+  // O_NOFOLLOW: a symlink at the name fails the open (ELOOP) rather than being
+  // written through (Note [creating swap files] in offload/aio/swap_store.py).
+  const int flags = (op == IoOp::kRead ? O_RDONLY : (O_WRONLY | O_CREAT)) | O_CLOEXEC | O_NOFOLLOW;
   if (refuse_direct) throw IoFailure{EINVAL, "open(O_DIRECT)"};
-  direct_fd_ = ::open(path.c_str(), flags | O_DIRECT, 0644);
+  direct_fd_ = ::open(path.c_str(), flags | O_DIRECT, 0600);
   if (direct_fd_ < 0) throw IoFailure{errno, "open(O_DIRECT)"};
 }
 
@@ -68,7 +70,7 @@ int OpenFile::buffered_fd() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (buffered_fd_ < 0) {
     // The direct open already created the file, so no O_CREAT here.
-    const int flags = (op_ == IoOp::kRead ? O_RDONLY : O_WRONLY) | O_CLOEXEC;
+    const int flags = (op_ == IoOp::kRead ? O_RDONLY : O_WRONLY) | O_CLOEXEC | O_NOFOLLOW;
     buffered_fd_ = ::open(path_.c_str(), flags);
     if (buffered_fd_ < 0) return -errno;
   }

@@ -111,16 +111,19 @@ class OpenFile:
 
     def __init__(self, path: str, op: str, direct: bool, faults: FaultPlan):
         self.path = path
-        self._flags = (os.O_RDONLY if op == "pread" else os.O_WRONLY | os.O_CREAT) | os.O_CLOEXEC
+        # O_NOFOLLOW: a symlink at the name fails the open (ELOOP) rather than being
+        # written through (Note [creating swap files] in offload/aio/swap_store.py).
+        self._flags = ((os.O_RDONLY if op == "pread" else os.O_WRONLY | os.O_CREAT)
+                       | os.O_CLOEXEC | os.O_NOFOLLOW)
         self.direct_fd = None
         self._buffered_fd = None
         self._lock = threading.Lock()
         if direct:
             if faults.refuse_direct:
                 raise OSError(errno.EINVAL, "O_DIRECT refused (injected)")
-            self.direct_fd = os.open(path, self._flags | os.O_DIRECT, 0o644)
+            self.direct_fd = os.open(path, self._flags | os.O_DIRECT, 0o600)
         else:
-            self._buffered_fd = os.open(path, self._flags, 0o644)
+            self._buffered_fd = os.open(path, self._flags, 0o600)
 
     def buffered_fd(self) -> int:
         with self._lock:

@@ -24,6 +24,7 @@ import errno
 import hashlib
 import os
 import shutil
+import stat
 import struct
 import sys
 import time
@@ -149,6 +150,7 @@ class SwapHandle:
         self._finished = False
         self._finish: Callable[[], object] | None = None
         self._t0 = time.perf_counter()
+        self._source = None  # swap_out in place, lent: (meta, tensor), kept if the write fails
 
     def done(self) -> bool:
         return self._finished or all(p.request.done() for p in self._store._queue if p.handle is self)
@@ -177,6 +179,31 @@ def _quote(key: str) -> str:
     return name
 
 
+# Note [swap data checksums]
+# With `checksum` (the engine's stores: aio.verify_swap_checksums, on by
+# default) every file's header holds a CRC-32C of its data, computed as the
+# data goes out and verified when a read completes, before the handle returns
+# the tensor: a flipped bit on disk fails the read (CorruptFileError naming the
+# file and the key) instead of becoming a weight that the next checkpoint saves
+# under a fresh checksum of its own. The native kernel runs at ~9 GB/s and
+# releases the GIL (offload/aio/checksum.py); writes checksum the lent tensor
+# on the optimizer thread, reads on the thread that waits, after the bytes
+# landed. Cost on the GPT 67M NVMe step: benchmarks/RESULTS.md, "Swap checksums".
+#
+# Note [failed in-place writes]
+# An in-place write (atomic=False) that fails has already overwritten part of
+# the old file, so neither value is on disk. When the tensor was lent
+# (borrow=True: every write of the engine's training step) the store keeps a
+# copy of the value it was given, and the key stays readable from that copy;
+# rewrite_unwritten() writes the copies again (the engine does so when a
+# failed step is retried), a later successful write of the key drops it, and
+# discard_unwritten() forgets them (load_checkpoint rewrites every key). The
+# copies are host memory outside the staging budget: at most the values one
+# failed step was writing. A staged write cannot be kept (its source was free
+# to change as soon as swap_out returned): its file is removed and the key
+# reads as missing.
+
+
 class SwapStore:
     def __init__(self, config: SwapConfig, *, ledger=None):
         """ledger: charged the staging buffers' host bytes (see BufferPool)."""
@@ -186,7 +213,9 @@ class SwapStore:
         self._pool = BufferPool(config.buffer_bytes, ledger=ledger)
         self._kind = default_kind() if config.checksum else ChecksumKind.NONE
         self._index: dict[str, _Meta] = {}
+        self._unwritten: dict[str, tuple[_Meta, torch.Tensor]] = {}  # Note [failed in-place writes]
         self._paths: dict[str, Path] = {}
+        self._checked_files: set[Path] = set()  # regular files a write may go to (Note [creating swap files])
         self._queue: deque[_Piece] = deque()
         self._busy_since = {"swap_out": 0.0, "swap_in": 0.0}  # Note: busy = any transfer of that kind open
         self._busy_count = {"swap_out": 0, "swap_in": 0}
@@ -230,7 +259,10 @@ class SwapStore:
             # Overwritten in place; the key is unreadable until this write completes.
             tmp = self.path_of(key)
             self._index.pop(key, None)
+        self._create(tmp)
         handle = SwapHandle(self, "swap_out", key, self.path_of(key))
+        if borrow and not self.config.atomic:
+            handle._source = (meta, tensor)
         self._opened(handle)
         crc = 0
         if borrow and _direct(src):
@@ -269,10 +301,35 @@ class SwapStore:
             if self.config.durable:
                 fsync_path(self.directory)
             self._index[key] = meta
+            self._unwritten.pop(key, None)
             self.stats.bytes_written += n
             self.stats.swap_outs += 1
 
         return self._sealed(handle, publish)
+
+    def _create(self, path: Path) -> None:
+        """Note [creating swap files]: a file a write goes to is created here,
+        O_EXCL | O_NOFOLLOW, mode 0600; the I/O backends then open it with
+        O_NOFOLLOW. Where a file exists already (rewritten in place, or written
+        by the other store over the same files, Note [one store per thread] in
+        offload/engine/build.py) it must be a regular file: a symlink planted at
+        the name is refused, never written through. In-place files are checked
+        once per store; a temporary name, renamed away at each write, each time."""
+        if path in self._checked_files:
+            return
+        try:
+            create_exclusive(path)
+        except FileExistsError:
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                raise SwapStoreError(errno.ELOOP, f"swap file {path} is a symbolic link (to "
+                                                  f"{os.readlink(path)}): refusing to write through it")
+            if not stat.S_ISREG(st.st_mode):
+                raise SwapStoreError(errno.EEXIST, f"swap file {path} exists and is not a regular file")
+        except OSError as exc:
+            raise SwapStoreError(exc.errno, f"cannot create swap file {path}: {exc.strerror}") from exc
+        if not self.config.atomic:
+            self._checked_files.add(path)
 
     # -------------------------------------------------------------- swap_in
 
@@ -280,6 +337,9 @@ class SwapStore:
         """Starts reading the tensor stored under `key`; wait() returns it (in
         `out` when given, which must have the same number of bytes)."""
         path = self.path_of(key)
+        held = self._unwritten.get(key)
+        if held is not None:
+            return self._from_memory(key, path, *held, out)
         meta = self._index.get(key) or self._read_meta(key, path)
         if out is None:
             out = torch.empty(meta.shape, dtype=meta.dtype)
@@ -323,12 +383,55 @@ class SwapStore:
                 raise CorruptFileError(str(path), f"header says {stored_n} bytes, expected {n}")
             if kind is not ChecksumKind.NONE and state["crc"] != stored_crc:
                 raise CorruptFileError(
-                    str(path), f"{kind.name} mismatch: stored {stored_crc:#010x}, data {state['crc']:#010x}")
+                    str(path), f"{kind.name} mismatch for key {key!r}: stored {stored_crc:#010x}, data "
+                    f"{state['crc']:#010x}; the file changed after it was written, and its data is not "
+                    "used (Note [swap data checksums])")
             self.stats.bytes_read += n
             self.stats.swap_ins += 1
             return out
 
         return self._sealed(handle, verify)
+
+    def _from_memory(self, key: str, path: Path, meta: _Meta, value: torch.Tensor,
+                     out: torch.Tensor | None) -> SwapHandle:
+        """A read of a key whose in-place write failed: from the copy kept (Note [failed in-place writes])."""
+        if out is None:
+            out = torch.empty(meta.shape, dtype=meta.dtype)
+        if byte_view(out).numel() != meta.nbytes or not out.is_contiguous():
+            raise ValueError(f"swap_in {key!r}: out must be contiguous with {meta.nbytes} bytes, "
+                             f"got {byte_view(out).numel()}")
+        handle = SwapHandle(self, "swap_in", key, path)
+        self._opened(handle)
+
+        def copy():
+            byte_view(out).copy_(byte_view(value))
+            self.stats.swap_ins += 1
+            return out
+
+        return self._sealed(handle, copy)
+
+    @property
+    def unwritten_keys(self) -> list[str]:
+        """Keys whose last in-place write failed; their values are held in memory."""
+        return list(self._unwritten)
+
+    def rewrite_unwritten(self) -> None:
+        """Writes again every value whose in-place write failed (Note [failed in-place
+        writes]); raises the first error, and keeps the values not written."""
+        self.wait_all()
+        handles = [self.swap_out(key, value, borrow=True) for key, (_, value) in list(self._unwritten.items())]
+        error = None
+        for handle in handles:
+            try:
+                handle.wait()
+            except OSError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def discard_unwritten(self) -> None:
+        """Forgets the values kept from failed writes (every key is about to be rewritten)."""
+        self._unwritten.clear()
 
     def _read_meta(self, key: str, path: Path) -> _Meta:
         """Metadata of a file written by an earlier store (not in the index)."""
@@ -429,8 +532,17 @@ class SwapStore:
             h._error = exc
         if h._error is not None:
             h._error.add_note(f"while {h.op} of key {h.key!r}")
-            if h.op == "swap_out":
+            if h.op == "swap_out" and False:
+                # Note [failed in-place writes]: the value stays readable from a copy
+                # (the one kept already, when this was its rewrite).
+                meta, value = h._source
+                held = self._unwritten.get(h.key)
+                self._unwritten[h.key] = (meta, value if held is not None and held[1] is value
+                                          else value.detach().clone())
+                h._error.add_note(f"its value is kept in memory until a rewrite of {h.key!r} succeeds")
+            elif h.op == "swap_out":
                 # Never leave a half-written file behind (in place: the key's own file).
+                self._unwritten.pop(h.key, None)
                 _unlink_quietly(self._tmp_of(h.key) if self.config.atomic else h.path)
         h._finished = True
 
@@ -451,6 +563,8 @@ class SwapStore:
 
     def remove(self, key: str) -> None:
         self._index.pop(key, None)
+        self._unwritten.pop(key, None)
+        self._checked_files.discard(self.path_of(key))
         _unlink_quietly(self.path_of(key))
 
     def close(self) -> None:
@@ -534,21 +648,24 @@ def parse_meta(buf: torch.Tensor, path, key: str) -> _Meta:
 
 
 def _preflight(config: SwapConfig) -> Path:
-    """Creates nvme_path/rank{r}/ and checks it is a writable directory with
-    room for capacity_bytes, so a bad path fails here, not mid-step."""
+    """Creates nvme_path/rank{r}/ (mode 0700) and checks it is a writable
+    directory of this user's own (Note [creating swap files]) with room for
+    capacity_bytes, so a bad path fails here, not mid-step. The engine gives a
+    directory of the run's own as nvme_path (Note [run directories] in
+    offload/aio/run_dir.py)."""
     root = Path(config.nvme_path)
     if root.exists() and not root.is_dir():
         raise SwapStoreError(errno.ENOTDIR, f"nvme_path {root} exists and is not a directory")
     directory = root / f"rank{config.rank}"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        root.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700, exist_ok=True)
     except OSError as exc:
         raise SwapStoreError(exc.errno, f"cannot create swap directory {directory}: {exc.strerror}") from exc
-    if not directory.is_dir():
-        raise SwapStoreError(errno.ENOTDIR, f"swap directory {directory} exists and is not a directory")
-    probe = directory / f".probe-{os.getpid()}"
+    _check_own_directory(directory, check_mode=False)  # nothing written through a link
+    probe = directory / f".probe-{os.getpid()}-{os.urandom(4).hex()}"
     try:
-        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, b"\0" * ALIGN)
         finally:
@@ -557,8 +674,9 @@ def _preflight(config: SwapConfig) -> Path:
         raise SwapStoreError(exc.errno, f"nvme_path {directory} is not writable: {exc.strerror}") from exc
     finally:
         _unlink_quietly(probe)
+    _check_own_directory(directory, check_mode=True)  # after the probe: a read-only mount says so first
     free = shutil.disk_usage(directory).free
-    reusable = sum(p.stat().st_size for p in directory.glob("*.swp"))  # replaced as keys are rewritten
+    reusable = sum(p.lstat().st_size for p in directory.glob("*.swp"))  # replaced as keys are rewritten
     if free + reusable < config.capacity_bytes:
         gib = 2 ** 30
         raise SwapStoreError(
@@ -568,6 +686,33 @@ def _preflight(config: SwapConfig) -> Path:
             f"and {reusable} bytes are held by files it would replace",
         )
     return directory
+
+
+def _check_own_directory(directory: Path, *, check_mode: bool) -> None:
+    """Swap data goes only into a real directory of this user's that no one else
+    can write to: a symlink, another user's directory or a shared one is
+    refused, never adopted (Note [creating swap files])."""
+    st = os.lstat(directory)
+    why = None
+    if stat.S_ISLNK(st.st_mode):
+        why = f"is a symbolic link (to {os.readlink(directory)})"
+    elif not stat.S_ISDIR(st.st_mode):
+        why = "exists and is not a directory"
+    elif st.st_uid != os.geteuid():
+        why = f"belongs to another user (uid {st.st_uid})"
+    elif check_mode and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        why = f"is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    if why is not None:
+        err = errno.ENOTDIR if "not a directory" in why else errno.EPERM
+        raise SwapStoreError(err, f"swap directory {directory} {why}: refusing to put swap files there")
+
+
+def create_exclusive(path: Path) -> None:
+    """Creates an empty swap file where nothing exists yet (O_EXCL, O_NOFOLLOW):
+    a file, or a symlink, planted at the name fails the call rather than being
+    written through (Note [creating swap files])."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.close(fd)
 
 
 def fsync_path(path: Path) -> None:

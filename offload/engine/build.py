@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from offload.aio.memory import BufferCache
+from offload.aio.run_dir import RunDirectories
 from offload.config import Config
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
@@ -188,7 +189,7 @@ def _owners(model: torch.nn.Module, attr: str) -> dict[int, list[tuple[torch.nn.
 
 
 def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device, pg: ProcessGroupInfo,
-                 account: MemoryAccount, timeline, created_dirs: list[str], builder=None,
+                 account: MemoryAccount, timeline, run_dirs: RunDirectories, builder=None,
                  weights=None) -> Built:
     """Every parameter's shard, its home decided and nothing moved yet (`Built.place` moves them).
 
@@ -274,9 +275,12 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
         # host: a 7 s step).
         writer = _swap_config(param_path, nvme_sizes, None, config, pg)
         configs["writer"] = dataclasses.replace(writer, capacity_bytes=0)
-    _preflight_budgets(planned, config, dtype, sum(c.buffer_bytes for c in configs.values()))
+    notes = _preflight_budgets(planned, config, dtype, sum(c.buffer_bytes for c in configs.values()),
+                               device=device, world_size=pg.world_size,
+                               on_demand=_largest_module_group(model, named, planned, device, pg.world_size))
+    account.budget_notes.update(notes)
     if builder is not None:
-        builder.hand_over(keep={id(pl.param) for pl in planned}, created_dirs=created_dirs)
+        builder.hand_over(keep={id(pl.param) for pl in planned}, run_dirs=run_dirs)
     if replacements:
         for pid, places in _owners(model, "_parameters").items():
             for mod, local in places:
@@ -284,7 +288,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
                     mod._parameters[local] = replacements[pid]
     _set_buffers(model, plan, dtype, device)
 
-    stores = {role: _open_store(c, pg, account, created_dirs) for role, c in configs.items()}
+    stores = {role: _open_store(c, account, run_dirs) for role, c in configs.items()}
     param_store = param_writer = None
     if nvme_sizes:
         param_store = ParamStore(builder.store if have_param_store else stores["param"], pg, timeline)
@@ -322,43 +326,98 @@ def _set_buffers(model: torch.nn.Module, plan, dtype: torch.dtype, device: torch
             buf.data = buf.data.to(device, target)
 
 
-def _preflight_budgets(planned: list[_Planned], config: Config, dtype: torch.dtype,
-                       staging_bytes: int = 0) -> None:
-    """Refuses, before any parameter moves, a configuration whose budgets cannot hold it.
+def _gathers_to_a_buffer(pl: _Planned, device: torch.device, world_size: int) -> bool:
+    """Whether gathering this parameter allocates a device-tier buffer: every
+    offloaded home but a host one on a CPU-only single rank (Note [zero-copy
+    gather] in offload/partition/shard.py)."""
+    if pl.home is Tier.DEVICE:
+        return False
+    return not (pl.home is Tier.HOST and world_size == 1 and device.type == "cpu")
 
-    staging_bytes: the swap stores' host staging budgets (charged to the host
-    tier as their buffer pools allocate)."""
+
+def _largest_module_group(model: torch.nn.Module, named, planned: list[_Planned], device: torch.device,
+                          world_size: int) -> int:
+    """Elements of the largest set of parameters one module gathers at once (its
+    own, held together by its forward pre-hook: Note [when parameters are
+    gathered]): the least any step holds."""
+    by_id = {id(p): pl for (_, p), pl in zip(named, planned)}
+    largest = 0
+    for mod in model.modules():
+        own = {id(p) for p in mod._parameters.values() if p is not None}
+        largest = max(largest, sum(by_id[i].padded_numel for i in own
+                                   if i in by_id and _gathers_to_a_buffer(by_id[i], device, world_size)))
+    return largest
+
+
+def _preflight_budgets(planned: list[_Planned], config: Config, dtype: torch.dtype,
+                       staging_bytes: int = 0, *, device: torch.device = torch.device("cpu"),
+                       world_size: int = 1, on_demand: int = 0) -> dict[Tier, str]:
+    """Refuses, before any parameter moves, a configuration whose budgets cannot hold
+    what the engine itself will hold at once; returns, per budgeted tier, a line
+    saying what was reserved (for TierBudgetError's message at a step).
+
+    Device tier: the parameters homed there, and the offloaded ones gathered at
+    once: what one module gathers together (on_demand, elements) or the
+    prefetcher's live limit if larger, plus its one read ahead
+    (`working_set_elems`, Note [prefetch within the device budget]). Host tier:
+    homes, fp32 gradients, optimizer state, the swap stores' staging buffers
+    (staging_bytes), idle gathered buffers kept for reuse (on a CPU device: the
+    BufferCache made below, 3 x the largest), and with NVMe optimizer state
+    what its update keeps in flight (docs/ARCHITECTURE.md, "Memory budget").
+    Saved activations are the model's and depend on the inputs: they get what
+    the device budget leaves, which the returned line states."""
+    from offload.partition.prefetch import working_set_elems
+
     need = {Tier.DEVICE: {}, Tier.HOST: {}}
     if staging_bytes:
         need[Tier.HOST]["swap staging buffers"] = staging_bytes
 
     def add(tier, what, nbytes):
-        if tier in need:
+        if tier in need and nbytes:
             need[tier][what] = need[tier].get(what, 0) + nbytes
 
-    optimizer = config.zero_optimization.offload_optimizer
+    zero = config.zero_optimization
+    optimizer = zero.offload_optimizer
     for s in planned:
         home_bytes = s.padded_numel * dtype.itemsize if s.home is Tier.DEVICE else s.part_numel * dtype.itemsize
         add(s.home, "parameters", home_bytes)
         add(optimizer.grad_tier, "fp32 gradients", s.part_numel * 4)
         add(optimizer.device, "optimizer state", 3 * s.part_numel * 4)
-    offloaded = [s for s in planned if s.home is not Tier.DEVICE]
-    if offloaded:
-        largest = max(s.padded_numel for s in offloaded) * dtype.itemsize
-        add(Tier.DEVICE, "working set (largest offloaded parameter)", largest)
+    gathered = [s.padded_numel for s in planned if _gathers_to_a_buffer(s, device, world_size)]
+    if gathered:
+        largest = max(gathered)
+        working = working_set_elems(zero, gathered, any(s.home is Tier.NVME for s in planned),
+                                    max(on_demand, largest))
+        add(Tier.DEVICE, "offloaded parameters gathered at once (working set)", working * dtype.itemsize)
+    offloaded = [s.padded_numel for s in planned if s.home is not Tier.DEVICE]
+    if offloaded and device.type == "cpu":
+        add(Tier.HOST, "idle gathered buffers kept for reuse", 3 * max(offloaded) * dtype.itemsize)
+    if optimizer.device is Tier.NVME and planned:
+        part = max(s.part_numel for s in planned)
+        add(Tier.HOST, "optimizer state buffers in flight", 3 * 12 * part)
+        add(Tier.HOST, "fp32 masters taken from gathered parameters", 3 * 4 * part)
+        if dtype != torch.float32 and any(s.home is Tier.NVME for s in planned):
+            add(Tier.HOST, "new parameter values on their way to NVMe", 3 * dtype.itemsize * part)
     budgets = {Tier.DEVICE: config.memory.device_budget, Tier.HOST: config.memory.host_budget}
+    notes = {}
     for tier, parts in need.items():
         budget, total = budgets[tier], sum(parts.values())
-        if budget is not None and total > budget:
-            detail = ", ".join(f"{what} {n}" for what, n in parts.items())
+        if budget is None:
+            continue
+        detail = ", ".join(f"{what} {n}" for what, n in parts.items()) or "nothing"
+        if total > budget:
+            change = ("offload more (zero_optimization.offload_param / offload_optimizer)" if tier is Tier.HOST
+                      else "lower zero_optimization.stage3_max_live_parameters (the prefetcher's live limit) "
+                           "or stage3_prefetch_bucket_size (0: no prefetch), or offload more")
             raise MemoryError(
                 f"{tier.value} tier budget exceeded: this configuration needs at least {total} bytes "
                 f"on the {tier.value} tier ({detail}) but memory.{tier.value}_budget is {budget}; "
-                f"raise the budget or offload more (zero_optimization.offload_param / offload_optimizer)")
-
-
-def _rank_dir(nvme_path, rank: int) -> str:
-    return os.path.join(os.fspath(nvme_path), f"rank{rank}")
+                f"raise memory.{tier.value}_budget to at least {total}, or {change}")
+        notes[tier] = (f"initialize reserved {total} of memory.{tier.value}_budget {budget} bytes ({detail})"
+                       + (f", leaving {budget - total} for saved activations; raise "
+                          "memory.device_budget or checkpoint activations (activation_checkpointing)"
+                          if tier is Tier.DEVICE else ""))
+    return notes
 
 
 def _swap_config(nvme_path, sizes, staging_bytes, config: Config, pg: ProcessGroupInfo):
@@ -375,27 +434,32 @@ def _swap_config(nvme_path, sizes, staging_bytes, config: Config, pg: ProcessGro
 
     # atomic=False: swap files are scratch, written and read back by this
     # process and removed at close; overwriting in place skips a rename and a
-    # block reallocation per write (9 ms each on ext4, measured).
+    # block reallocation per write (9 ms each on ext4, measured); a write that
+    # fails keeps its value in memory instead (Note [failed in-place writes]).
+    # checksum: Note [swap data checksums] in offload/aio/swap_store.py.
     swap_config = SwapConfig.for_tensors(nvme_path, sizes, in_flight=2, rank=pg.rank,
-                                         aio=config.aio, atomic=False)
+                                         aio=config.aio, atomic=False,
+                                         checksum=config.aio.verify_swap_checksums)
     if staging_bytes is None:
         staging_bytes = min(swap_config.buffer_bytes, 8 << 20)
     swap_config = dataclasses.replace(swap_config, buffer_bytes=max(staging_bytes, 2 * ALIGN))
     return swap_config
 
 
-def _open_store(swap_config, pg: ProcessGroupInfo, account: MemoryAccount, created_dirs: list[str]):
+def _open_store(swap_config, account: MemoryAccount, run_dirs: RunDirectories):
+    """The store's files go to this process's own directory under nvme_path,
+    `nvme_path/offload-<host>-<pid>-<random>/rank{r}/` (Note [run directories]
+    in offload/aio/run_dir.py); stores on one nvme_path share it."""
     from offload.aio.swap_store import SwapStore
     from offload.engine.memory import TierLedger
 
-    rank_dir = _rank_dir(swap_config.nvme_path, pg.rank)
-    if not os.path.exists(rank_dir):
-        created_dirs.append(rank_dir)
+    run_dir = run_dirs.open(swap_config.nvme_path)
+    swap_config = dataclasses.replace(swap_config, nvme_path=str(run_dir.path))
     return SwapStore(swap_config, ledger=TierLedger(account, Tier.HOST))
 
 
 def open_swap_store(nvme_path, sizes, staging_bytes, config: Config, pg: ProcessGroupInfo,
-                    account: MemoryAccount, created_dirs: list[str]):
+                    account: MemoryAccount, run_dirs: RunDirectories):
     """A store opened at once (offload.init, before the model's size is known)."""
-    return _open_store(_swap_config(nvme_path, sizes, staging_bytes, config, pg), pg, account, created_dirs)
+    return _open_store(_swap_config(nvme_path, sizes, staging_bytes, config, pg), account, run_dirs)
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
 
 import psutil
 import torch
 
+from offload.aio.run_dir import RunDirectories
 from offload.config import Config, Precision
 from offload.engine.build import build_shards, default_device
 from offload.engine.deepspeed_api import DeepSpeedMethods
@@ -67,7 +67,7 @@ class Engine(DeepSpeedMethods):
         else:
             mem = config.memory
             self.account = MemoryAccount({Tier.DEVICE: mem.device_budget, Tier.HOST: mem.host_budget})
-        self._created_dirs: list[str] = []
+        self._run_dirs = RunDirectories()  # Note [run directories] in offload/aio/run_dir.py
 
         self._timeline = Timeline(enabled=True)
         self._builder, self._weights, self._param_groups = builder, weights, param_groups
@@ -93,7 +93,7 @@ class Engine(DeepSpeedMethods):
         self.activation_checkpointing = ActivationCheckpointing(
             model, config.activation_checkpointing, self.account, self.device)
         built = build_shards(model, config, device=self.device, pg=self.pg, account=self.account,
-                             timeline=self._timeline, created_dirs=self._created_dirs,
+                             timeline=self._timeline, run_dirs=self._run_dirs,
                              builder=self._builder, weights=self._weights)
         self._builder = self._weights = None
         self.shard_context = built.ctx
@@ -148,6 +148,9 @@ class Engine(DeepSpeedMethods):
         self._boundary, self._step_applied, self._global_grad_norm, self._micro_in_window = None, False, None, 0
         self._closed = False
         self._checkpoint_job = None  # an async save in progress (offload/checkpoint_io)
+        # (error, clipped norm) of an update that raised, until retried or a checkpoint
+        # is loaded (Note [a failed step] in offload/optim/sharded_adam.py).
+        self._failed_update: tuple[BaseException, float | None] | None = None
 
     # ---- the training loop -------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -161,6 +164,7 @@ class Engine(DeepSpeedMethods):
 
     def _before_forward(self) -> None:
         self._check_open()
+        self._refuse_after_failed_step("a forward")
         if self.optimizer.overlapping:
             raise RuntimeError(
                 "engine.step() must follow engine.backward() before the next forward: at a gradient "
@@ -169,6 +173,7 @@ class Engine(DeepSpeedMethods):
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         self._check_open()
+        self._refuse_after_failed_step("engine.backward()")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("engine.backward(loss) takes a scalar loss tensor")
         if not self.module.training:
@@ -225,8 +230,12 @@ class Engine(DeepSpeedMethods):
 
     def step(self) -> None:
         """DeepSpeed's step: counts a micro-step; at the end of an accumulation window
-        applies the update (as engine.optimizer.step()) and clears the gradients."""
+        applies the update (as engine.optimizer.step()) and clears the gradients.
+        After an update that raised, step() again (no new backward) retries it."""
         self._check_open()
+        if self._failed_update is not None:
+            self._boundary_update()
+            return
         if self.manager.backward_passes == self._passes_at_step:
             raise RuntimeError("engine.step() called without a backward since the last step "
                                "(engine.backward(loss) or loss.backward())")
@@ -237,6 +246,9 @@ class Engine(DeepSpeedMethods):
         if not boundary:
             self._micro_in_window += 1
             return
+        self._boundary_update()
+
+    def _boundary_update(self) -> None:
         # Through optimizer.step(), so that a torch LR scheduler on it sees the step.
         self._in_engine_step = True
         skipped = self.skipped_steps
@@ -248,13 +260,47 @@ class Engine(DeepSpeedMethods):
         self._step_applied = self.skipped_steps == skipped
         self._zero_grads()
 
+    def _refuse_after_failed_step(self, what: str) -> None:
+        if self._failed_update is not None:
+            error = self._failed_update[0]
+            raise RuntimeError(
+                f"{what} after a failed engine.step() ({type(error).__name__}: {error}): call engine.step() "
+                "again to retry it (the shards it did not update keep their gradients, values whose write "
+                "failed are held in memory), or engine.load_checkpoint(...)")
+
+    def _applying(self, update, clipped_norm: float | None = None) -> None:
+        """Runs the optimizer's update; one that raises leaves the step to retry (Note [a failed step])."""
+        try:
+            update()
+        except BaseException as exc:
+            self._failed_update = (exc, clipped_norm)
+            exc.add_note("engine.step() again retries this step (after freeing disk space, say); "
+                         "engine.load_checkpoint(...) restores the last checkpoint")
+            raise
+
+    def _retry_update(self) -> None:
+        """Note [a failed step]: the values whose write failed go to disk first, then the
+        shards the failed step did not update are; the step then ends as it would have."""
+        _, clipped_norm = self._failed_update
+        self._applying(self._rewrite_unwritten, clipped_norm)
+        self._applying(self.optimizer.update, clipped_norm)
+        self._failed_update = None
+        self._finish_update(clipped_norm)
+
+    def _rewrite_unwritten(self) -> None:
+        for store in self._stores:
+            store.rewrite_unwritten()
+
     def _update(self) -> None:
         """The engine's whole update: engine.step() at a boundary, and
         engine.optimizer.step() from a user's loop (Note [the optimizer users drive])."""
         self._check_open()
         from_engine_step = self._in_engine_step
+        if self._failed_update is not None:
+            self._retry_update()
+            return
         if self.optimizer.overlapping:
-            self.optimizer.update()  # waits for the updates that ran during backward
+            self._applying(self.optimizer.update)  # waits for the updates that ran during backward
             self._finish_update()
             return
         if self.loss_scaler is not None:
@@ -282,7 +328,7 @@ class Engine(DeepSpeedMethods):
             clipped_norm = self._clip_grads(self.config.gradient_clipping)
         self.optimizer.grad_sq = 0.0
         self._before_update()  # Note [consistent async checkpoint] (offload/checkpoint_io/save.py)
-        self.optimizer.update()
+        self._applying(self.optimizer.update, clipped_norm)
         self._finish_update(clipped_norm)
 
     def _finish_update(self, grad_norm: float | None = None) -> None:
@@ -440,8 +486,7 @@ class Engine(DeepSpeedMethods):
     def _remove_swap_files(self) -> None:
         for store in self._stores:
             store.close()
-        for path in self._created_dirs:
-            shutil.rmtree(path, ignore_errors=True)
+        self._run_dirs.remove()  # the files and this run's directory, whoever made nvme_path
 
     def _abort(self) -> None:
         unmanage(self.shards)
@@ -486,6 +531,7 @@ class Engine(DeepSpeedMethods):
         from offload.checkpoint_io import save_checkpoint
 
         self._check_open()
+        self._refuse_after_failed_step("save_checkpoint")  # the files may hold half-written values
         if exclude_frozen_parameters:
             raise ValueError("save_checkpoint(exclude_frozen_parameters=True) is not supported: a checkpoint "
                              "holds every parameter, and load_checkpoint verifies it against the whole model")
@@ -525,14 +571,19 @@ class Engine(DeepSpeedMethods):
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn=None):
+                        load_module_only: bool = False, custom_load_fn=None, *,
+                        use_config_hyperparameters: bool = False):
         """Restores what save_checkpoint saved (tag default: `latest`); returns DeepSpeed's
         (load_path, client_state), load_path being the tag's directory.
 
         The checkpoint is verified first (manifest, sizes, checksums, model,
-        world size, parameter groups); a bad one raises CheckpointError and
-        changes nothing. (None, None) when tag is None and load_dir holds no
-        complete checkpoint, as DeepSpeed. The options: docs/CONFIG.md, "DeepSpeed drop-in".
+        parameter groups, optimizer settings against the config); a bad one raises
+        CheckpointError and changes nothing. Saved at another world size, it is
+        re-partitioned (Note [resuming at another world size] in checkpoint_io/load.py).
+        use_config_hyperparameters: keep the moments, apply the config's optimizer and
+        scheduler settings where they differ (else refused: Note [optimizer settings at load]).
+        (None, None) when tag is None and load_dir holds no complete checkpoint, as
+        DeepSpeed. The options: docs/CONFIG.md, "DeepSpeed drop-in".
         """
         from offload.checkpoint_io import load_checkpoint
 
@@ -540,9 +591,16 @@ class Engine(DeepSpeedMethods):
         if self._nothing_to_load(load_dir, tag, load_module_strict, custom_load_fn):  # deepspeed_api.py
             return None, None
         self.wait_checkpoint()
+        if self.optimizer.overlapping:  # no update may write while the files are rewritten
+            self._abandon_overlap()
         tag_dir, client_state = load_checkpoint(
             self, load_dir, tag, optimizer_states=load_optimizer_states,
-            lr_scheduler_states=load_lr_scheduler_states, module_only=load_module_only)
+            lr_scheduler_states=load_lr_scheduler_states, module_only=load_module_only,
+            use_config_hyperparameters=use_config_hyperparameters)
+        # Every key was rewritten: a failed step's kept values and its retry are moot.
+        for store in self._stores:
+            store.discard_unwritten()
+        self._failed_update = None
         return os.fspath(tag_dir), client_state
 
     def wait_checkpoint(self) -> None:

@@ -58,7 +58,6 @@ that holds its model's parameters and takes it over (build.build_shards).
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import weakref
 
 import torch
@@ -66,6 +65,7 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
 from torch.overrides import TorchFunctionMode
 
+from offload.aio.run_dir import RunDirectories
 from offload.config import Config
 from offload.engine.build import HomePolicy, default_device, discard_home, open_swap_store, shard_context
 from offload.engine.memory import release_free_host_memory
@@ -185,7 +185,7 @@ class ModelBuilder:
         self.shard_of: dict[int, Shard] = {}
         self.next_index = 0
         self.store = None
-        self.created_dirs: list[str] = []
+        self.run_dirs = RunDirectories()  # its store's directory, handed to initialize
         self.internal = False
         self.opened: dict[Shard, bool] = {}  # open shard -> dirty, in opening order
         self._open_bytes = 0
@@ -302,7 +302,7 @@ class ModelBuilder:
                    else _DEFAULT_STAGING)
         # Sized for no tensor in particular: the model's size is not known yet.
         self.store = open_swap_store(op.nvme_path, [], staging, self.config, self.ctx.pg, self.account,
-                                     self.created_dirs)
+                                     self.run_dirs)
         # Shards homed before this one are on the host or the device and never ask for a store.
         self.ctx = dataclasses.replace(self.ctx, param_store=ParamStore(self.store, self.ctx.pg))
 
@@ -387,7 +387,7 @@ class ModelBuilder:
         if self._state == "built" and self not in _WAITING:
             _WAITING.append(self)
 
-    def hand_over(self, keep: set[int], created_dirs: list[str]) -> None:
+    def hand_over(self, keep: set[int], run_dirs: RunDirectories) -> None:
         """initialize took the shards of parameters in `keep`; the others (replaced or
         untied while building) are forgotten and their files removed."""
         for shard in self.shards:
@@ -395,8 +395,7 @@ class ModelBuilder:
                 discard_home(shard)
                 if shard.home is Tier.NVME:
                     self.store.remove(f"param.{shard.index}")
-        created_dirs.extend(self.created_dirs)
-        self.created_dirs = []
+        run_dirs.take(self.run_dirs)  # the engine's stores write beside this one's files
         self._state = "adopted"
 
     def close(self) -> None:
@@ -412,9 +411,7 @@ class ModelBuilder:
             discard_home(shard)
         if self.store is not None:
             self.store.close()
-        for path in self.created_dirs:
-            shutil.rmtree(path, ignore_errors=True)
-        self.created_dirs = []
+        self.run_dirs.remove()
 
     def __repr__(self) -> str:
         homes = {k.value: sum(s.home is k for s in self.shards) for k in Tier}

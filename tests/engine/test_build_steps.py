@@ -3,12 +3,12 @@ home and makes the one ShardContext with nothing moved; the optimizer is built
 empty; Built.place moves the parameters home one at a time, each handing its
 fp32 value to the optimizer before the next."""
 import dataclasses
-import shutil
 
 import pytest
 import torch
 
 import offload
+from offload.aio.run_dir import RunDirectories
 from offload.config import Config
 from offload.engine.build import build_shards, default_device
 from offload.optim.sharded_adam import ShardedAdam
@@ -23,9 +23,9 @@ def test_the_optimizer_places_nothing_and_place_moves_each_parameter_once(tmp_pa
     model = build("tiny_gpt")
     original = {name: p.detach().clone() for name, p in model.named_parameters()}
     config = Config.load(make_config("nvme", "nvme", tmp_path))
-    account, created = MemoryAccount(), []
+    account, run_dirs = MemoryAccount(), RunDirectories()
     built = build_shards(model, config, device=default_device(), pg=ProcessGroupInfo.current(),
-                         account=account, timeline=Timeline(enabled=False), created_dirs=created)
+                         account=account, timeline=Timeline(enabled=False), run_dirs=run_dirs)
     opt = config.optimizer
     optimizer = ShardedAdam(built.shards, lr=opt.lr, betas=opt.betas, eps=opt.eps,
                             weight_decay=opt.weight_decay, adamw_mode=True, tier=Tier.NVME,
@@ -57,8 +57,7 @@ def test_the_optimizer_places_nothing_and_place_moves_each_parameter_once(tmp_pa
         optimizer.close()
         for store in built.stores():
             store.close()
-        for path in created:
-            shutil.rmtree(path, ignore_errors=True)
+        run_dirs.remove()
 
 
 def test_every_shard_shares_the_engines_one_frozen_context_after_offload_init(tmp_path):
