@@ -45,10 +45,12 @@ def consolidate(ckpt_dir, out_path, tag: str | None = None, dtype: torch.dtype =
         dtype = DTYPES[dtype]
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype {dtype}: expected torch.float32, torch.bfloat16 or torch.float16")
-    # No model here: manifest["model"] describes it. Every rank's files are verified.
-    probe = mf.read_manifest(mf.resolve_tag_dir(ckpt_dir, tag))
+    # No model here: manifest["model"] describes it. Every rank's files are verified. Format
+    # version 1 too: only its tensors are read (Note [no code from a checkpoint]).
+    versions = (1, mf.VERSION)
+    probe = mf.read_manifest(mf.resolve_tag_dir(ckpt_dir, tag), versions)
     world = probe["model"]["world_size"]
-    tag_dir, manifest = mf.load_verified(ckpt_dir, tag, None, range(world))
+    tag_dir, manifest = mf.load_verified(ckpt_dir, tag, None, range(world), versions)
     model = manifest["model"]
     sources = [RankFiles(tag_dir, manifest, r) for r in range(world)]
     params = {p["index"]: p for p in model["parameters"]}
@@ -82,7 +84,9 @@ def consolidate(ckpt_dir, out_path, tag: str | None = None, dtype: torch.dtype =
             saved_dtype = getattr(torch, b["dtype"])
             plan.append((key, dtype if saved_dtype.is_floating_point else saved_dtype, tuple(b["shape"])))
             make.append(lambda key=key: buffer(key))
-    metadata = {"format": "pt", "offload.source": f"{tag_dir}"}
+    # The tag only, not the checkpoint's path: a file shared onwards should not carry
+    # the directory layout of the machine it was made on.
+    metadata = {"format": "pt", "offload.source": f"checkpoint tag {tag_dir.name.removeprefix('.').removesuffix('.old')}"}
     if tied:
         metadata["offload.tied"] = json.dumps(tied)
 

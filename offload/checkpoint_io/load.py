@@ -1,19 +1,52 @@
 """Loading a checkpoint into an engine: verify everything first, then apply.
 
-Nothing in the engine changes until the manifest has been checked against
-the model (names, shapes, world size, precision), every file of this rank
-has been read and its checksum compared, and every tensor this rank needs is
-known to be in the files (with several ranks, all ranks agree on that before
-any of them applies anything). Then each shard is loaded in turn, so host
-memory holds one shard's state at a time.
+Nothing in the engine changes until the manifest has been checked (its file
+list: Note [manifest paths]; the model: names, shapes, precision), every file
+this rank reads has been read and its checksum compared, every tensor this
+rank needs is known to be in the files, and the optimizer settings agree
+with the config (Note [optimizer settings at load]); with several ranks, all
+ranks agree on that before any of them applies anything. Then each shard is
+loaded in turn, so host memory holds one shard's state at a time. Nothing
+read is unpickled (Note [no code from a checkpoint] in engine_state.py).
 
 A partition's tier at save time need not be its tier now: a host partition
 can be loaded into an NVMe home and the other way round (the values are the
 same bytes; only where they are read from differs).
+
+Note [resuming at another world size]
+A checkpoint saved by W ranks loads into W' ranks (a node lost: 2 -> 1, or
+added: 1 -> 2). Each saved rank r holds elements [r * p, (r + 1) * p) of every
+parameter's flat padded vector (Note [shard layout], p = ceil(n / W)), for the
+compute-dtype partition, the fp32 master and both Adam moments alike; rank r'
+of the new run needs [r' * p', (r' + 1) * p'). SavedPartitions cuts those
+elements out of the saved ranks' partitions that overlap them (reading
+every saved rank's files, so all ranks need the whole checkpoint directory:
+a shared file system, or a copy), element for element, with zeros for the
+padding past n, as a fresh run at W' pads. Per-shard step counts, counters,
+parameter groups, LR schedule and loss scale are the same on every saved
+rank and are taken from rank r' (or rank 0 where r' >= W). RNG states are
+per rank: rank r' < W restores saved rank r''s; a rank the old run did not
+have keeps its own. Host memory per shard: the saved partitions overlapping
+this rank's, one shard at a time. A checkpoint saved inside an accumulation
+window is refused at another world size (Note [saving inside an
+accumulation window] in save.py).
+
+Note [optimizer settings at load]
+The checkpoint records the hyperparameters its run was configured with
+(optimizer type and params, scheduler type and params, initialize's
+parameter groups: engine_state.configured_hyperparameters). A load that
+restores optimizer state (or the LR schedule) under a config that sets any of
+them differently is refused, naming every differing key with both values,
+rather than letting the saved values silently replace the configured ones.
+To go on: load_checkpoint(..., use_config_hyperparameters=True) keeps the
+moments, masters and step counts and applies the config's hyperparameters
+(each group's lr, betas, eps, weight_decay; the config scheduler keeps its
+params and resumes at the saved step, the groups' lr recomputed there);
+load_optimizer_states=False / load_lr_scheduler_states=False start the
+optimizer (weights kept, DeepSpeed's behaviour) / the schedule afresh.
 """
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import torch
@@ -21,7 +54,9 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from offload.aio.swap_store import HEADER_BYTES, parse_meta
+from offload.checkpoint_io import engine_state
 from offload.checkpoint_io import manifest as mf
+from offload.optim.param_groups import check_group
 from offload.tiers import Tier
 
 
@@ -48,6 +83,8 @@ class RankFiles:
         self.dir = mf.rank_dir(tag_dir, rank)
         self.rel = f"rank{rank}/"
         self.files = manifest["files"]
+        if not self.has_file("state.safetensors"):  # only files the manifest lists are opened
+            raise mf.CheckpointError(f"corrupt checkpoint: rank{rank}/state.safetensors is not in the manifest")
         self._st = safe_open(str(self.dir / "state.safetensors"), framework="pt")
         self.keys = set(self._st.keys())
 
@@ -102,34 +139,99 @@ class RankFiles:
         return read_swap_file(self.dir / f"nvme/param.{index}.swp", torch.float32, n)
 
 
-def _missing(src: RankFiles, engine) -> list[str]:
+class SavedPartitions:
+    """This rank's partitions of every shard, from the saved ranks' files: the same rank's
+    at the same world size, else cut from the saved ranks' (Note [resuming at another world size])."""
+
+    def __init__(self, tag_dir: Path, manifest: dict, rank: int, world: int):
+        model = manifest["model"]
+        self.saved_world = model["world_size"]
+        self.saved_part = {p["index"]: p["part_numel"] for p in model["parameters"]}
+        self.rank, self.same_layout = rank, self.saved_world == world
+        ranks = [rank] if self.same_layout else range(self.saved_world)
+        self.files = {r: RankFiles(tag_dir, manifest, r) for r in ranks}
+        self.own = self.files[rank if rank < self.saved_world else 0]  # engine state, buffers, gradients
+
+    def _cut(self, shard, read) -> tuple[torch.Tensor, ...]:
+        """read(rank_files, saved part_numel) -> tensors; their elements this rank owns now."""
+        if self.same_layout:
+            return tuple(read(self.own, shard.part_numel))
+        old, new = self.saved_part[shard.index], shard.part_numel
+        start, stop = self.rank * new, min((self.rank + 1) * new, shard.numel)
+        out = None
+        for r, src in self.files.items():
+            lo, hi = max(start, r * old), min(stop, (r + 1) * old)
+            if lo >= hi and not (out is None and r == self.saved_world - 1):
+                continue
+            got = read(src, old)
+            if out is None:
+                out = [torch.zeros(new, dtype=t.dtype) for t in got]  # zeros: the padding past numel
+            for o, t in zip(out, got):
+                if lo < hi:
+                    o[lo - start:hi - start] = t[lo - r * old:hi - r * old]
+        return tuple(out)
+
+    def param(self, shard) -> torch.Tensor:
+        return self._cut(shard, lambda src, n: (src.param(shard.index, shard.dtype, n),))[0]
+
+    def state(self, shard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._cut(shard, lambda src, n: src.state(shard.index, n))
+
+    def master(self, shard) -> torch.Tensor:
+        return self._cut(shard, lambda src, n: (src.master(shard.index, n),))[0]
+
+    def grad(self, shard) -> torch.Tensor | None:
+        """The partial gradient saved inside an accumulation window (same layout only)."""
+        key = f"grad.{shard.index}"
+        return self.own.tensor(key) if key in self.own.keys else None
+
+
+def _missing(saved: SavedPartitions, engine) -> list[str]:
     out = []
-    for s in engine.shards:
-        if src.param_source(s.index) is None:
-            out.append(f"corrupt checkpoint: rank {engine.pg.rank} has no partition of parameter {s.name!r}")
-        if src.state_source(s.index) is None:
-            out.append(f"corrupt checkpoint: rank {engine.pg.rank} has no optimizer state of {s.name!r}")
+    for r, src in saved.files.items():
+        for s in engine.shards:
+            if src.param_source(s.index) is None:
+                out.append(f"corrupt checkpoint: rank {r} has no partition of parameter {s.name!r}")
+            if src.state_source(s.index) is None:
+                out.append(f"corrupt checkpoint: rank {r} has no optimizer state of {s.name!r}")
     for b in mf.describe_model(engine)["buffers"]:
-        if f"buffer.{b['name']}" not in src.keys:
+        if f"buffer.{b['name']}" not in saved.own.keys:
             out.append(f"corrupt checkpoint: buffer {b['name']!r} is missing")
-    if not src.has_file("engine_state.pt"):
-        out.append(f"corrupt checkpoint: rank {engine.pg.rank} has no engine_state.pt")
+    for name in ("engine_state.json", "client_state.pt"):
+        if not saved.own.has_file(name):
+            out.append(f"corrupt checkpoint: {saved.own.rel}{name} is missing")
     return out
 
 
 def _verify(engine, load_dir, tag):
-    """(tag_dir, manifest, RankFiles, engine state) or raises; agreed over ranks."""
+    """(tag_dir, SavedPartitions, engine state, client_state) or raises; agreed over ranks."""
     pg = engine.pg
     result, error = None, None
     try:
-        tag_dir, manifest = mf.load_verified(load_dir, tag, mf.describe_model(engine), [pg.rank])
-        src = RankFiles(tag_dir, manifest, pg.rank)
-        problems = _missing(src, engine)
+        tag_dir = mf.resolve_tag_dir(load_dir, tag)
+        manifest = mf.read_manifest(tag_dir)  # its file list checked before any is touched
+        problems = mf.mismatches(manifest["model"], mf.describe_model(engine))
+        saved_world = manifest["model"]["world_size"]
+        if not problems:
+            ranks = [pg.rank] if saved_world == pg.world_size else range(saved_world)
+            problems = mf.verify_files(tag_dir, manifest, ranks)
         if problems:
             raise mf.CheckpointError("cannot load checkpoint: " + "; ".join(problems))
-        # Trusted files only: engine_state.pt is a pickle (client_state may hold any object).
-        state = torch.load(src.dir / "engine_state.pt", map_location="cpu", weights_only=False)
-        result = (tag_dir, manifest, src, state)
+        saved = SavedPartitions(tag_dir, manifest, pg.rank, pg.world_size)
+        problems = _missing(saved, engine)
+        if problems:
+            raise mf.CheckpointError("cannot load checkpoint: " + mf.first_few(problems, "; "))
+        state = engine_state.from_json_bytes((saved.own.dir / "engine_state.json").read_bytes(),
+                                             f"{saved.own.rel}engine_state.json")
+        client_state = engine_state.load_client_state(saved.own.dir / "client_state.pt",
+                                                      f"{saved.own.rel}client_state.pt")
+        if state["micro_in_window"] and not saved.same_layout:
+            raise mf.CheckpointError(
+                f"cannot load checkpoint: it was saved inside a gradient accumulation window (micro-step "
+                f"{state['micro_steps']}) by {saved_world} rank(s); its partial gradients are averages over "
+                f"those ranks and do not carry over to {pg.world_size}. Resume at {saved_world} rank(s), or "
+                "from a checkpoint saved at an accumulation boundary")
+        result = (tag_dir, saved, state, client_state)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
         error = exc
     if pg.world_size > 1:
@@ -170,23 +272,68 @@ def _check_groups(engine, state) -> None:
                              "load_lr_scheduler_states=False (weights and counters only)")
 
 
+def _check_hyperparameters(engine, state, optimizer_states: bool, lr_scheduler_states: bool) -> None:
+    """Note [optimizer settings at load]: refused, naming each difference, before anything changes."""
+    prefixes = (("optimizer.", "param_groups[") if optimizer_states else ()) + \
+        (("scheduler.", "lr_scheduler.") if lr_scheduler_states else ())
+    differences = engine_state.hyperparameter_differences(
+        state["hyperparameters"], engine_state.configured_hyperparameters(engine), prefixes)
+    if differences:
+        raise mf.CheckpointError(
+            "optimizer settings differ from the checkpoint's (a load would replace the configured ones "
+            f"with the saved): {mf.first_few(differences, '; ')}. To resume with the configured settings and keep "
+            "Adam's moments and step counts, load_checkpoint(..., use_config_hyperparameters=True); to keep "
+            "the saved ones, configure them; load_optimizer_states=False / load_lr_scheduler_states=False "
+            "start the optimizer / the LR schedule afresh (docs/CONFIG.md, \"DeepSpeed drop-in\")")
+
+
+def _configured_groups(engine) -> list[dict]:
+    """Each optimizer group's hyperparameters as initialize set them (the config's, with
+    the parameter groups' own values over them)."""
+    opt, given = engine.optimizer, engine._param_groups
+    out = []
+    for i, _ in enumerate(opt.param_groups):
+        own = {} if given is None else check_group(i, {**given[i], "params": []})[1]
+        out.append({**opt.defaults, **own})
+    return out
+
+
+def _load_scheduler(engine, saved: dict, use_config: bool) -> None:
+    sched = engine.lr_scheduler
+    if engine.config.scheduler is None:  # the user's own object (initialize(lr_scheduler=...)): as torch
+        sched.load_state_dict(saved)
+        return
+    # A config scheduler's settings stay the configured ones (checked equal unless use_config).
+    keep = saved if not use_config else {k: saved[k] for k in ("last_epoch", "_step_count") if k in saved}
+    sched.load_state_dict({**sched.state_dict(), **keep})
+    if use_config:
+        lrs = sched._get_closed_form_lr()  # the configured schedule at the saved step
+        for group, lr in zip(engine.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        sched._last_lr = list(lrs)
+
+
 @torch.no_grad()
 def load_into(engine, load_dir, tag: str | None = None, *, optimizer_states: bool = True,
-              lr_scheduler_states: bool = True, module_only: bool = False):
+              lr_scheduler_states: bool = True, module_only: bool = False,
+              use_config_hyperparameters: bool = False):
     """Restores the engine from a checkpoint; returns (tag directory, the client_state it was saved with).
 
     Always the weights (parameters, fp32 masters, buffers). optimizer_states: Adam's moments,
     per-shard step counts and the groups' hyperparameters; lr_scheduler_states: the schedule's
-    state; module_only: the weights alone, no counters, RNG or loss scale (DeepSpeed's options)."""
-    tag_dir, _manifest, src, state = _verify(engine, load_dir, tag)
+    state; module_only: the weights alone, no counters, RNG, loss scale or partial gradients
+    (DeepSpeed's options); use_config_hyperparameters: Note [optimizer settings at load]."""
+    tag_dir, saved, state, client_state = _verify(engine, load_dir, tag)
     optimizer_states = optimizer_states and not module_only
     lr_scheduler_states = lr_scheduler_states and not module_only
-    if optimizer_states or lr_scheduler_states:
-        _check_groups(engine, state)  # before anything changes
+    if optimizer_states or lr_scheduler_states:  # before anything changes
+        _check_groups(engine, state)
+        if not use_config_hyperparameters:
+            _check_hyperparameters(engine, state, optimizer_states, lr_scheduler_states)
     engine.manager.release_all()  # nothing gathered or being fetched while homes are rewritten
     opt = engine.optimizer
     for s in engine.shards:
-        part = src.param(s.index, s.dtype, s.part_numel)
+        part = saved.param(s)
         if s.home is Tier.HOST:
             s.host_part.copy_(part)
         elif s.home is Tier.DEVICE:
@@ -194,40 +341,41 @@ def load_into(engine, load_dir, tag: str | None = None, *, optimizer_states: boo
         else:
             s.ctx.param_store.write(s, part.contiguous()).wait()
         if optimizer_states:
-            opt.load_state_tensors(s, *src.state(s.index, s.part_numel))
+            opt.load_state_tensors(s, *saved.state(s))
         else:  # the fp32 weights, with this engine's moments (DeepSpeed keeps them too)
-            opt.set_master(s, src.master(s.index, s.part_numel))
+            opt.set_master(s, saved.master(s))
     for b in mf.describe_model(engine)["buffers"]:
-        engine.module.get_buffer(b["name"]).copy_(src.tensor(f"buffer.{b['name']}"))
+        engine.module.get_buffer(b["name"]).copy_(saved.own.tensor(f"buffer.{b['name']}"))
     if optimizer_states:
         opt.shard_steps.update({int(k): v for k, v in state["shard_steps"].items()})
-        for group, saved in zip(opt.param_groups, state["param_groups"]):
-            group.update(saved)
+        groups = _configured_groups(engine) if use_config_hyperparameters else state["param_groups"]
+        for group, values in zip(opt.param_groups, groups):
+            group.update(values)
     if lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        _load_scheduler(engine, state["lr_scheduler"], use_config_hyperparameters)
+    engine._zero_grads()
+    in_window = 0 if module_only else state["micro_in_window"]
     if not module_only:
         if engine.loss_scaler is not None and state["loss_scaler"] is not None:
             engine.loss_scaler.load_state_dict(state["loss_scaler"])
         engine.global_steps = state["global_steps"]
         engine.micro_steps = state["micro_steps"]
         engine.skipped_steps = state["skipped_steps"]
-        restore_rng(state["rng"])
-    engine._zero_grads()
-    engine._micro_in_window = 0
-    engine._passes_at_step = engine._passes_at_update = engine.manager.backward_passes
-    engine._scaled_passes = 0
-    return tag_dir, state["client_state"]
+        if engine.pg.rank < saved.saved_world:  # a rank the saved run did not have keeps its own
+            engine_state.restore_rng(state["rng"])
+        for s in engine.shards if in_window else ():  # Note [saving inside an accumulation window]
+            _restore_grad(s, saved.grad(s))
+    engine._micro_in_window = in_window
+    engine._scaled_passes = state["scaled_passes"] if in_window else 0
+    engine._passes_at_step = engine.manager.backward_passes
+    engine._passes_at_update = engine.manager.backward_passes - engine._scaled_passes
+    return tag_dir, client_state
 
 
-def restore_rng(rng: dict) -> None:
-    random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"])
-    if rng.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    if rng.get("numpy") is not None:
-        try:
-            import numpy
-
-            numpy.random.set_state(rng["numpy"])
-        except ImportError:
-            pass
+def _restore_grad(shard, grad: torch.Tensor | None) -> None:
+    if grad is None:
+        return  # no gradient yet in this window (clear_grad left it so)
+    if shard.grad_part is None:
+        shard.allocate_grad_part()
+    shard.grad_part.copy_(grad)
+    shard.has_grad = True

@@ -7,11 +7,14 @@ Note [checkpoint layout]
         manifest.json           format, world size, the model's description, and every
                                 file below with its size and checksum
         rank{r}/
-          engine_state.pt       counters, per-shard step counts, param groups, LR
-                                scheduler, loss scaler, RNG states, client_state
+          engine_state.json     counters, per-shard step counts, param groups, LR
+                                scheduler, loss scaler, RNG states, configured
+                                hyperparameters (Note [no code from a checkpoint])
+          client_state.pt       client_state (read with torch.load(weights_only=True))
           state.safetensors     this rank's partitions on the device/host tiers:
                                 param.{i} (compute dtype), master.{i}, exp_avg.{i},
-                                exp_avg_sq.{i}, and buffer.{name} (module buffers)
+                                exp_avg_sq.{i}, buffer.{name} (module buffers), and
+                                grad.{i} when saved inside an accumulation window
           nvme/param.{i}.swp    NVMe-tier partitions: byte copies of the swap files
           nvme/optim.{i}.swp    (Note [swap file format] in offload/aio/swap_store.py);
           nvme/moments.{i}.swp  [exp_avg | exp_avg_sq] where param.{i} is the fp32 master
@@ -23,6 +26,14 @@ complete checkpoint; a tag without manifest.json never exists under its
 final name. Re-saving an existing tag moves the old one to `.<tag>.old`
 first; a crash between the two renames is recovered on load (the old copy,
 complete and verified, is used).
+
+Note [manifest paths]
+The manifest is read from the checkpoint, so it is untrusted input: every
+file it lists must be one of the names above (rank{r}/... with r below the
+saved world size), and must resolve inside the tag directory (a symlink
+leading out is refused). Checked before any file it lists is opened or
+stat'ed; errors name checkpoint-relative paths only, so a crafted manifest
+can neither make a load read an outside file nor learn its size.
 """
 from __future__ import annotations
 
@@ -35,10 +46,14 @@ from offload.aio.checksum import ChecksumKind
 from offload.checkpoint_io import files
 
 FORMAT = "offload-checkpoint"
-VERSION = 1
+VERSION = 2  # 1: engine_state.pt was a pickle (Note [no code from a checkpoint])
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]*$")
+# engine_state.pt: format version 1's (listed, checksummed by consolidation, never loaded).
+_FILE = re.compile(r"^rank(0|[1-9][0-9]{0,5})/(engine_state\.json|engine_state\.pt|client_state\.pt|"
+                   r"state\.safetensors|nvme/(param|optim|moments)\.(0|[1-9][0-9]{0,8})\.swp)$")
+MAX_LISTED = 8  # problems of one kind named in an error before "and N more"
 
 
 class CheckpointError(RuntimeError):
@@ -93,11 +108,9 @@ def describe_model(engine) -> dict:
 
 
 def mismatches(saved: dict, here: dict) -> list[str]:
-    """Why a checkpoint described by `saved` cannot be loaded into `here` (empty: it can)."""
+    """Why a checkpoint described by `saved` cannot be loaded into `here` (empty: it can).
+    The world size may differ: load re-partitions (Note [resuming at another world size])."""
     problems = []
-    if saved["world_size"] != here["world_size"]:
-        problems.append(f"world size mismatch: saved with {saved['world_size']} ranks, "
-                        f"this run has {here['world_size']}")
     if saved["compute_dtype"] != here["compute_dtype"]:
         problems.append(f"precision mismatch: saved in {saved['compute_dtype']}, "
                         f"this engine computes in {here['compute_dtype']}")
@@ -112,17 +125,23 @@ def _named_mismatches(what: str, saved: list[dict], here: list[dict]) -> list[st
     out = []
     if a.keys() - b.keys():
         out.append(f"model mismatch: {what}s in the checkpoint but not in the model: "
-                   f"{sorted(a.keys() - b.keys())[:5]}")
+                   f"{first_few(sorted(a.keys() - b.keys()))}")
     if b.keys() - a.keys():
         out.append(f"model mismatch: {what}s in the model but not in the checkpoint: "
-                   f"{sorted(b.keys() - a.keys())[:5]}")
-    for name in a.keys() & b.keys():
-        if a[name] != b[name]:
-            out.append(f"model mismatch: {what} {name!r} has shape {a[name]} in the checkpoint, "
-                       f"{b[name]} in the model")
+                   f"{first_few(sorted(b.keys() - a.keys()))}")
+    shapes = [f"{what} {name!r} has shape {a[name]} in the checkpoint, {b[name]} in the model"
+              for name in a if name in b and a[name] != b[name]]  # in the model's order
+    if shapes:
+        out.append("model mismatch: " + first_few(shapes))
     if not out and [e["name"] for e in saved] != [e["name"] for e in here]:
         out.append(f"model mismatch: the {what}s are in a different order than in the checkpoint")
     return out
+
+
+def first_few(items: list, sep: str = ", ") -> str:
+    """The first MAX_LISTED of `items`, then how many more: an error stays readable."""
+    shown = sep.join(str(i) for i in items[:MAX_LISTED])
+    return shown + (f" and {len(items) - MAX_LISTED} more" if len(items) > MAX_LISTED else "")
 
 
 def resolve_tag_dir(root, tag: str | None) -> Path:
@@ -147,7 +166,9 @@ def resolve_tag_dir(root, tag: str | None) -> Path:
     raise CheckpointError(f"checkpoint tag {tag!r} not found in {root} (tags there: {found})")
 
 
-def read_manifest(tag_dir: Path) -> dict:
+def read_manifest(tag_dir: Path, versions: tuple[int, ...] = (VERSION,)) -> dict:
+    """The manifest, its format version one of `versions`, its file list checked
+    (Note [manifest paths]) before anything it lists is touched."""
     path = tag_dir / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"incomplete checkpoint {tag_dir}: no {MANIFEST} (was the save "
@@ -157,21 +178,56 @@ def read_manifest(tag_dir: Path) -> dict:
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"corrupt checkpoint {tag_dir}: {MANIFEST} is not valid JSON "
                               f"({exc})") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise CheckpointError(f"{path}: not an offload checkpoint of format version {VERSION} "
-                              f"(format {manifest.get('format')!r}, version {manifest.get('version')!r})")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not an offload checkpoint (format "
+                              f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    if manifest.get("version") not in versions:
+        old = (" It was written by an older offload, whose engine_state.pt is a pickle, which is not "
+               "loaded because unpickling can run code (Note [no code from a checkpoint]); its weights "
+               "can still be taken out with `offload consolidate`" if manifest.get("version") == 1 else "")
+        raise CheckpointError(f"{path}: checkpoint format version {manifest.get('version')!r}, this "
+                              f"offload loads version {VERSION}.{old}")
+    check_listed_files(tag_dir, manifest)
     return manifest
 
 
+def check_listed_files(tag_dir: Path, manifest: dict) -> None:
+    """Note [manifest paths]: names only, nothing opened or stat'ed but the tag directory's
+    own path and symlinks inside it."""
+    entries, model = manifest.get("files"), manifest.get("model")
+    world = model.get("world_size") if isinstance(model, dict) else None
+    if not isinstance(entries, dict) or not isinstance(world, int) or world < 1:
+        raise CheckpointError(f"corrupt checkpoint {tag_dir}: {MANIFEST} has no valid file list or world size")
+    bad = []
+    for rel, entry in entries.items():
+        match = _FILE.match(rel) if isinstance(rel, str) else None
+        if match is None or int(match.group(1)) >= world:
+            bad.append(repr(rel))
+        elif not (isinstance(entry, dict) and all(isinstance(entry.get(k), int) and entry[k] >= 0
+                                                  for k in ("bytes", "crc"))):
+            bad.append(f"{rel!r} (no byte count and checksum)")
+    if bad:
+        raise CheckpointError(f"corrupt checkpoint {tag_dir}: {MANIFEST} lists files that are not files "
+                              f"of a checkpoint of {world} rank(s): {first_few(bad)}; nothing was read")
+    inside = os.path.realpath(tag_dir)
+    escaping = [rel for rel in sorted(entries)
+                if os.path.commonpath([inside, os.path.realpath(os.path.join(inside, rel))]) != inside]
+    if escaping:
+        raise CheckpointError(f"corrupt checkpoint {tag_dir}: files that lead outside the checkpoint "
+                              f"(symbolic links): {first_few(escaping)}; nothing was read")
+
+
 def verify_files(tag_dir: Path, manifest: dict, ranks) -> list[str]:
-    """Checks size and checksum of every file of `ranks`, and the presence and size of all."""
+    """Checks size and checksum of every file of `ranks`, and the presence and size of all
+    (paths checked already: read_manifest)."""
     problems = []
     kind_ = ChecksumKind[manifest["checksum"]]
     prefixes = tuple(f"rank{r}/" for r in ranks)
     for rel, entry in sorted(manifest["files"].items()):
         path = tag_dir / rel
         if not path.is_file():
-            problems.append(f"corrupt checkpoint {tag_dir}: file {rel} is missing")
+            what = "is missing" if not os.path.lexists(path) else "is not a regular file"
+            problems.append(f"corrupt checkpoint {tag_dir}: file {rel} {what}")
             continue
         size = os.path.getsize(path)
         if size != entry["bytes"]:
@@ -187,10 +243,11 @@ def verify_files(tag_dir: Path, manifest: dict, ranks) -> list[str]:
     return problems
 
 
-def load_verified(root, tag: str | None, here: dict | None, ranks) -> tuple[Path, dict]:
+def load_verified(root, tag: str | None, here: dict | None, ranks,
+                  versions: tuple[int, ...] = (VERSION,)) -> tuple[Path, dict]:
     """Resolves, reads and verifies a checkpoint; raises CheckpointError naming every problem."""
     tag_dir = resolve_tag_dir(root, tag)
-    manifest = read_manifest(tag_dir)
+    manifest = read_manifest(tag_dir, versions)
     problems = mismatches(manifest["model"], here) if here is not None else []
     if not problems:
         problems = verify_files(tag_dir, manifest, ranks)

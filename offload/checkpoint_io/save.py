@@ -23,12 +23,24 @@ The commit (manifest, rename, `latest`; Note [checkpoint layout]) needs every
 rank's files: with one rank the writer thread commits as soon as it is done;
 with several, `finish()` (engine.wait_checkpoint, the next save, close)
 agrees over the process group and rank 0 commits.
+
+Note [saving inside an accumulation window]
+A save may come after any engine.step(), also one inside a gradient
+accumulation window (DeepSpeed allows it). The window's partial gradients
+are then part of the state: each shard's fp32 gradient partition is saved
+(grad.{i} in state.safetensors) with the window's position (micro_in_window,
+and fp16's count of scaled passes), and load restores them, so the resumed
+run finishes the window exactly as the uninterrupted one (bitwise: the
+partition is the fp32 sum the next backward adds to). Gradients change in
+the next backward, not only in the update, so an async save inside a window
+returns once they are read. Not allowed: between a backward and the step()
+that counts it (the micro-step would be half counted), and resuming such a
+checkpoint at another world size (each rank's partial gradient is an average
+over the old ranks; refused by load).
 """
 from __future__ import annotations
 
-import io
 import json
-import random
 import shutil
 import threading
 from pathlib import Path
@@ -37,48 +49,48 @@ import torch
 import torch.distributed as dist
 
 from offload.aio.swap_store import fsync_path
-from offload.checkpoint_io import files
+from offload.checkpoint_io import engine_state, files
 from offload.checkpoint_io import manifest as mf
 from offload.tiers import Tier
 
 
-def capture_engine_state(engine, client_state) -> bytes:
-    """The small state, serialized now so later changes (by training or the caller) cannot leak in."""
+def capture_engine_state(engine) -> bytes:
+    """The small state as JSON (Note [no code from a checkpoint]), serialized now so later
+    changes (by training or the caller) cannot leak in."""
     opt = engine.optimizer
     state = {
         "global_steps": engine.global_steps,
         "micro_steps": engine.micro_steps,
         "skipped_steps": engine.skipped_steps,
+        # Note [saving inside an accumulation window]
+        "micro_in_window": engine._micro_in_window,
+        "scaled_passes": engine._scaled_passes,
         "shard_steps": dict(opt.shard_steps),
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
         "param_group_shards": group_shards(engine),
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "lr_scheduler": scheduler_state(engine),
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
-        "rng": capture_rng(),
-        "client_state": client_state,
+        "rng": engine_state.capture_rng(),
+        "hyperparameters": engine_state.configured_hyperparameters(engine),
     }
-    out = io.BytesIO()
-    torch.save(state, out)
-    return out.getvalue()
+    return engine_state.to_json_bytes(state)
+
+
+def scheduler_state(engine) -> dict | None:
+    """The LR scheduler's state_dict; a config scheduler's settings (its `params`) are not
+    state: they are the config's, compared at load (Note [optimizer settings at load])."""
+    if engine.lr_scheduler is None:
+        return None
+    state = engine.lr_scheduler.state_dict()
+    if engine.config.scheduler is not None:
+        state.pop("params", None)
+    return state
 
 
 def group_shards(engine) -> list[list[int]]:
     """Each optimizer group's shard indices, in order (Note [parameter groups])."""
     index = {id(s.param): s.index for s in engine.shards}
     return [[index[id(p)] for p in g["params"]] for g in engine.optimizer.param_groups]
-
-
-def capture_rng() -> dict:
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": None, "numpy": None}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy
-
-        rng["numpy"] = numpy.random.get_state()
-    except ImportError:
-        pass
-    return rng
 
 
 class _Item:
@@ -119,7 +131,22 @@ def plan_items(engine) -> list[_Item]:
             for j, what in enumerate(("master", "exp_avg", "exp_avg_sq")):
                 items.append(_Item(f"{what}.{s.index}", torch.float32, n,
                                    read=lambda s=s, j=j: opt.state_tensors(s)[j]))
+        if s.has_grad:  # Note [saving inside an accumulation window]
+            items.append(_Item(f"grad.{s.index}", torch.float32, n, read=lambda s=s: s.grad_part))
     return items
+
+
+def check_can_save(engine) -> None:
+    """Note [saving inside an accumulation window]: after any engine.step(), not between a
+    backward and the step() that counts it."""
+    if engine.optimizer.overlapping or (engine.gradients_pending and (
+            engine._micro_in_window == 0 or engine.manager.backward_passes != engine._passes_at_step)):
+        raise RuntimeError(
+            f"save_checkpoint between a backward and the engine.step() that counts it (micro-step "
+            f"{engine.micro_steps}, gradient_accumulation_steps {engine.gradient_accumulation_steps()}): "
+            "call engine.step() first. Inside an accumulation window a save after step() keeps the "
+            "gradients accumulated so far; with your own loop (loss.backward(), optimizer.step()), "
+            "save after optimizer.step()")
 
 
 class SaveJob:
@@ -127,13 +154,7 @@ class SaveJob:
 
     def __init__(self, engine, save_dir, tag: str | None, client_state, async_save: bool,
                  save_latest: bool = True):
-        if engine.gradients_pending or engine._micro_in_window:
-            raise RuntimeError(
-                f"save_checkpoint inside a gradient accumulation window (micro-step "
-                f"{engine.micro_steps}, gradient_accumulation_steps "
-                f"{engine.gradient_accumulation_steps()}, gradients pending: "
-                f"{engine.gradients_pending}): the gradients accumulated so far are not saved; "
-                f"save after the engine.step() that completes the window")
+        check_can_save(engine)
         self.pg = engine.pg
         self.save_latest = save_latest
         self.root = Path(save_dir)
@@ -148,7 +169,8 @@ class SaveJob:
         # waits for its own, this makes sure of it.
         for store in engine.swap_stores:
             store.wait_all()
-        self.state_bytes = capture_engine_state(engine, client_state)
+        self.state_bytes = capture_engine_state(engine)
+        self.client_bytes = engine_state.client_state_bytes(client_state)
         self.buffers = [(b["name"], engine.module.get_buffer(b["name"]).detach().to("cpu", copy=True))
                         for b in self.model["buffers"]]
         self.items = plan_items(engine)
@@ -160,6 +182,10 @@ class SaveJob:
         if async_save:
             self._thread = threading.Thread(target=self._run, name=f"offload-checkpoint-{self.tag}")
             self._thread.start()
+            if any(i.name.startswith("grad.") for i in self.items):
+                # Gradients change in the next backward, not only in the update:
+                # returns once they are read (Note [saving inside an accumulation window]).
+                self._snapshot_done.wait()
         else:
             self._run()
 
@@ -185,8 +211,10 @@ class SaveJob:
 
     def _write_rank(self) -> None:
         rel = f"rank{self.pg.rank}/"
-        self.entries[rel + "engine_state.pt"] = files.write_bytes(self.rank_dir / "engine_state.pt",
-                                                                  self.state_bytes)
+        self.entries[rel + "engine_state.json"] = files.write_bytes(self.rank_dir / "engine_state.json",
+                                                                    self.state_bytes)
+        self.entries[rel + "client_state.pt"] = files.write_bytes(self.rank_dir / "client_state.pt",
+                                                                  self.client_bytes)
         plan = [(i.name, i.dtype, i.shape) for i in self.items if i.copy_from is None]
         plan += [(f"buffer.{name}", b.dtype, tuple(b.shape)) for name, b in self.buffers]
         stream = files.SafetensorsStream(self.rank_dir / "state.safetensors", plan,
