@@ -49,12 +49,17 @@ class AioConfig:
     queue_depth: requests kept in flight per worker thread.
     intra_op_parallelism: worker threads that split one large transfer.
     backend: a Backend or its name.
+    verify_swap_checksums: the engine's parameter and optimizer swap files carry a
+      CRC-32C of their data, checked on every read (Note [swap data checksums] in
+      offload/aio/swap_store.py); false skips both, for users who accept that a
+      flipped bit on disk would be trained on.
     """
 
     block_size: int = 1 << 20
     queue_depth: int = 32
     intra_op_parallelism: int = 1
     backend: Backend = Backend.AUTO
+    verify_swap_checksums: bool = True
 
     def __post_init__(self):
         block_size = _integer("aio.block_size", self.block_size, lo=4096)
@@ -65,8 +70,11 @@ class AioConfig:
         object.__setattr__(self, "intra_op_parallelism",
                            _integer("aio.intra_op_parallelism", self.intra_op_parallelism, lo=1, hi=64))
         object.__setattr__(self, "backend", Backend.parse(self.backend))
+        if not isinstance(self.verify_swap_checksums, bool):
+            raise ValueError(f"aio.verify_swap_checksums: {self.verify_swap_checksums!r} is not true or false")
 
     def to_dict(self) -> dict:
         """The JSON `aio` section that gives this config."""
         return {"block_size": self.block_size, "queue_depth": self.queue_depth,
-                "intra_op_parallelism": self.intra_op_parallelism, "backend": self.backend.value}
+                "intra_op_parallelism": self.intra_op_parallelism, "backend": self.backend.value,
+                "verify_swap_checksums": self.verify_swap_checksums}

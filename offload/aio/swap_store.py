@@ -532,7 +532,7 @@ class SwapStore:
             h._error = exc
         if h._error is not None:
             h._error.add_note(f"while {h.op} of key {h.key!r}")
-            if h.op == "swap_out" and False:
+            if h.op == "swap_out" and h._source is not None:
                 # Note [failed in-place writes]: the value stays readable from a copy
                 # (the one kept already, when this was its rewrite).
                 meta, value = h._source

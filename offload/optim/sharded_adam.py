@@ -87,6 +87,7 @@ class _Overlap:
     backlog: deque = field(default_factory=deque)  # (future, elements) submitted, maybe running
     backlog_elems: int = 0
     masters_brought: set[int] = field(default_factory=set)  # Note [shared fp32 master]
+    failed: bool = False  # an update raised: the later ones are skipped (Note [a failed step])
 
 
 class ShardedAdam(StateAccess, torch.optim.Optimizer):
@@ -127,6 +128,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         self._masters_from_gather: frozenset[int] = frozenset()
         self._device_publishes: list[tuple[Shard, torch.Tensor]] = []
         self._param_writes: deque = deque()  # handles of new parameter values being written
+        self._param_write_error: BaseException | None = None  # raised by _close_stream (Note [a failed step])
         # Adam kernel threads: the default in a deferred step; one while
         # updates overlap backward, which has the cores (Note [optimizer overlap]).
         self._kernel_threads: int | None = None
@@ -310,8 +312,10 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
             for shard in shards:
                 self._update_shard(shard, self.group_of(shard), stream)
         finally:
-            self._close_stream(stream)
-        self._flush_publishes()
+            try:
+                self._close_stream(stream)
+            finally:
+                self._flush_publishes()  # the shards updated, failed step or not
 
     def _stepping(self) -> list[Shard]:
         return [s for s in self.shards if s.has_grad]
@@ -327,16 +331,34 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         return stream
 
     def _close_stream(self, stream: StateStream | None) -> None:
-        if stream is not None:
-            stream.close()
-        if self.param_store is not None:
-            # The next forward must read the new parameters, not a file
-            # still being written.
-            try:
-                self.param_store.store.wait_all()
-            finally:
+        try:
+            if stream is not None:
+                stream.close()
+        finally:
+            if self.param_store is not None:
+                # The next forward must read the new parameters, not a file
+                # still being written.
+                try:
+                    self.param_store.store.wait_all()
+                except OSError as exc:
+                    self._param_write_error = self._param_write_error or exc
                 while self._param_writes:
                     self._retire_param_write()
+                error, self._param_write_error = self._param_write_error, None
+                if error is not None:
+                    raise error
+
+    # Note [a failed step]
+    # A step that raises (a read or write error, a checksum mismatch) leaves
+    # each shard either updated (its gradient cleared, its step count moved,
+    # its new value on disk or, when the write failed, kept by the store: Note
+    # [failed in-place writes] in offload/aio/swap_store.py) or untouched (its
+    # gradient kept). Errors of writes are collected and raised when the step
+    # closes, never from the middle of a later shard's update; after the first
+    # failure the overlapped updates not yet started are skipped, so a corrupt
+    # file stops the step. update() again, after rewriting the kept values,
+    # updates exactly the shards left: the result equals an uninterrupted step
+    # (the engine's retry: Engine.step, offload/engine/engine.py).
 
     # ---- updates overlapped with backward --------------------------------
     # Note [optimizer overlap]
@@ -364,9 +386,13 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         self._overlap = _Overlap(groups=[dict(g) for g in self.param_groups], futures=[], submitted=set(),
                                  arrival=[])
         stream_order = [s for s in order if s.has_grad or s.param.requires_grad]
-        self._overlap.stream = self._executor.submit(self._stream, stream_order,
-                                                     self._masters_from_gather).result() \
-            if self.tier is Tier.NVME else None
+        try:
+            self._overlap.stream = self._executor.submit(self._stream, stream_order,
+                                                         self._masters_from_gather).result() \
+                if self.tier is Tier.NVME else None
+        except BaseException:
+            self._overlap = None  # no step in progress: a later backward may start one
+            raise
 
     @property
     def overlapping(self) -> bool:
@@ -396,8 +422,8 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
             ov.masters_brought.add(shard.index)
             self.account.charge(Tier.HOST, shard.part_numel * 4, f"master of {shard.name} from its gathered copy")
         self.group_of(shard)  # in a group, or the error is raised here, not on the optimizer thread
-        future = self._executor.submit(self._update_shard, shard, ov.groups[self._group_of[shard.index]],
-                                       ov.stream, master)
+        future = self._executor.submit(self._overlapped_update, ov, shard,
+                                       ov.groups[self._group_of[shard.index]], master)
         ov.futures.append(future)
         ov.backlog.append((future, shard.part_numel))
         ov.backlog_elems += shard.part_numel
@@ -416,8 +442,8 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
             with self.timeline.span("wait", "optimizer"):
                 self._kernel_threads = None  # backward is over: the late ones may use every core
                 late = [s for s in self._stepping() if s.index not in ov.submitted] if update_late else []
-                ov.futures += [self._executor.submit(self._update_shard, s,
-                                                     ov.groups[self._group_of[s.index]], ov.stream)
+                ov.futures += [self._executor.submit(self._overlapped_update, ov, s,
+                                                     ov.groups[self._group_of[s.index]])
                                for s in late if self.group_of(s)]
                 error = None
                 for f in ov.futures:
@@ -431,7 +457,19 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         finally:
             self._arrival_order = ov.arrival + [s for s in self.shards if s.index not in ov.submitted]
             self._masters_from_gather = frozenset(ov.masters_brought)
-        self._flush_publishes()
+            self._flush_publishes()  # the shards updated, failed step or not
+
+    def _overlapped_update(self, ov: _Overlap, shard: Shard, group: dict,
+                           master: torch.Tensor | None = None) -> None:
+        if ov.failed:  # Note [a failed step]: left, with its gradient, for the retry
+            if master is not None:
+                self.account.credit(Tier.HOST, shard.part_numel * 4)
+            return
+        try:
+            self._update_shard(shard, group, ov.stream, master)
+        except BaseException:
+            ov.failed = True
+            raise
 
     def close(self) -> None:
         self.buffers.clear()
@@ -456,8 +494,9 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
     def _update_shard(self, shard: Shard, group: dict, stream: StateStream | None,
                       master_value: torch.Tensor | None = None) -> None:
         with self.timeline.span("optimizer", shard.name):
-            # Note [global gradient norm] (engine/deepspeed_api.py): the gradients this update applies.
-            self.grad_sq += float(torch.linalg.vector_norm(shard.grad_part, dtype=torch.float32)) ** 2
+            # Note [global gradient norm] (engine/deepspeed_api.py): the gradients this update applies
+            # (added once it is applied: Note [a failed step]).
+            grad_sq = float(torch.linalg.vector_norm(shard.grad_part, dtype=torch.float32)) ** 2
             if stream is None:
                 master, m, v = self._states[shard.index]
                 self._update(shard, master, m, v, group)
@@ -471,6 +510,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
                 self._update(shard, *stream.layout(shard).views(buf), group)
                 stream.put(shard, buf)
             shard.clear_grad()
+            self.grad_sq += grad_sq
 
     def _update(self, shard: Shard, master, m, v, group: dict) -> None:
         beta1, beta2 = group["betas"]
@@ -520,6 +560,8 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         handle, nbytes, part = self._param_writes.popleft()
         try:
             handle.wait()
+        except OSError as exc:  # the store kept the value; raised when the step closes (Note [a failed step])
+            self._param_write_error = self._param_write_error or exc
         finally:
             self.account.credit(Tier.HOST, nbytes)
         if nbytes:

@@ -18,6 +18,12 @@ in turn before the next update (GPT 3.3M, deferred step: 117 -> 104 ms).
 
 All calls come from one thread: the optimizer thread while updates overlap
 backward, the compute thread in a deferred step, never both at once.
+
+A write that fails is reported by close(), never by a later put() or take():
+an update either completes (its write issued, the caller clears the shard's
+gradient) or raises before it changed anything, so a failed step can be
+retried shard by shard (Note [failed in-place writes] in offload/aio/swap_store.py
+keeps the value whose write failed).
 """
 from __future__ import annotations
 
@@ -86,6 +92,7 @@ class StateStream:
         self._writing_bytes = 0
         self._write_cap = max((self._layout_of(s).buffer_numel * 4 for s in order), default=0)
         self._buffers = buffers  # an offload.aio.BufferCache, or None
+        self._write_error: BaseException | None = None  # the first, raised by close()
 
     def layout(self, shard) -> StateLayout:
         return self._layout_of(shard)
@@ -168,6 +175,8 @@ class StateStream:
             self._writing_bytes -= nbytes
             try:
                 handle.wait()
+            except OSError as exc:  # the store kept the value; close() reports it
+                self._write_error = self._write_error or exc
             finally:  # failed or not, the write no longer holds its buffer's bytes
                 self._account.credit(Tier.HOST, nbytes)
             self._timeline.record("write", f"optimizer state {name}", t0)
@@ -176,13 +185,14 @@ class StateStream:
         """Waits for every write, and for reads nobody took (their buffers are
         freed); raises the first write error once all of them are waited for,
         so no write is left in flight from a buffer about to be reused."""
-        error = None
+        error = self._write_error
         try:
             while self._writes:
                 try:
                     self._retire(block=True)
                 except Exception as exc:  # noqa: BLE001 - raised below, after the others
                     error = error or exc
+            error = error or self._write_error
         finally:
             for buf, handles, _ in self._reads.values():
                 for handle in handles:
