@@ -273,10 +273,6 @@ def _check_root(root: Path) -> None:
     """nvme_path must be a directory (made if missing) and not inside another run's directory."""
     if root.exists() and not root.is_dir():
         raise SwapStoreError(errno.ENOTDIR, f"nvme_path {root} exists and is not a directory")
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise SwapStoreError(exc.errno, f"cannot create nvme_path {root}: {exc.strerror}") from exc
     for directory in (root.resolve(), *root.resolve().parents):
         owner = read_marker(directory)
         if owner is None:
@@ -288,6 +284,10 @@ def _check_root(root: Path) -> None:
             f"nvme_path {root} is inside {directory}, the swap directory of "
             + (f"a live run ({whose}), in use by it" if live else f"an ended run ({whose})")
             + f"; give a directory of your own (for example {directory.parent})")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SwapStoreError(exc.errno, f"cannot create nvme_path {root}: {exc.strerror}") from exc
 
 
 def _held(directory: Path) -> bool:
