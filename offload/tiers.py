@@ -13,7 +13,7 @@ class Tier(enum.Enum):
 
     DEVICE  the GPU; on a CPU-only host, plain memory under memory.device_budget
     HOST    host memory (pinned when CUDA exists)
-    NVME    files under nvme_path/rank{r}/
+    NVME    files under nvme_path/offload-<host>-<pid>-<random>/rank{r}/
     """
 
     DEVICE = "device"
