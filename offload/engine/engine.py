@@ -24,6 +24,7 @@ import torch
 from offload.aio.run_dir import RunDirectories
 from offload.config import Config, Precision
 from offload.engine.build import build_shards, default_device
+from offload.engine.closed import EngineClosedError, close_off, weak_callback
 from offload.engine.deepspeed_api import DeepSpeedMethods
 from offload.engine.loss_scaler import LossScaler
 from offload.engine.memory import ProcessMemory, map_large_allocations, release_free_host_memory
@@ -99,11 +100,12 @@ class Engine(DeepSpeedMethods):
         self.shard_context = built.ctx
         self.shards = built.shards
         self._stores = built.stores()
-        self.manager = ParameterManager(model, self.shards, on_grad=self._take_grad,
+        # Weak: no cycle through the engine (Note [a closed engine] in engine/closed.py).
+        self.manager = ParameterManager(model, self.shards, on_grad=weak_callback(self._take_grad),
                                         prefetch=prefetch_scheduler(config.zero_optimization, self.shards),
                                         timeline=self._timeline)
         self.activation_checkpointing.attach(self.manager)
-        self.manager.on_forward = self._before_forward  # model(x) as well as engine(x)
+        self.manager.on_forward = weak_callback(self._before_forward)  # model(x) as well as engine(x)
 
         opt = config.optimizer
         groups = None
@@ -118,7 +120,7 @@ class Engine(DeepSpeedMethods):
             sub_group_size=config.zero_optimization.sub_group_size, timeline=self._timeline,
             pending_grad_elems=config.zero_optimization.reduce_bucket_size, param_groups=groups)
         built.place(self.optimizer.init_state)  # the parameters move home here, one at a time
-        self.optimizer.driver = self._update  # optimizer.step() from the user's loop
+        self.optimizer.driver = weak_callback(self._update)  # optimizer.step() from the user's loop
         # Reads outside a forward see real values, edits go through offload.gathered
         # (Note [reading a parameter outside the engine] in partition/managed.py).
         manage(self.manager, self.shards)
@@ -442,7 +444,10 @@ class Engine(DeepSpeedMethods):
                 **(saver.timings if saver.profile else {})}
 
     def close(self) -> None:
-        """Removes hooks and the swap files this engine created. Idempotent."""
+        """Removes hooks and the swap files this engine created, gives the parameters
+        their values back when they fit in memory (save before closing otherwise),
+        releases the process group; afterwards every public method raises
+        EngineClosedError (Note [a closed engine] in engine/closed.py). Idempotent."""
         if self._closed:
             return
         try:
@@ -452,7 +457,8 @@ class Engine(DeepSpeedMethods):
         finally:
             self._closed = True
             self.manager.release_all()
-            if not self._give_values_back():  # before the optimizer and the files go
+            given_back = self._give_values_back()  # before the optimizer and the files go
+            if not given_back:
                 self.manager.closed = True  # reads of its parameters now raise, naming why
             self.optimizer.close()
             self._state_dict_guard.remove()
@@ -461,6 +467,13 @@ class Engine(DeepSpeedMethods):
             self.manager.remove_hooks()
             self.activation_checkpointing.remove()
             self._remove_swap_files()
+            self.pg.release()  # Note [releasing the process group] in partition/collectives.py
+            self.account.drop_callbacks()
+            reason = ("the model's parameters hold their values (engine.module)" if given_back else
+                      "the parameters did not fit in memory and were not given back: save before closing "
+                      "(engine.save_checkpoint, engine.save_pretrained)")
+            close_off(self.optimizer, "engine.optimizer", reason)
+            close_off(self, "engine", reason)
 
     def _give_values_back(self) -> bool:
         """At close: each parameter becomes a plain tensor holding its value (the
@@ -505,10 +518,11 @@ class Engine(DeepSpeedMethods):
         if self.activation_checkpointing is not None:
             self.activation_checkpointing.remove()
         self._remove_swap_files()
+        self.pg.release()  # Note [releasing the process group] in partition/collectives.py
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this engine was closed")
+        if self._closed:  # engine.optimizer.step() reaches _update through its driver
+            raise EngineClosedError("this engine was closed (engine.close())")
 
     def __enter__(self) -> "Engine":
         return self

@@ -50,6 +50,13 @@ class MemoryAccount:
     def remove_reclaimer(self, tier: Tier) -> None:
         self._reclaimers.pop(tier, None)
 
+    def drop_callbacks(self) -> None:
+        """The engine is closing: forgets its settlers and reclaimers (each holds an
+        object that holds this account: no cycle is left for the garbage collector)."""
+        self._settle()
+        self._settlers.clear()
+        self._reclaimers.clear()
+
     def fits(self, tier: Tier, nbytes: int) -> bool:
         """Whether nbytes more can be charged to `tier` now without reclaiming anything."""
         self._settle()

@@ -416,3 +416,6 @@ class ParameterManager:
         self._handles.clear()
         if self._account is not None:
             self._account.remove_reclaimer(Tier.DEVICE)
+        # The engine is closing: no cycles left through what it attached
+        # (Note [a closed engine] in offload/engine/closed.py).
+        self.activations = self.on_edit = self.on_forward = None

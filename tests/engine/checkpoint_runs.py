@@ -145,8 +145,11 @@ def run_world(fn_name, cases, root, world=2, timeout=240):
         p.join(timeout=30)
         if p.is_alive():
             p.kill()
+            p.join()
     failures = {r: s for r, s in outcome.items() if s != "ok"}
     assert not failures, "\n".join(f"rank {r}:\n{s}" for r, s in failures.items())
+    # Every rank also exits cleanly (a SIGABRT at interpreter exit after good results: issue 16).
+    assert [p.exitcode for p in procs] == [0] * world, f"worker exit codes {[p.exitcode for p in procs]}"
     return torch.load(os.path.join(root, f"{fn_name}.pt"), weights_only=False)
 
 

@@ -77,8 +77,11 @@ def test_world_size_two_matches_data_parallel_pytorch(tmp_path):
     for p in procs:
         if p.is_alive():
             p.kill()
+            p.join()
     failures = {k: v for k, v in outcome.items() if v != "ok"}
     assert not failures, "\n".join(f"rank {r} case {CASES[c]}:\n{msg}" for (r, c), msg in failures.items())
     assert len(outcome) == 2 * len(CASES), f"workers reported {len(outcome)} of {2 * len(CASES)} results"
+    # Every rank also exits cleanly (a SIGABRT at interpreter exit after good results: issue 16).
+    assert [p.exitcode for p in procs] == [0, 0], f"worker exit codes {[p.exitcode for p in procs]}"
     for r in range(2):  # each rank wrote under its own directory, removed when its engine closed
         assert not any((tmp_path / "case1").glob(f"offload-*/rank{r}"))
