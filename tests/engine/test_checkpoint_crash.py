@@ -28,7 +28,7 @@ from tests.engine.checkpoint_runs import fresh_process_context
 ROUNDS = 6
 # Where in save k the kill lands: once this exists in the save's temporary
 # directory (the directory itself for ""), or the save has moved past it.
-POINTS = ("", "rank0/engine_state.pt", "rank0/state.safetensors", "manifest.json")
+POINTS = ("", "rank0/engine_state.json", "rank0/state.safetensors", "manifest.json")
 TIMEOUT_S = 120
 
 
