@@ -11,6 +11,9 @@ offloaded to the host (`cpu`) or to NVMe (`nvme`), AdamW lr 1e-4. Contenders:
   offload-nvme    ... nvme, under --nvme-dir
   deepspeed-cpu   deepspeed.initialize with the same config
   deepspeed-nvme  ... nvme, under --nvme-dir
+  offload-nvme-unchecked  offload-nvme with aio.verify_swap_checksums false (not in
+                  the default run; beside offload-nvme it measures what the swap
+                  files' CRC-32C costs: benchmarks/RESULTS.md, "Swap checksums")
 
 Each contender runs in its own subprocess, one after the other, so its peak
 resident memory is its own: VmHWM of that process (the high-water mark of its
@@ -39,7 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
-CONTENDERS = ("torch", "offload-cpu", "offload-nvme", "deepspeed-cpu", "deepspeed-nvme")
+DEFAULT_CONTENDERS = ("torch", "offload-cpu", "offload-nvme", "deepspeed-cpu", "deepspeed-nvme")
+CONTENDERS = DEFAULT_CONTENDERS + ("offload-nvme-unchecked",)
 
 # The benchmark model of the issue, and the --quick one.
 FULL_MODEL = dict(vocab_size=8192, hidden=1024, layers=4, heads=16, max_seq=128, tie_embeddings=False)
@@ -51,8 +55,9 @@ AIO = {"block_size": 1048576, "queue_depth": 32, "intra_op_parallelism": 1,
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--contenders", default=",".join(CONTENDERS),
-                   help=f"comma-separated, in run order (default: all: {','.join(CONTENDERS)})")
+    p.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
+                   help=f"comma-separated, in run order (default: {','.join(DEFAULT_CONTENDERS)}; "
+                        f"also: {','.join(CONTENDERS[len(DEFAULT_CONTENDERS):])})")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; --quick: 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps, median kept (default 10; --quick: 3)")
     p.add_argument("--batch", type=int, default=None, help="micro batch (default 4; --quick: 2)")
@@ -503,8 +508,11 @@ def run(args) -> int:
             for name in names:
                 spec = {"settings": settings, "profile": args.profile, "trace_dir": args.out}
                 if name != "torch":
-                    mode = name.split("-", 1)[1]
+                    mode = name.split("-")[1]
                     spec["config"] = configs[mode]
+                    if name.endswith("-unchecked"):
+                        spec["config"] = {**configs[mode], "aio": {**configs[mode]["aio"],
+                                                                   "verify_swap_checksums": False}}
                     if mode == "nvme":
                         (nvme_root / "swap").mkdir(parents=True, exist_ok=True)
                 if name.startswith("deepspeed-"):

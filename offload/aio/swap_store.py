@@ -89,10 +89,11 @@ class SwapConfig:
     @classmethod
     def for_tensors(cls, nvme_path, tensor_bytes: Iterable[int], in_flight: int = 2, **kwargs) -> "SwapConfig":
         """Sized from what the caller will hold: every tensor on disk (plus room
-        to rewrite the largest, since a rewrite lands beside the old file), and
-        `in_flight` of the largest in host buffers at once."""
+        to rewrite the largest when writes are atomic, since such a rewrite lands
+        beside the old file), and `in_flight` of the largest in host buffers at once."""
         sizes = [file_bytes(n) for n in tensor_bytes] or [file_bytes(0)]
-        return cls(nvme_path=nvme_path, capacity_bytes=sum(sizes) + max(sizes),
+        rewrite = max(sizes) if kwargs.get("atomic", True) else 0
+        return cls(nvme_path=nvme_path, capacity_bytes=sum(sizes) + rewrite,
                    buffer_bytes=max(in_flight, 1) * max(sizes), **kwargs)
 
 

@@ -40,7 +40,10 @@ over the old ranks; refused by load).
 """
 from __future__ import annotations
 
+import errno
 import json
+import math
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -175,6 +178,7 @@ class SaveJob:
                         for b in self.model["buffers"]]
         self.items = plan_items(engine)
         self.entries: dict[str, tuple[int, int]] = {}
+        self._writing: Path | None = None  # the file being written (Note [checkpoint free space])
         self.error: BaseException | None = None
         self.committed = False
         self._snapshot_done = threading.Event()
@@ -203,16 +207,51 @@ class SaveJob:
             if self.pg.world_size == 1:
                 self._commit({0: self.entries})
         except BaseException as exc:  # noqa: BLE001 - re-raised by finish() on the caller's thread
-            self.error = exc
+            self.error = self._with_path(exc)
             if self.pg.world_size == 1:
                 shutil.rmtree(self.tmp, ignore_errors=True)
         finally:
             self._snapshot_done.set()
 
+    # Note [checkpoint free space]: a rank's files are sized before the first is
+    # written (swap files copied as they are, tensors and buffers by their bytes,
+    # 64 KiB for headers and the manifest) and refused if the file system has
+    # less free; a disk that fills anyway (another writer) fails naming the file
+    # and the figures. Either way the temporary directory goes and the previous
+    # checkpoint, `latest` included, is untouched (Note [checkpoint layout]).
+    def _bytes_needed(self) -> int:
+        n = len(self.state_bytes) + len(self.client_bytes) + (64 << 10)
+        for item in self.items:
+            n += (os.stat(item.copy_from).st_size if item.copy_from is not None
+                  else math.prod(item.shape) * item.dtype.itemsize)
+        return n + sum(b.numel() * b.element_size() for _, b in self.buffers)
+
+    def _check_free_space(self) -> None:
+        need, free = self._bytes_needed(), shutil.disk_usage(self.rank_dir).free
+        if need > free:
+            raise OSError(errno.ENOSPC, f"checkpoint {self.tag!r} not saved: {self.root} has {free} bytes free, "
+                                        f"this rank's files need {need} ({need - free} short); nothing was "
+                                        "written and the previous checkpoint is unchanged")
+
+    def _with_path(self, exc: BaseException) -> BaseException:
+        """A full disk during the write, named: the file, what was needed, what is free now."""
+        if not isinstance(exc, OSError) or exc.errno != errno.ENOSPC or self._writing is None:
+            return exc
+        reason = exc.strerror or os.strerror(errno.ENOSPC)
+        named = OSError(errno.ENOSPC, f"checkpoint {self.tag!r} not saved: {reason} writing "
+                                      f"{self._writing} ({self._bytes_needed()} bytes needed for this rank's "
+                                      f"files, {shutil.disk_usage(self.root).free} bytes free now); the "
+                                      "previous checkpoint is unchanged")
+        named.__cause__ = exc
+        return named
+
     def _write_rank(self) -> None:
+        self._check_free_space()
         rel = f"rank{self.pg.rank}/"
+        self._writing = self.rank_dir / "engine_state.json"
         self.entries[rel + "engine_state.json"] = files.write_bytes(self.rank_dir / "engine_state.json",
                                                                     self.state_bytes)
+        self._writing = self.rank_dir / "client_state.pt"
         self.entries[rel + "client_state.pt"] = files.write_bytes(self.rank_dir / "client_state.pt",
                                                                   self.client_bytes)
         plan = [(i.name, i.dtype, i.shape) for i in self.items if i.copy_from is None]
@@ -222,10 +261,13 @@ class SaveJob:
         try:
             for item in self.items:
                 if item.copy_from is None:
+                    self._writing = self.rank_dir / "state.safetensors"
                     stream.write(item.name, item.read())
                 else:
+                    self._writing = self.rank_dir / item.name
                     self.entries[rel + item.name] = files.copy_file(item.copy_from,
                                                                     self.rank_dir / item.name)
+            self._writing = self.rank_dir / "state.safetensors"
             for name, b in self.buffers:
                 stream.write(f"buffer.{name}", b)
         except BaseException:

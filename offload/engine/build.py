@@ -20,7 +20,9 @@ initial value comes from one of three places (`Built._initial_partition`):
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
+import shutil
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -106,13 +108,27 @@ class Built:
     # shard.index -> (weights key or None, build-time shard or None); absent: from the parameter
     _sources: dict = field(default_factory=dict)
     _plan: object = None
+    placed: list[Shard] = field(default_factory=list)  # homed, master taken (Note [an interrupted initialize])
 
     def place(self, take_master: Callable[[Shard, torch.Tensor], None]) -> None:
         """Moves every parameter home, in order, one at a time: take_master(shard,
         fp32 partition of its initial value) runs before the next moves (the
-        optimizer's init_state). Then waits for the writes to reach the disk."""
+        optimizer's init_state). Then waits for the writes to reach the disk.
+
+        Note [an interrupted initialize]: a shard whose move fails (a full disk,
+        Ctrl-C) gets its own tensor back here; those in `placed` have their
+        master, the original value in fp32, and Engine._abort gives it back in
+        the original dtype (exact: the engine's parameters are at most fp32);
+        the ones not reached were never touched. So the model the caller still
+        holds has its original values and dtypes, never the compute-dtype copy."""
         for shard in self.shards:
-            take_master(shard, self._initial_partition(shard))
+            original = shard.param.data
+            try:
+                take_master(shard, self._initial_partition(shard))
+            except BaseException:
+                shard.param.data = original
+                raise
+            self.placed.append(shard)
         self._finish()
 
     def _initial_partition(self, shard: Shard) -> torch.Tensor:
@@ -279,6 +295,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
                                device=device, world_size=pg.world_size,
                                on_demand=_largest_module_group(model, named, planned, device, pg.world_size))
     account.budget_notes.update(notes)
+    check_free_space(configs)  # before anything is written or moved
     if builder is not None:
         builder.hand_over(keep={id(pl.param) for pl in planned}, run_dirs=run_dirs)
     if replacements:
@@ -444,6 +461,40 @@ def _swap_config(nvme_path, sizes, staging_bytes, config: Config, pg: ProcessGro
         staging_bytes = min(swap_config.buffer_bytes, 8 << 20)
     swap_config = dataclasses.replace(swap_config, buffer_bytes=max(staging_bytes, 2 * ALIGN))
     return swap_config
+
+
+def check_free_space(swap_configs: dict) -> None:
+    """Note [free space for the stores]: each store checks its own capacity when
+    it opens, but the stores of one engine open one after the other on what is
+    often one file system, so each alone fitted and together they did not (the
+    disk filled while the parameters moved home). Here every store's capacity
+    is summed per file system (st_dev of nvme_path, or of its nearest existing
+    parent) and checked against its free space before anything is written."""
+    from offload.aio.swap_store import SwapStoreError
+
+    what = {"param": "parameters", "state": "optimizer state"}
+    by_device: dict[int, list] = {}
+    for role, c in swap_configs.items():
+        if c.capacity_bytes:
+            at = _existing_parent(c.nvme_path)
+            by_device.setdefault(os.stat(at).st_dev, []).append((what.get(role, role), c, at))
+    for entries in by_device.values():
+        need = sum(c.capacity_bytes for _, c, _ in entries)
+        free = shutil.disk_usage(entries[0][2]).free
+        if need > free:
+            parts = " + ".join(f"{name} {c.capacity_bytes} bytes under {c.nvme_path}" for name, c, _ in entries)
+            raise SwapStoreError(
+                errno.ENOSPC,
+                f"not enough free space for the swap files: {need} bytes needed ({parts}) on the file "
+                f"system of {entries[0][2]}, {free} bytes free ({need - free} short); free some space or "
+                "point zero_optimization.offload_param/offload_optimizer.nvme_path at a larger disk")
+
+
+def _existing_parent(path) -> str:
+    path = os.path.abspath(os.fspath(path))
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
 
 
 def _open_store(swap_config, account: MemoryAccount, run_dirs: RunDirectories):

@@ -75,6 +75,7 @@ class Engine(DeepSpeedMethods):
         # What every shard shares: made once, complete, by build_shards.
         self.shard_context: ShardContext | None = None
         self.shards, self._stores, self.manager, self.optimizer = [], [], None, None
+        self._placed = []
         self.activation_checkpointing = None
         try:
             self._build(model, config)
@@ -100,6 +101,7 @@ class Engine(DeepSpeedMethods):
         self.shard_context = built.ctx
         self.shards = built.shards
         self._stores = built.stores()
+        self._placed = built.placed  # filled as built.place() moves them (Note [an interrupted initialize])
         # Weak: no cycle through the engine (Note [a closed engine] in engine/closed.py).
         self.manager = ParameterManager(model, self.shards, on_grad=weak_callback(self._take_grad),
                                         prefetch=prefetch_scheduler(config.zero_optimization, self.shards),
@@ -503,14 +505,20 @@ class Engine(DeepSpeedMethods):
 
     def _abort(self) -> None:
         unmanage(self.shards)
-        for shard in self.shards:
+        # Note [an interrupted initialize] (build.py): the shards not placed kept or got back their tensor.
+        for shard in self._placed:
             if self.pg.world_size > 1:
                 break  # a partition is not the whole value
-            try:  # a shard not yet moved home has nothing there and keeps its value
-                value = shard.home_partition()[:shard.numel].view(shard.shape)
+            try:  # the master: the original value in fp32, not the compute-dtype copy
+                value = self.optimizer.master_partition(shard)
             except Exception:  # noqa: BLE001 - best effort: the original error matters
-                continue
-            shard.param.data = value.to(shard.original_dtype)
+                log.warning("initialize failed and the fp32 value of %s could not be read back; it is "
+                            "restored from its %s copy", shard.name, shard.dtype, exc_info=True)
+                try:
+                    value = shard.home_partition()
+                except Exception:  # noqa: BLE001
+                    continue
+            shard.param.data = value[:shard.numel].view(shard.shape).to(shard.original_dtype)
         if self.manager is not None:
             self.manager.remove_hooks()
         if self.optimizer is not None:

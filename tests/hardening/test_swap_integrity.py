@@ -195,3 +195,110 @@ def test_load_checkpoint_after_a_backward_without_step_trains_on(tmp_path):
         expected = engine_weights(engine)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------- free space
+
+
+def _usage(free):
+    return shutil._ntuple_diskusage(total=1 << 40, used=(1 << 40) - free, free=free)
+
+
+def _model_values(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_unchanged(model, before):
+    for name, p in model.named_parameters():
+        assert p.dtype == before[name].dtype, name
+        torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_stores_on_one_file_system_are_checked_together(tmp_path, monkeypatch):
+    model = build("tiny_gpt")
+    before = _model_values(model)
+    cfg = make_config("nvme", "nvme", tmp_path / "swap", precision="bf16")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: _usage(0))
+    with pytest.raises(aio.SwapStoreError, match="not enough free space") as info:
+        offload.initialize(model, cfg)
+    import re
+    parts = [int(n) for n in re.findall(r"(\d+) bytes under", str(info.value))]
+    assert len(parts) == 2  # the parameter and the optimizer-state store
+    free = max(parts) + 4096  # room for either store alone, not for both
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: _usage(free))
+    with pytest.raises(aio.SwapStoreError, match=f"{sum(parts)} bytes needed.*{tmp_path}.*{free} bytes free"):
+        offload.initialize(model, cfg)
+    _assert_unchanged(model, before)
+
+
+def test_interrupted_initialize_gives_back_the_original_fp32_values(tmp_path, monkeypatch):
+    from offload.optim.sharded_adam import ShardedAdam
+
+    model = build("tiny_gpt")
+    before = _model_values(model)
+    calls = []
+    real = ShardedAdam.init_state
+
+    def failing(self, shard, init):
+        calls.append(shard.index)
+        if len(calls) == 5:  # four parameters already home in bf16, the fifth half way
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return real(self, shard, init)
+
+    monkeypatch.setattr(ShardedAdam, "init_state", failing)
+    with pytest.raises(OSError, match="injected"):
+        offload.initialize(model, make_config("nvme", "nvme", tmp_path / "swap", precision="bf16"))
+    _assert_unchanged(model, before)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    if not IS_ROOT:
+        pytest.skip("mounting a tmpfs needs root; the injected failure above covers the restore")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mount -t tmpfs not permitted here")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_real_disk_full_at_initialize(small_tmpfs, monkeypatch):
+    model = build("tiny_gpt")
+    before = _model_values(model)
+    cfg = make_config("nvme", "nvme", small_tmpfs, precision="bf16")
+    with pytest.raises(aio.SwapStoreError, match=f"bytes needed.*{small_tmpfs}.*bytes free"):
+        offload.initialize(model, cfg)
+    _assert_unchanged(model, before)
+    # Told there is room, the disk fills while the parameters move home: the model still comes back whole.
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: _usage(1 << 30))
+    with pytest.raises(OSError, match="No space left"):
+        offload.initialize(model, cfg)
+    _assert_unchanged(model, before)
+
+
+def test_checkpoint_on_a_too_full_disk_names_path_and_bytes(tmp_path, monkeypatch):
+    data = batches(2)
+    ckpt = tmp_path / "ckpt"
+    with _nvme_engine(tmp_path) as engine:
+        _train(engine, data[:1])
+        engine.save_checkpoint(ckpt, tag="a")
+        _train(engine, data[1:])
+        real = shutil.disk_usage
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: _usage(10000))
+        with pytest.raises(OSError, match=f"'b' not saved: {ckpt} has 10000 bytes free, this rank's files need"):
+            engine.save_checkpoint(ckpt, tag="b")
+        monkeypatch.setattr(shutil, "disk_usage", real)
+        # A disk that fills during the write: the file named.
+        from offload.checkpoint_io import files
+
+        def full(src, dst):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(files, "copy_file", full)
+        with pytest.raises(OSError, match="'b' not saved: No space left on device writing .*nvme/.*bytes needed"):
+            engine.save_checkpoint(ckpt, tag="b")
+        assert sorted(os.listdir(ckpt)) == ["a", "latest"] and (ckpt / "latest").read_text().strip() == "a"
+        engine.load_checkpoint(ckpt)  # the previous checkpoint, intact
+        assert engine.global_steps == 1
