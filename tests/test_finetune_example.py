@@ -193,7 +193,8 @@ def test_finetune_resume_with_other_flags_is_refused(straight_run, tmp_path):
     proc = run_example(*TINY, *places(tmp_path), "--ckpt-dir", str(ckpt), "--resume", "--lr", "5e-3",
                        cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert "--lr 0.01 (this run: 0.005)" in proc.stderr
+    # The engine refuses first, naming the setting (Note [optimizer settings at load]).
+    assert "optimizer.params.lr: saved 0.01, configured 0.005" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written, swap files gone
 
 
