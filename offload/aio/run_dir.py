@@ -70,7 +70,7 @@ class RunDirectory:
 
     def __init__(self, root):
         """Removes the stale directories under `root`, then makes this run's."""
-        root = Path(os.fspath(root))
+        root = Path(os.path.abspath(os.fspath(root)))  # removed by path, maybe after a chdir
         _check_root(root)
         remove_stale(root)
         self.root = root

@@ -349,3 +349,23 @@ def test_a_symlinked_or_shared_rank_directory_is_refused(tmp_path):
     os.chmod(shared / "rank0", 0o777)
     with pytest.raises(SwapStoreError, match=r"rank0 is writable by other users \(mode 777\)"):
         SwapStore(SwapConfig(nvme_path=shared, capacity_bytes=1 << 20, buffer_bytes=1 << 16))
+
+
+def test_a_forked_child_never_removes_its_parents_directory(tmp_path):
+    """A DataLoader worker (fork) inherits the exit and signal handlers: they act
+    only in the process that made the directory."""
+    import offload.aio.run_dir as run_dir_module
+
+    run_dirs = RunDirectories()
+    try:
+        path = run_dirs.open(tmp_path).path
+        pid = os.fork()
+        if pid == 0:  # the child runs what its exit would run, then leaves at once
+            for finalizer in list(run_dir_module._LIVE.values()):
+                finalizer()
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert path.is_dir() and (path / MARKER).exists()
+    finally:
+        run_dirs.remove()
+    assert not any(tmp_path.iterdir())
