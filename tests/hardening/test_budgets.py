@@ -57,7 +57,7 @@ def _train(tmp_path, budget, data, **kw):
         engine.close()
 
 
-@pytest.mark.parametrize("optim", ["cpu", "nvme"])
+@pytest.mark.parametrize("optim", ["cpu", pytest.param("nvme", marks=pytest.mark.slow)])
 def test_budget_sweep_with_prefetch(tmp_path, optim):
     """From the budget just refused to a generous one: refusals name the numbers;
     every accepted budget holds the engine's own working set, and trains equal to
@@ -73,10 +73,11 @@ def test_budget_sweep_with_prefetch(tmp_path, optim):
                                           rf"stage3_max_live_parameters"):
         offload.initialize(build("tiny_gpt"), _config(tmp_path, need - 1, optim=optim))
 
+    assert _threshold(tmp_path, optim=optim, prefetch=False) <= need
     first_trained = {}
     for prefetch in (True, False):
-        step = 4096
-        for budget in range(_threshold(tmp_path, optim=optim, prefetch=prefetch), 40 * need, step):
+        step = 8192
+        for budget in range(need, 40 * need, step):  # one grid for both (need: prefetch on's threshold, the higher)
             outcome = _train(tmp_path, budget, data, optim=optim, prefetch=prefetch)
             if isinstance(outcome, TierBudgetError):
                 # The saved activations took more than initialize left them (a gather or an activation then
@@ -92,7 +93,7 @@ def test_budget_sweep_with_prefetch(tmp_path, optim):
             torch.testing.assert_close(losses, ref_losses[:, 0], rtol=0, atol=0)
             for name, p in ref_model.named_parameters():
                 torch.testing.assert_close(weights[name], p.detach(), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
-            if budget - first_trained[prefetch] >= 3 * step:
+            if budget - first_trained[prefetch] >= 2 * step:
                 if prefetch:
                     assert stats["prefetched"] > 0 and stats["hits"] > 0
                 break
@@ -108,10 +109,6 @@ def test_prefetch_defers_reads_the_budget_has_no_room_for(tmp_path):
     ref_model, ref_losses = run_reference(build("tiny_gpt"), data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01)
     generous = _train(tmp_path, None, data)
     budget = generous[2] - 6000  # less than the unbudgeted peak: something had to give
-    cfg = _config(tmp_path, budget)
-    cfg["zero_optimization"]["stage3_max_live_parameters"] = 10 ** 9  # accepted by a large budget only...
-    with pytest.raises(MemoryError, match="stage3_max_live_parameters"):
-        offload.initialize(build("tiny_gpt"), cfg)
     losses, weights, peak, stats = _train(tmp_path, budget, data)
     assert peak <= budget
     assert stats["deferred_for_budget"] > 0
