@@ -86,7 +86,8 @@ def consolidate(ckpt_dir, out_path, tag: str | None = None, dtype: torch.dtype =
             make.append(lambda key=key: buffer(key))
     # The tag only, not the checkpoint's path: a file shared onwards should not carry
     # the directory layout of the machine it was made on.
-    metadata = {"format": "pt", "offload.source": f"checkpoint tag {tag_dir.name.removeprefix('.').removesuffix('.old')}"}
+    tag_name = tag_dir.name.removeprefix(".").removesuffix(".old")  # `.<tag>.old`: Note [checkpoint layout]
+    metadata = {"format": "pt", "offload.source": f"checkpoint tag {tag_name}"}
     if tied:
         metadata["offload.tied"] = json.dumps(tied)
 

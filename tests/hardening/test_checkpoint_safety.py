@@ -82,7 +82,8 @@ def test_crafted_client_state_pickle_is_refused_and_never_run(tmp_path, saved):
     with _engine(tmp_path, "cpu", "nvme", seed=3) as e:
         runs.train(e, 1)
         before = _state(e)
-        with pytest.raises(CheckpointError, match=r"client_state.pt: refused.*Unsupported global: GLOBAL io.open\); nothing in it was run"):
+        with pytest.raises(CheckpointError, match=r"client_state.pt: refused.*Unsupported global: "
+                                                  r"GLOBAL io.open\); nothing in it was run"):
             e.load_checkpoint(ck)
         _assert_same_state(before, _state(e))
     assert not marker.exists()
@@ -219,7 +220,8 @@ CHANGES = {
                      r"optimizer.params.weight_decay: saved 0.01, configured 0.2"),
     "betas": (lambda c: c["optimizer"]["params"].update(betas=[0.5, 0.6]),
               r"optimizer.params.betas: saved \[0.9, 0.999\], configured \[0.5, 0.6\]"),
-    "eps": (lambda c: c["optimizer"]["params"].update(eps=1e-6), r"optimizer.params.eps: saved 1e-08, configured 1e-06"),
+    "eps": (lambda c: c["optimizer"]["params"].update(eps=1e-6),
+            r"optimizer.params.eps: saved 1e-08, configured 1e-06"),
     "type": (lambda c: c["optimizer"].update(type="Adam"), r"optimizer.type: saved 'AdamW', configured 'Adam'"),
     "scheduler": (lambda c: c["scheduler"]["params"].update(warmup_max_lr=0.5),
                   r"scheduler.params.warmup_max_lr: saved 0.02, configured 0.5"),

@@ -3,10 +3,16 @@ offload/checkpoint_io/load.py): 2 ranks -> 1 and 1 -> 2, Adam state re-partition
 exactly, bitwise against a run at the new size started from the same state
 (tests/hardening/world_size_runs.py). Workers are spawned gloo processes; every
 worker's exit code is checked."""
+import json
+import shutil
+
 import pytest
 import torch
 
+import offload
 from offload.checkpoint_io import CheckpointError
+from tests.engine import checkpoint_runs as runs
+from tests.engine.harness import build, make_config
 from tests.hardening import world_size_runs as ws
 
 
@@ -50,18 +56,11 @@ def test_one_rank_resumes_on_two(tmp_path):
 
 
 def test_checkpoint_saved_inside_a_window_is_refused_at_another_world_size(tmp_path):
-    import json
-
-    import offload
-    from tests.engine import checkpoint_runs as runs
-    from tests.engine.harness import build, make_config
-
     with offload.initialize(build("tiny_gpt"), make_config("cpu", "cpu", tmp_path / "s", gas=2)) as e:
         runs.train(e, 1)
         e.save_checkpoint(tmp_path / "ck")
     # As if two ranks had saved it: rank 1's files beside rank 0's.
     tag = tmp_path / "ck" / "global_step0"
-    import shutil
     shutil.copytree(tag / "rank0", tag / "rank1")
     manifest = json.loads((tag / "manifest.json").read_text())
     manifest["model"]["world_size"] = 2
