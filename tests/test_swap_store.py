@@ -9,7 +9,8 @@ import torch
 import offload.aio as aio
 from offload import _native
 from offload.aio.checksum import ChecksumKind, checksum
-from offload.aio.swap_store import HEADER_BYTES, SwapConfig, SwapStore, file_bytes
+from offload.aio.swap_format import HEADER_BYTES, file_bytes
+from offload.aio.swap_store import SwapConfig, SwapStore
 
 BACKENDS = [b.value for b in aio.available_backends()]
 

@@ -5,15 +5,8 @@
     ...
     t = store.swap_in("layer3.w").wait()
 
-Note [swap file format]
-One file per key, `<quoted key>.swp`: a 4096-byte header, then the tensor's
-bytes padded to a multiple of 4096, so every transfer is aligned and O_DIRECT
-needs no staging copy. The header holds a magic, the byte count, dtype,
-shape, key, the data checksum (CRC-32C, or none) and a CRC of the header
-itself. A write goes to `.<name>.tmp` and is renamed over the final name only
-after every byte landed (and, with `durable`, after fsync), so a file under
-its final name is never half written; a truncated file fails the read with
-TruncatedFileError and a damaged one with CorruptFileError.
+File layout: Note [swap file format] in offload/aio/swap_format.py; where
+files may be created: Note [creating swap files] (offload/aio/swap_dir.py).
 
 The store is driven by one thread. Transfers finish in submission order
 (FIFO): a handle's wait() also finishes the transfers queued before it.
@@ -23,13 +16,10 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import shutil
 import stat
-import struct
 import sys
 import time
 import urllib.parse
-import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,17 +32,8 @@ from offload.aio.memory import ALIGN, byte_view, round_up
 from offload.aio.buffer_pool import BufferPool
 from offload.aio.checksum import ChecksumKind, checksum, default_kind
 from offload.aio.errors import AioError, CorruptFileError, SwapStoreError
-
-HEADER_BYTES = ALIGN
-_MAGIC = b"OFFLSWP1"
-_FIXED = struct.Struct("<8sIIQII16sII")  # magic, version, header crc, nbytes, kind, crc, dtype, ndim, key len
-_VERSION = 1
-
-
-def file_bytes(nbytes: int) -> int:
-    """Size on disk of a tensor of `nbytes` (header + padded data)."""
-    return HEADER_BYTES + round_up(nbytes)
-
+from offload.aio.swap_dir import create_exclusive, fsync_path, prepare_directory, unlink_quietly
+from offload.aio.swap_format import HEADER_BYTES, SwapMeta, file_bytes, parse_header, parse_meta, write_header
 
 @dataclass(frozen=True, kw_only=True)
 class SwapConfig:
@@ -117,13 +98,6 @@ class SwapStats:
     @property
     def read_gbps(self) -> float:
         return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds else 0.0
-
-
-@dataclass
-class _Meta:
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
 
 
 @dataclass
@@ -209,12 +183,12 @@ class SwapStore:
     def __init__(self, config: SwapConfig, *, ledger=None):
         """ledger: charged the staging buffers' host bytes (see BufferPool)."""
         self.config = config
-        self.directory = _preflight(config)
+        self.directory = prepare_directory(config)
         self._io = AsyncIO(config=config.aio)
         self._pool = BufferPool(config.buffer_bytes, ledger=ledger)
         self._kind = default_kind() if config.checksum else ChecksumKind.NONE
-        self._index: dict[str, _Meta] = {}
-        self._unwritten: dict[str, tuple[_Meta, torch.Tensor]] = {}  # Note [failed in-place writes]
+        self._index: dict[str, SwapMeta] = {}
+        self._unwritten: dict[str, tuple[SwapMeta, torch.Tensor]] = {}  # Note [failed in-place writes]
         self._paths: dict[str, Path] = {}
         self._checked_files: set[Path] = set()  # regular files a write may go to (Note [creating swap files])
         self._queue: deque[_Piece] = deque()
@@ -253,7 +227,7 @@ class SwapStore:
             raise ValueError(f"swap_out {key!r}: tensor must be on the CPU, got {tensor.device}")
         src = byte_view(tensor.contiguous())
         n = src.numel()
-        meta = _Meta(n, tensor.dtype, tuple(tensor.shape))
+        meta = SwapMeta(n, tensor.dtype, tuple(tensor.shape))
         if self.config.atomic:
             tmp = self._tmp_of(key)
         else:
@@ -269,7 +243,7 @@ class SwapStore:
         if borrow and _direct(src):
             crc = checksum(self._kind, src)
             buf = self._acquire(HEADER_BYTES)
-            _write_header(buf, key, meta, self._kind, crc)
+            write_header(buf, key, meta, self._kind, crc)
             self._start(handle, "pwrite", buf, HEADER_BYTES, tmp, 0, None)
             self._start(handle, "pwrite", src, n, tmp, HEADER_BYTES, None, pooled=False)
             if round_up(n) > n:  # pad the file as a staged write would: readers read whole blocks
@@ -280,7 +254,7 @@ class SwapStore:
             buf = self._acquire(file_bytes(n))
             buf[HEADER_BYTES:HEADER_BYTES + n].copy_(src)
             crc = checksum(self._kind, buf[HEADER_BYTES:HEADER_BYTES + n])
-            _write_header(buf[:HEADER_BYTES], key, meta, self._kind, crc)
+            write_header(buf[:HEADER_BYTES], key, meta, self._kind, crc)
             self._start(handle, "pwrite", buf, file_bytes(n), tmp, 0, None)
         else:  # larger than the budget: stream it through in pieces, header last
             chunk = max(ALIGN, self._pool.budget_bytes // 2 // ALIGN * ALIGN)
@@ -291,7 +265,7 @@ class SwapStore:
                 crc = checksum(self._kind, buf[:length], crc)
                 self._start(handle, "pwrite", buf, round_up(length), tmp, HEADER_BYTES + start, None)
             buf = self._acquire(HEADER_BYTES)
-            _write_header(buf, key, meta, self._kind, crc)
+            write_header(buf, key, meta, self._kind, crc)
             self._start(handle, "pwrite", buf, HEADER_BYTES, tmp, 0, None)
 
         def publish():
@@ -353,7 +327,7 @@ class SwapStore:
         state = {"crc": 0, "header": None}
 
         def take_header(buf):
-            state["header"] = _parse_header(buf[:HEADER_BYTES], path, key)
+            state["header"] = parse_header(buf[:HEADER_BYTES], path, key)
 
         def take_data(buf, start, length):
             dst[start:start + length].copy_(buf[:length])
@@ -393,7 +367,7 @@ class SwapStore:
 
         return self._sealed(handle, verify)
 
-    def _from_memory(self, key: str, path: Path, meta: _Meta, value: torch.Tensor,
+    def _from_memory(self, key: str, path: Path, meta: SwapMeta, value: torch.Tensor,
                      out: torch.Tensor | None) -> SwapHandle:
         """A read of a key whose in-place write failed: from the copy kept (Note [failed in-place writes])."""
         if out is None:
@@ -434,7 +408,7 @@ class SwapStore:
         """Forgets the values kept from failed writes (every key is about to be rewritten)."""
         self._unwritten.clear()
 
-    def _read_meta(self, key: str, path: Path) -> _Meta:
+    def _read_meta(self, key: str, path: Path) -> SwapMeta:
         """Metadata of a file written by an earlier store (not in the index)."""
         if not path.exists():
             raise KeyError(f"swap_in: no tensor stored under {key!r} ({path} does not exist)")
@@ -544,7 +518,7 @@ class SwapStore:
             elif h.op == "swap_out":
                 # Never leave a half-written file behind (in place: the key's own file).
                 self._unwritten.pop(h.key, None)
-                _unlink_quietly(self._tmp_of(h.key) if self.config.atomic else h.path)
+                unlink_quietly(self._tmp_of(h.key) if self.config.atomic else h.path)
         h._finished = True
 
     def wait_all(self) -> None:
@@ -566,7 +540,7 @@ class SwapStore:
         self._index.pop(key, None)
         self._unwritten.pop(key, None)
         self._checked_files.discard(self.path_of(key))
-        _unlink_quietly(self.path_of(key))
+        unlink_quietly(self.path_of(key))
 
     def close(self) -> None:
         while self._queue:
@@ -601,132 +575,3 @@ class _Failed:
 
     def wait(self) -> None:
         raise self._exc
-
-
-# ------------------------------------------------------------ header format
-
-
-def _write_header(buf: torch.Tensor, key: str, meta: _Meta, kind: ChecksumKind, crc: int) -> None:
-    key_bytes = key.encode()
-    dtype = str(meta.dtype).removeprefix("torch.").encode()
-    body = _FIXED.pack(_MAGIC, _VERSION, 0, meta.nbytes, int(kind), crc, dtype, len(meta.shape),
-                       len(key_bytes))
-    body += struct.pack(f"<{len(meta.shape)}Q", *meta.shape) + key_bytes
-    if len(body) > HEADER_BYTES:
-        raise ValueError(f"key {key!r} and shape {meta.shape} do not fit the {HEADER_BYTES}-byte header")
-    page = bytearray(HEADER_BYTES)
-    page[:len(body)] = body
-    struct.pack_into("<I", page, 12, zlib.crc32(page[16:]))
-    buf[:HEADER_BYTES].copy_(torch.frombuffer(page, dtype=torch.uint8))
-
-
-def _parse_header(buf: torch.Tensor, path, key: str) -> tuple[int, ChecksumKind, int]:
-    page = bytes(buf[:HEADER_BYTES].numpy())
-    magic, version, header_crc, nbytes, kind, crc, _, _, _ = _FIXED.unpack_from(page)
-    if magic != _MAGIC:
-        raise CorruptFileError(str(path), f"not an offload swap file (magic {magic!r})")
-    if version != _VERSION:
-        raise CorruptFileError(str(path), f"format version {version}, this build reads {_VERSION}")
-    if zlib.crc32(page[16:]) != header_crc:
-        raise CorruptFileError(str(path), "header checksum mismatch")
-    try:
-        return nbytes, ChecksumKind(kind), crc
-    except ValueError:
-        raise CorruptFileError(str(path), f"unknown checksum kind {kind}") from None
-
-
-def parse_meta(buf: torch.Tensor, path, key: str) -> _Meta:
-    """A swap file's header: its payload bytes, dtype and shape (checkpoints read copied files)."""
-    nbytes, _, _ = _parse_header(buf, path, key)
-    page = bytes(buf[:HEADER_BYTES].numpy())
-    fields = _FIXED.unpack_from(page)
-    dtype, ndim = fields[6].rstrip(b"\0").decode(), fields[7]
-    shape = struct.unpack_from(f"<{ndim}Q", page, _FIXED.size)
-    return _Meta(nbytes, getattr(torch, dtype), tuple(shape))
-
-
-# -------------------------------------------------------------- preflight
-
-
-def _preflight(config: SwapConfig) -> Path:
-    """Creates nvme_path/rank{r}/ (mode 0700) and checks it is a writable
-    directory of this user's own (Note [creating swap files]) with room for
-    capacity_bytes, so a bad path fails here, not mid-step. The engine gives a
-    directory of the run's own as nvme_path (Note [run directories] in
-    offload/aio/run_dir.py)."""
-    root = Path(config.nvme_path)
-    if root.exists() and not root.is_dir():
-        raise SwapStoreError(errno.ENOTDIR, f"nvme_path {root} exists and is not a directory")
-    directory = root / f"rank{config.rank}"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        directory.mkdir(mode=0o700, exist_ok=True)
-    except OSError as exc:
-        raise SwapStoreError(exc.errno, f"cannot create swap directory {directory}: {exc.strerror}") from exc
-    _check_own_directory(directory, check_mode=False)  # nothing written through a link
-    probe = directory / f".probe-{os.getpid()}-{os.urandom(4).hex()}"
-    try:
-        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, b"\0" * ALIGN)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise SwapStoreError(exc.errno, f"nvme_path {directory} is not writable: {exc.strerror}") from exc
-    finally:
-        _unlink_quietly(probe)
-    _check_own_directory(directory, check_mode=True)  # after the probe: a read-only mount says so first
-    free = shutil.disk_usage(directory).free
-    reusable = sum(p.lstat().st_size for p in directory.glob("*.swp"))  # replaced as keys are rewritten
-    if free + reusable < config.capacity_bytes:
-        gib = 2 ** 30
-        raise SwapStoreError(
-            errno.ENOSPC,
-            f"nvme_path {directory} is too small: the store needs {config.capacity_bytes} bytes "
-            f"({config.capacity_bytes / gib:.2f} GiB) but {free} bytes ({free / gib:.2f} GiB) are free "
-            f"and {reusable} bytes are held by files it would replace",
-        )
-    return directory
-
-
-def _check_own_directory(directory: Path, *, check_mode: bool) -> None:
-    """Swap data goes only into a real directory of this user's that no one else
-    can write to: a symlink, another user's directory or a shared one is
-    refused, never adopted (Note [creating swap files])."""
-    st = os.lstat(directory)
-    why = None
-    if stat.S_ISLNK(st.st_mode):
-        why = f"is a symbolic link (to {os.readlink(directory)})"
-    elif not stat.S_ISDIR(st.st_mode):
-        why = "exists and is not a directory"
-    elif st.st_uid != os.geteuid():
-        why = f"belongs to another user (uid {st.st_uid})"
-    elif check_mode and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        why = f"is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
-    if why is not None:
-        err = errno.ENOTDIR if "not a directory" in why else errno.EPERM
-        raise SwapStoreError(err, f"swap directory {directory} {why}: refusing to put swap files there")
-
-
-def create_exclusive(path: Path) -> None:
-    """Creates an empty swap file where nothing exists yet (O_EXCL, O_NOFOLLOW):
-    a file, or a symlink, planted at the name fails the call rather than being
-    written through (Note [creating swap files])."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    os.close(fd)
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory's fsync makes its renames durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except (FileNotFoundError, OSError):  # gone already, or a read-only probe that never existed
-        pass

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from offload.aio.checksum import ChecksumKind, checksum, default_kind
-from offload.aio.swap_store import fsync_path
+from offload.aio.swap_dir import fsync_path
 
 COPY_CHUNK = 8 << 20  # bytes of host memory a copy or a verification uses at once
 

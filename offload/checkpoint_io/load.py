@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from offload.aio.swap_store import HEADER_BYTES, parse_meta
+from offload.aio.swap_format import HEADER_BYTES, parse_meta
 from offload.checkpoint_io import engine_state
 from offload.checkpoint_io import manifest as mf
 from offload.optim.param_groups import check_group

@@ -16,7 +16,7 @@ Note [checkpoint layout]
                                 exp_avg_sq.{i}, buffer.{name} (module buffers), and
                                 grad.{i} when saved inside an accumulation window
           nvme/param.{i}.swp    NVMe-tier partitions: byte copies of the swap files
-          nvme/optim.{i}.swp    (Note [swap file format] in offload/aio/swap_store.py);
+          nvme/optim.{i}.swp    (Note [swap file format] in offload/aio/swap_format.py);
           nvme/moments.{i}.swp  [exp_avg | exp_avg_sq] where param.{i} is the fp32 master
                                 (Note [shared fp32 master] in offload/optim/sharded_adam.py)
 A save writes everything under `.<tag>.tmp/`, fsyncs the files and

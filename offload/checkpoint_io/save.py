@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from offload.aio.swap_store import fsync_path
+from offload.aio.swap_dir import fsync_path
 from offload.checkpoint_io import engine_state, files
 from offload.checkpoint_io import manifest as mf
 from offload.tiers import Tier

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import psutil
 import torch
@@ -24,6 +23,7 @@ import torch
 from offload.aio.run_dir import RunDirectories
 from offload.config import Config, Precision
 from offload.engine.build import build_shards, default_device
+from offload.engine.checkpoint_methods import CheckpointMethods
 from offload.engine.closed import EngineClosedError, close_off, weak_callback
 from offload.engine.deepspeed_api import DeepSpeedMethods
 from offload.engine.loss_scaler import LossScaler
@@ -41,7 +41,7 @@ from offload.timeline import Timeline
 log = logging.getLogger("offload")
 
 
-class Engine(DeepSpeedMethods):
+class Engine(DeepSpeedMethods, CheckpointMethods):
     def __init__(self, model: torch.nn.Module, config: Config, *, builder=None, weights=None,
                  param_groups: list[dict] | None = None):
         """builder: the offload.init ModelBuilder the model was built in (its shards
@@ -537,103 +537,6 @@ class Engine(DeepSpeedMethods):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # ---- checkpoints (offload/checkpoint_io) ---------------------------------
-    def save_checkpoint(self, save_dir, tag: str | None = None, client_state=None, save_latest: bool = True, *,
-                        async_save: bool = False, exclude_frozen_parameters: bool = False) -> str:
-        """Saves every tier's state under save_dir/tag (default tag: global_step{N}); returns the tag.
-
-        Crash-safe: the checkpoint appears complete or not at all, and `latest`
-        names it only then (save_latest=False: `latest` is left alone).
-        async_save=True returns once the small state is captured; tensors are
-        written while training goes on (the next optimizer update waits until
-        they are read). wait_checkpoint(), the next save and close() wait for
-        it. A collective with several ranks.
-        """
-        from offload.checkpoint_io import save_checkpoint
-
-        self._check_open()
-        self._refuse_after_failed_step("save_checkpoint")  # the files may hold half-written values
-        if exclude_frozen_parameters:
-            raise ValueError("save_checkpoint(exclude_frozen_parameters=True) is not supported: a checkpoint "
-                             "holds every parameter, and load_checkpoint verifies it against the whole model")
-        self.wait_checkpoint()
-        job = save_checkpoint(self, save_dir, tag, client_state, async_save, save_latest)
-        job.save_dir = save_dir
-        if async_save:
-            self._checkpoint_job = job
-        else:
-            self._finish_checkpoint(job)
-        return job.tag
-
-    def _finish_checkpoint(self, job) -> None:
-        job.finish()
-        if self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save and self.pg.rank == 0:
-            # DeepSpeed's key: the consolidated 16-bit weights beside the checkpoint,
-            # one safetensors file streamed from every rank's files (offload.consolidate).
-            from offload.checkpoint_io import consolidate
-
-            dtype = self.compute_dtype if self.compute_dtype != torch.float32 else torch.bfloat16
-            save_dir = os.fspath(job.save_dir)
-            consolidate(save_dir, os.path.join(save_dir, job.tag, "model_16bit.safetensors"), tag=job.tag,
-                        dtype=dtype)
-
-    def save_pretrained(self, save_dir, *, max_shard_size="5GB", dtype: torch.dtype | None = None,
-                        master: bool = False):
-        """The model in Hugging Face's layout (sharded safetensors, index, config), streamed one
-        tensor at a time, so a model larger than RAM is saved too; `from_pretrained(save_dir)`
-        loads it (Note [streamed pretrained save]). dtype: of floating tensors (default: as they
-        are). master=True: the trained parameters' fp32 master weights (what a bf16 run's
-        optimizer holds) instead of their compute-dtype copies. A collective with several
-        ranks; rank 0 writes."""
-        from offload.checkpoint_io.pretrained import save_pretrained
-
-        self._check_open()
-        return save_pretrained(self, save_dir, max_shard_size=max_shard_size, dtype=dtype, master=master)
-
-    def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn=None, *,
-                        use_config_hyperparameters: bool = False):
-        """Restores what save_checkpoint saved (tag default: `latest`); returns DeepSpeed's
-        (load_path, client_state), load_path being the tag's directory.
-
-        The checkpoint is verified first (manifest, sizes, checksums, model,
-        parameter groups, optimizer settings against the config); a bad one raises
-        CheckpointError and changes nothing. Saved at another world size, it is
-        re-partitioned (Note [resuming at another world size] in checkpoint_io/load.py).
-        use_config_hyperparameters: keep the moments, apply the config's optimizer and
-        scheduler settings where they differ (else refused: Note [optimizer settings at load]).
-        (None, None) when tag is None and load_dir holds no complete checkpoint, as
-        DeepSpeed. The options: docs/CONFIG.md, "DeepSpeed drop-in".
-        """
-        from offload.checkpoint_io import load_checkpoint
-
-        self._check_open()
-        if self._nothing_to_load(load_dir, tag, load_module_strict, custom_load_fn):  # deepspeed_api.py
-            return None, None
-        self.wait_checkpoint()
-        if self.optimizer.overlapping:  # no update may write while the files are rewritten
-            self._abandon_overlap()
-        tag_dir, client_state = load_checkpoint(
-            self, load_dir, tag, optimizer_states=load_optimizer_states,
-            lr_scheduler_states=load_lr_scheduler_states, module_only=load_module_only,
-            use_config_hyperparameters=use_config_hyperparameters)
-        # Every key was rewritten: a failed step's kept values and its retry are moot.
-        for store in self._stores:
-            store.discard_unwritten()
-        self._failed_update = None
-        return os.fspath(tag_dir), client_state
-
-    def wait_checkpoint(self) -> None:
-        """Waits for an async save to be written and committed; raises its error, if any."""
-        job, self._checkpoint_job = self._checkpoint_job, None
-        if job is not None:
-            self._finish_checkpoint(job)
-
-    def _before_update(self) -> None:
-        if self._checkpoint_job is not None:
-            self._checkpoint_job.before_update()
 
 
 def initialize(*args, **kwargs):
