@@ -519,6 +519,7 @@ class SwapStore:
                 # Never leave a half-written file behind (in place: the key's own file).
                 self._unwritten.pop(h.key, None)
                 unlink_quietly(self._tmp_of(h.key) if self.config.atomic else h.path)
+                self._checked_files.discard(h.path)  # gone: the next write creates it again (O_EXCL)
         h._finished = True
 
     def wait_all(self) -> None:
