@@ -6,6 +6,7 @@
   offload bench adam ...    CPU Adam benchmark (benchmarks/offload_bench/cpu_adam.py)
   offload bench io ...      NVMe path benchmark (benchmarks/offload_bench/io.py)
   offload bench train ...   whole training steps (benchmarks/offload_bench/train.py)
+  offload bench soak ...    a long NVMe run with checkpoints stays flat (benchmarks/offload_bench/soak.py)
 
 The benchmarks live in the offload_bench package (benchmarks/offload_bench/,
 installed beside offload); each module owns its arguments: it exposes
@@ -22,6 +23,7 @@ BENCHMARKS = {
     "adam": ("offload_bench.cpu_adam", "CPU Adam: ours vs torch and DeepSpeed, fp32 and offload cases"),
     "io": ("offload_bench.io", "NVMe path: our async I/O backends vs fio and DeepSpeed aio"),
     "train": ("offload_bench.train", "training steps: offload vs DeepSpeed ZeRO-3 vs plain torch"),
+    "soak": ("offload_bench.soak", "a long NVMe run with checkpoints: RSS, fds, threads and disk stay flat"),
 }
 
 
