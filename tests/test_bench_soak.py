@@ -35,7 +35,7 @@ def _samples(last=None, **grow):
 
 
 def _failed(samples, args):
-    return soak._checks(samples, soak._summary(samples, 10), args, 10, [10, 20, 30, 40])
+    return soak._checks(samples, soak._summary(samples, 10, 10), args, 10, [10, 20, 30, 40])
 
 
 def test_flat_series_pass_and_each_growing_one_is_named():
@@ -51,9 +51,12 @@ def test_flat_series_pass_and_each_growing_one_is_named():
     assert failed == ["rss grew 18.0 MiB from step 10 to the end (allowed 15.3 MiB: 20 MiB and 5%)"], failed
 
 
-def test_summary_reports_the_slope_per_100_steps_after_the_warmup():
-    summary = soak._summary(_samples(fds=1), 10)  # one fd more every 10 steps
+def test_summary_reports_the_slope_per_100_steps_after_the_warmup_and_the_checkpoints_kept():
+    summary = soak._summary(_samples(fds=1, checkpoint_files=1), 10, 20)  # one more every 10 steps
     assert summary["fds"] == {"start": 7, "end": 10, "min": 7, "max": 10, "range": 3, "slope_per_100_steps": 10.0}
+    # The checkpoint directory's from the first step with --keep checkpoints on disk (20 here).
+    assert summary["checkpoint_files"] == {"start": 36, "end": 38, "min": 36, "max": 38, "range": 2,
+                                           "slope_per_100_steps": 10.0}
 
 
 @pytest.mark.slow  # a fresh interpreter and 20 NVMe steps: ~10 s on 2 quiet cores

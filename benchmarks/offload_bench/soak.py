@@ -111,17 +111,23 @@ def _sample(step: int, process, swap_root: Path, ckpt_root: Path) -> dict:
             "gc_objects": len(gc.get_objects())}
 
 
-def _summary(samples: list[dict], warmup: int) -> dict:
-    """Per series, over the samples from step `warmup` on: start, end, min, max, range, slope per 100 steps."""
-    kept = [s for s in samples if s["step"] >= warmup]
-    steps = [s["step"] for s in kept]
+def _summary(samples: list[dict], warmup: int, full: int) -> dict:
+    """Per series, over the samples from step `warmup` on (the checkpoint directory's from step `full`,
+    the first with --keep checkpoints on disk): start, end, min, max, range, slope per 100 steps."""
     out = {}
     for name in SERIES:
+        kept = [s for s in samples if s["step"] >= (full if name.startswith("checkpoint_") else warmup)]
+        steps = [s["step"] for s in kept]
         values = [s[name] for s in kept]
         slope = statistics.linear_regression(steps, values).slope if len(set(steps)) > 1 else 0.0
         out[name] = {"start": values[0], "end": values[-1], "min": min(values), "max": max(values),
                      "range": max(values) - min(values), "slope_per_100_steps": round(100 * slope, 3)}
     return out
+
+
+def _full_from(args, warmup: int) -> int:
+    """The first step after the warmup with --keep checkpoints on disk."""
+    return max(warmup, args.keep * args.checkpoint_every)
 
 
 def _checks(samples: list[dict], summary: dict, args, warmup: int, checkpoint_steps: list[int]) -> list[str]:
@@ -135,7 +141,7 @@ def _checks(samples: list[dict], summary: dict, args, warmup: int, checkpoint_st
                       f"{args.rss_tolerance_pct:g}%)")
     by_step = {s["step"]: s for s in samples}
     # Right after each checkpoint, once the warmup is over and --keep checkpoints are on disk.
-    first = max(warmup, args.keep * args.checkpoint_every)
+    first = _full_from(args, warmup)
     cycles = [by_step[c] for c in checkpoint_steps if c >= first and c in by_step]
     for name in NO_GROWTH:
         if len(cycles) < 2:
@@ -237,7 +243,7 @@ def run(args) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    summary = _summary(samples, warmup)
+    summary = _summary(samples, warmup, _full_from(args, warmup))
     failed = _checks(samples, summary, args, warmup, checkpoint_steps)
     after = report["after_close"]
     if after["swap_files"] or after["swap_entries"]:
