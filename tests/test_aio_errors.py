@@ -16,21 +16,14 @@ from offload.aio.swap_store import SwapConfig, SwapStore
 
 BACKENDS = [pytest.param(b, id=b.value, marks=[pytest.mark.skip(reason=f"{b.value}: {r}")] if (
     r := aio.unavailable_reason(b)) else []) for b in (Backend.NATIVE, Backend.LIBAIO, Backend.THREADS)]
-IS_ROOT = os.geteuid() == 0
+from tests.tmpfs import IS_ROOT, mounted_tmpfs
 
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A real 1 MiB tmpfs (root only): genuine ENOSPC from the kernel."""
-    if not IS_ROOT:
-        pytest.skip("mounting a tmpfs needs root; the injected ENOSPC tests cover this path")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("mount -t tmpfs not permitted here")
-    yield mnt
-    subprocess.run(["umount", str(mnt)], check=False)
+    with mounted_tmpfs(tmp_path, "1m", "the injected ENOSPC tests cover this path") as mnt:
+        yield mnt
 
 
 # ------------------------------------------------------------ AsyncIO errors

@@ -6,7 +6,6 @@ import copy
 import errno
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,7 @@ import offload
 import offload.aio as aio
 from offload.aio.swap_store import SwapConfig, SwapStore
 from tests.engine.harness import batches, build, engine_weights, lm_loss, make_config
-
-IS_ROOT = os.geteuid() == 0
+from tests.tmpfs import mounted_tmpfs
 
 
 def _train(engine, data):
@@ -253,15 +251,8 @@ def test_interrupted_initialize_gives_back_the_original_fp32_values(tmp_path, mo
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    if not IS_ROOT:
-        pytest.skip("mounting a tmpfs needs root; the injected failure above covers the restore")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("mount -t tmpfs not permitted here")
-    yield mnt
-    subprocess.run(["umount", str(mnt)], check=False)
+    with mounted_tmpfs(tmp_path, "400k", "the injected failure above covers the restore") as mnt:
+        yield mnt
 
 
 def test_real_disk_full_at_initialize(small_tmpfs, monkeypatch):
