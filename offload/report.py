@@ -3,7 +3,8 @@
 Gathers facts from each component (each owns the answer about itself) so a
 bug report carries everything needed to reproduce: versions, the torch build,
 CUDA, whether the native extension loaded, the SIMD level detected and the
-one in use, kernel threads, and the asynchronous I/O backends available.
+one in use, kernel threads, the asynchronous I/O backends available, and the
+device layer in use (cpu, cuda or sim).
 
 First it imports every runtime dependency (offload/requirements.py, the list
 setup.py installs): a missing or broken one fails the report, exit 1, naming
@@ -79,7 +80,7 @@ def _io_backends() -> dict:
 def collect() -> dict:
     import torch
 
-    from offload import _native, simd
+    from offload import _native, device, simd
 
     try:
         simd_used = simd.selected_level()
@@ -93,6 +94,7 @@ def collect() -> dict:
         "torch_cuda_build": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "device_layer": device.describe_selection(),  # OFFLOAD_DEVICE (Note [device layer])
         "native_extension": "loaded" if _native.available() else f"missing ({_native.IMPORT_ERROR})",
         "features": {
             "cpu_adam": "native" if _native.available() else "pure-PyTorch fallback",

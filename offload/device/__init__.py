@@ -1,0 +1,78 @@
+"""The device layer: every device allocation, host<->device copy, stream, event
+and pinned buffer goes through one `DeviceLayer` (Note [device layer] in
+device/layer.py). Not yet wired into the engine.
+
+`from_env()` picks the implementation: `OFFLOAD_DEVICE=cuda|sim|cpu`; unset is
+cuda where CUDA exists, else cpu; the simulator only when asked for, with
+`OFFLOAD_SIM_SEED` (an integer, default 0) and `OFFLOAD_SIM_GBPS` (host<->device
+bandwidth in GB/s, default 25).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from offload.device.layer import DeviceCounters, DeviceLayer, Event, Stream
+
+ENV_DEVICE = "OFFLOAD_DEVICE"
+ENV_SIM_SEED = "OFFLOAD_SIM_SEED"
+ENV_SIM_GBPS = "OFFLOAD_SIM_GBPS"
+LAYERS = ("cuda", "sim", "cpu")
+
+__all__ = ["DeviceCounters", "DeviceLayer", "Event", "Stream", "from_env", "selected_name", "make"]
+
+
+def selected_name() -> str:
+    """The layer `from_env()` builds, without building it."""
+    value = os.environ.get(ENV_DEVICE, "").strip().lower()
+    if not value:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if value not in LAYERS:
+        raise ValueError(f"{ENV_DEVICE}={os.environ[ENV_DEVICE]!r}: expected one of "
+                         f"{', '.join(LAYERS)} (or unset: cuda where CUDA exists, else cpu)")
+    return value
+
+
+def _env_number(var: str, kind: type, default, expected: str):
+    raw = os.environ.get(var, "").strip()
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    if value is None or (kind is float and not value > 0):
+        raise ValueError(f"{var}={raw!r}: expected {expected}")
+    return value
+
+
+def make(name: str) -> DeviceLayer:
+    if name == "cuda":
+        from offload.device.cuda import CudaDevice
+        return CudaDevice()
+    if name == "sim":
+        from offload.device.sim import DEFAULT_GBPS, SimDevice
+        return SimDevice(seed=_env_number(ENV_SIM_SEED, int, 0, "an integer"),
+                         gbps=_env_number(ENV_SIM_GBPS, float, DEFAULT_GBPS, "a number of GB/s > 0"))
+    if name == "cpu":
+        from offload.device.cpu import CpuDevice
+        return CpuDevice()
+    raise ValueError(f"device layer {name!r}: expected one of {', '.join(LAYERS)}")
+
+
+def from_env() -> DeviceLayer:
+    """The layer this process uses (see the module docstring)."""
+    return make(selected_name())
+
+
+def describe_selection() -> str:
+    """One line for `offload report`: the layer from_env() gives, or why it cannot."""
+    try:
+        layer = from_env()
+    except (ValueError, RuntimeError) as exc:
+        return f"error: {exc}"
+    try:
+        return layer.describe()
+    finally:
+        layer.close()

@@ -1,0 +1,314 @@
+"""The `sim` device layer: a simulated accelerator on CPU with real asynchrony.
+
+For tests (Note [device layer] in device/layer.py). Each side stream is a
+worker thread that runs its queue in order; the default stream is the
+calling thread, so compute on it is immediate and its waits block the
+caller. A copy sleeps its modeled time (bytes / `gbps` plus a jitter drawn
+from `random.Random(seed)` when it is enqueued, so one seed gives one
+schedule) and its destination holds the poison pattern until it completes:
+from when it is enqueued if nothing else still uses the destination, else
+from when the stream reaches it. Every access is also checked against the
+stream order (Note [sim stream order] in device/sim_memory.py), so a missing
+wait raises whatever the timing; `check_order=False` leaves only the poison,
+to show what a missing wait does to the numbers.
+"""
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from offload.device.layer import DeviceLayer, Event, Stream, nbytes
+from offload.device.sim_memory import (
+    DEFAULT_LANE, HOST_LANE, Access, SimDeviceTensor, SimPinnedTensor, SimRecord, StreamOrderError,
+    VectorClock, check_access, note_access, plain, poison, record_of, wrap_buffer,
+)
+
+DEFAULT_GBPS = 25.0
+DEFAULT_JITTER_S = 200e-6
+
+
+@dataclass
+class CopySpan:
+    """One copy as the simulator scheduled and ran it (the timeline of item 7)."""
+
+    index: int
+    stream: str
+    src: str
+    dst: str
+    nbytes: int
+    modeled_s: float  # bytes / bandwidth + jitter, drawn at enqueue
+    started: float | None = None  # time.perf_counter() on the worker
+    finished: float | None = None
+
+
+class SimEvent(Event):
+    def __init__(self, layer: "SimDevice") -> None:
+        self._layer = layer
+        self.clock: VectorClock | None = None  # None: never recorded
+        self.done = threading.Event()
+
+    def record(self, stream: Stream) -> None:
+        assert isinstance(stream, SimStream), f"not a sim stream: {stream!r}"
+        with self._layer.lock:
+            self.clock = VectorClock(stream.clock)
+            self.done = done = threading.Event()  # a re-record leaves earlier waiters on the old one
+            if stream.worker is None:
+                done.set()  # the default stream's work is already done when the caller gets here
+            else:
+                stream.enqueue(done.set)
+
+    def query(self) -> bool:
+        self._layer.raise_worker_error()
+        return self.clock is None or self.done.is_set()
+
+    def synchronize(self) -> None:
+        if self.clock is None:
+            return
+        self.done.wait()
+        self._layer.raise_worker_error()
+        with self._layer.lock:
+            self._layer.host.clock.merge(self.clock)
+
+
+class SimStream(Stream):
+    def __init__(self, layer: "SimDevice", name: str, lane: int, worker: bool) -> None:
+        self.name = name
+        self.lane = lane
+        self.clock = VectorClock({lane: 0})
+        self._layer = layer
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.worker = None
+        if worker:
+            self.worker = threading.Thread(target=self._run, name=f"sim-stream-{name}", daemon=True)
+            self.worker.start()
+
+    def __repr__(self) -> str:
+        return f"SimStream({self.name!r})"
+
+    def enqueue(self, fn) -> None:
+        self._queue.put(fn)
+
+    def _run(self) -> None:
+        while (fn := self._queue.get()) is not None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - surfaced at the next synchronize
+                self._layer.worker_errors.append(exc)
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self._queue.put(None)
+            self.worker.join()
+
+    def next_seq(self) -> int:
+        self.clock[self.lane] += 1
+        return self.clock[self.lane]
+
+    def wait_event(self, event: Event) -> None:
+        assert isinstance(event, SimEvent), f"not a sim event: {event!r}"
+        if event.clock is None:
+            return  # as on CUDA: waiting an event never recorded waits for nothing
+        if self.worker is None:
+            # The default stream is the calling thread: its wait blocks the caller. It
+            # orders later default-stream work, not the host's own reads (as on CUDA).
+            event.done.wait()
+            self._layer.raise_worker_error()
+            with self._layer.lock:
+                self.clock.merge(event.clock)
+            return
+        with self._layer.lock:
+            self.clock.merge(self._layer.host.clock)
+            self.clock.merge(event.clock)
+            self.enqueue(event.done.wait)
+
+    def wait_stream(self, other: Stream) -> None:
+        marker = self._layer.event()
+        marker.record(other)
+        self.wait_event(marker)
+
+    def synchronize(self) -> None:
+        marker = self._layer.event()
+        marker.record(self)
+        marker.synchronize()
+
+
+class SimDevice(DeviceLayer):
+    name = "sim"
+
+    def __init__(self, seed: int = 0, gbps: float = DEFAULT_GBPS, jitter_s: float = DEFAULT_JITTER_S,
+                 check_order: bool = True) -> None:
+        if not gbps > 0:
+            raise ValueError(f"sim device: bandwidth {gbps!r} GB/s; expected a number > 0")
+        if not jitter_s >= 0:
+            raise ValueError(f"sim device: jitter {jitter_s!r} s; expected a number >= 0")
+        super().__init__()
+        self.device = torch.device("cpu")  # compute runs here, on SimDeviceTensors
+        self.seed, self.gbps, self.jitter_s, self.check_order = seed, gbps, jitter_s, check_order
+        self.lock = threading.RLock()  # every record and clock (Note [sim stream order])
+        self._rng = random.Random(seed)
+        self.host = SimStream(self, "host", HOST_LANE, worker=False)  # host threads' own accesses
+        self.default = SimStream(self, "default", DEFAULT_LANE, worker=False)
+        self._streams: list[SimStream] = []
+        self.schedule: list[CopySpan] = []
+        self.worker_errors: list[BaseException] = []
+
+    def describe(self) -> str:
+        return (f"sim (seed {self.seed}, {self.gbps:g} GB/s, jitter up to {self.jitter_s * 1e6:g} us, "
+                f"stream-order checks {'on' if self.check_order else 'off'})")
+
+    # -- memory -----------------------------------------------------------
+
+    def alloc(self, numel: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+        buf = torch.empty(numel, dtype=dtype)
+        poison(buf)  # fresh device memory is garbage; make reading it before a write visible
+        self.counters.device_allocations += 1
+        self.counters.device_bytes_allocated += nbytes(buf)
+        return wrap_buffer(buf, SimDeviceTensor, SimRecord(name, "device", layer=self))
+
+    def pinned(self, numel: int, dtype: torch.dtype, name: str = "pinned") -> torch.Tensor:
+        buf = torch.empty(numel, dtype=dtype)
+        self.counters.pinned_allocations += 1
+        self.counters.pinned_bytes_allocated += nbytes(buf)
+        return wrap_buffer(buf, SimPinnedTensor, SimRecord(name, "pinned", layer=self))
+
+    def free(self, buf: torch.Tensor) -> None:
+        record = record_of(buf)
+        if record is None:
+            raise TypeError(f"sim device: free() of {type(buf).__name__} that this layer did not "
+                            "allocate (alloc or pinned)")
+        with self.lock:
+            if record.freed:
+                raise StreamOrderError(f"sim device: buffer '{record.name}' freed twice")
+            if record.in_flight:
+                raise StreamOrderError(
+                    f"sim device: buffer '{record.name}' freed while {record.in_flight} copy(ies) "
+                    "in flight still read or write it; wait their events first")
+            if self.check_order:
+                # A host action; device memory goes back to the default stream's pool.
+                clock = VectorClock(self.host.clock)
+                if record.kind == "device":
+                    clock.merge(self.default.clock)
+                check_access(record, clock, write=True, by="free")
+            record.freed = True
+
+    # -- streams and events -------------------------------------------------
+
+    def stream(self, name: str) -> Stream:
+        with self.lock:
+            stream = SimStream(self, name, lane=DEFAULT_LANE + 1 + len(self._streams), worker=True)
+            self._streams.append(stream)
+        return stream
+
+    def current_stream(self) -> Stream:
+        return self.default
+
+    def event(self) -> Event:
+        return SimEvent(self)
+
+    def synchronize(self) -> None:
+        for stream in list(self._streams):
+            stream.synchronize()
+        with self.lock:
+            self.host.clock.merge(self.default.clock)
+        self.raise_worker_error()
+
+    def raise_worker_error(self) -> None:
+        if self.worker_errors:
+            raise RuntimeError(f"sim device: a stream's work failed: {self.worker_errors[0]!r}") \
+                from self.worker_errors[0]
+
+    def close(self) -> None:
+        for stream in self._streams:
+            stream.stop()
+        self._streams.clear()
+
+    # -- copies -------------------------------------------------------------
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream | None = None) -> Event:
+        stream = stream or self.default
+        assert isinstance(stream, SimStream), f"not a sim stream: {stream!r}"
+        self.raise_worker_error()
+        self._count_copy(dst, src)
+        if not isinstance(dst, SimDeviceTensor) and not isinstance(src, SimDeviceTensor):
+            raise TypeError("sim device: copy() between two host tensors; the layer copies to, "
+                            "from or within the device")
+        # Pageable host memory cannot be copied asynchronously: as on CUDA, the
+        # caller waits for the copy (Note [device layer]).
+        pageable = any(not isinstance(t, (SimDeviceTensor, SimPinnedTensor)) for t in (dst, src))
+        dst_record, src_record = self._record_for(dst), self._record_for(src)
+        with self.lock:
+            index = len(self.schedule)
+            stream.clock.merge(self.host.clock)  # what the host did before enqueueing is ordered before
+            by = f"copy #{index} on stream '{stream.name}'"
+            for record, write in ((src_record, False), (dst_record, True)):
+                if record is not None and (record.freed or self.check_order):
+                    check_access(record, stream.clock, write, by)
+            seq = stream.next_seq()
+            span = CopySpan(index, stream.name, src_record.name if src_record else "pageable host",
+                            dst_record.name if dst_record else "pageable host", nbytes(src),
+                            nbytes(src) / (self.gbps * 1e9) + self._rng.uniform(0.0, self.jitter_s))
+            self.schedule.append(span)
+            access = Access(stream.lane, seq, stream.name, f"copy #{index} ({span.src} -> {span.dst})")
+            for record, write in ((src_record, False), (dst_record, True)):
+                if record is not None:
+                    note_access(record, access, write)
+                    record.in_flight += 1
+            dst_plain, src_plain = plain(dst), plain(src)
+            poisoned = dst_record is None or dst_record.in_flight == 1  # nothing else still uses dst
+            if poisoned:
+                poison(dst_plain)
+
+        def run() -> None:
+            span.started = time.perf_counter()
+            try:
+                if not poisoned:
+                    poison(dst_plain)
+                time.sleep(span.modeled_s)
+                dst_plain.copy_(src_plain)
+            finally:
+                span.finished = time.perf_counter()
+                with self.lock:
+                    for record in (src_record, dst_record):
+                        if record is not None:
+                            record.in_flight -= 1
+
+        if stream.worker is None:
+            run()
+        else:
+            stream.enqueue(run)
+        done = SimEvent(self)
+        done.record(stream)
+        if pageable:
+            done.synchronize()
+        return done
+
+    def _record_for(self, t: torch.Tensor) -> SimRecord | None:
+        """The buffer's record; a tensor computed on the device gets one when a copy first touches it."""
+        record = record_of(t)
+        if record is None and isinstance(t, SimDeviceTensor):
+            record = t._sim_record = SimRecord("computed device tensor", "device", layer=self)
+        return record
+
+    # -- compute (called from SimTensor.__torch_function__) -------------------
+
+    def _compute_access(self, op: str, on_device: bool, operands: list[tuple[torch.Tensor, bool]]) -> Access:
+        """Device compute runs on the default stream; compute on pinned buffers is the host's."""
+        with self.lock:
+            lane = self.default if on_device else self.host
+            if on_device:
+                lane.clock.merge(self.host.clock)
+            seq = lane.next_seq()
+            access = Access(lane.lane, seq, lane.name, f"compute ({op})")
+            where = "the default stream" if on_device else "the host"
+            for t, write in operands:
+                record = record_of(t)
+                if record.freed or self.check_order:
+                    check_access(record, lane.clock, write, f"compute ({op}) on {where}")
+            for t, write in operands:
+                note_access(record_of(t), access, write)
+            return access
