@@ -105,7 +105,8 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
         # Weak: no cycle through the engine (Note [a closed engine] in engine/closed.py).
         self.manager = ParameterManager(model, self.shards, on_grad=weak_callback(self._take_grad),
                                         prefetch=prefetch_scheduler(config.zero_optimization, self.shards),
-                                        timeline=self._timeline)
+                                        timeline=self._timeline,
+                                        reduce_bucket_elems=config.zero_optimization.reduce_bucket_size)
         self.activation_checkpointing.attach(self.manager)
         self.manager.on_forward = weak_callback(self._before_forward)  # model(x) as well as engine(x)
 

@@ -1,9 +1,9 @@
 """The few collectives the parameter manager needs, over torch.distributed.
 
 World size 1 (or no process group) short-circuits to local copies, so the
-single-process path never touches torch.distributed. Gradients are summed
-with all_reduce and each rank keeps its slice: gloo (the CPU backend) has no
-reduce_scatter, and on NCCL all_reduce moves the same bytes per link.
+single-process path never touches torch.distributed. Gradients are
+reduce-scattered, several to a collective (Note [gradient buckets] in
+grad_buckets.py); gloo and NCCL both run it.
 """
 from __future__ import annotations
 
@@ -72,13 +72,17 @@ class ProcessGroupInfo:
             return
         dist.all_gather_into_tensor(out_flat, part.to(out_flat.device), group=self.group)
 
-    def average_and_slice(self, full_flat: torch.Tensor, part_numel: int) -> torch.Tensor:
-        """Mean of full_flat over ranks, then this rank's slice (a view)."""
-        if self.world_size > 1:
-            dist.all_reduce(full_flat, group=self.group)
-            full_flat.div_(self.world_size)
-        start = self.rank * part_numel
-        return full_flat[start:start + part_numel]
+    def reduce_scatter_mean(self, mine: torch.Tensor, stacked: torch.Tensor) -> None:
+        """mine (n) <- the mean over ranks of row `rank` of every rank's stacked (world, n).
+        Summed, then divided by the world size, as an all_reduce average is (SUM and
+        a division rather than ReduceOp.AVG: the same arithmetic as before buckets)."""
+        if self.world_size == 1:
+            mine.copy_(stacked.reshape(-1))
+            return
+        # reduce_scatter_single: torch 2.13's name; reduce_scatter_tensor warns as deprecated.
+        # Flat: gloo takes only the concatenated form (its check fails on a (world, n) input).
+        dist.reduce_scatter_single(mine, stacked.view(-1), group=self.group)
+        mine.div_(self.world_size)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """tensor <- rank src's tensor, in place."""

@@ -56,6 +56,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves  # no public torch.utils.pytree in torch 2.13
 
 from offload.timeline import Timeline
+from offload.partition.grad_buckets import GradientBuckets
 from offload.partition.prefetch import PrefetchScheduler
 from offload.partition.shard import Residency, Shard
 from offload.tiers import Tier
@@ -103,14 +104,22 @@ def tensor_leaves(tree) -> list[torch.Tensor]:
 
 class ParameterManager:
     def __init__(self, module: torch.nn.Module, shards: list[Shard], on_grad,
-                 prefetch: PrefetchScheduler | None = None, timeline: Timeline | None = None):
-        """on_grad(shard, grad): called with each parameter's accumulated gradient.
+                 prefetch: PrefetchScheduler | None = None, timeline: Timeline | None = None,
+                 reduce_bucket_elems: int | None = None):
+        """on_grad(shard, grad): called with each parameter's final gradient, this rank's
+        partition averaged over ranks (with one rank, the gradient itself).
         prefetch: reads ahead in the learned order (Note [prefetch order]);
-        None reads on demand."""
+        None reads on demand.
+        reduce_bucket_elems: gradient elements per reduce-scatter with several ranks
+        (Note [gradient buckets]); None: the largest padded parameter."""
         self.module = module
         self.shards = shards
         self.shard_of = {id(s.param): s for s in shards}
         self._on_grad = on_grad
+        self.grad_buckets: GradientBuckets | None = None  # one rank: gradients go straight to on_grad
+        if shards and shards[0].ctx.pg.world_size > 1:
+            largest = max(s.padded_numel for s in shards)
+            self.grad_buckets = GradientBuckets(shards[0].ctx.pg, reduce_bucket_elems or largest, on_grad)
         self.prefetch = prefetch or PrefetchScheduler(bucket_elems=0, max_live_elems=0,
                                                       reuse_distance=-1, enabled=False)
         self.timeline = timeline or Timeline(enabled=False)
@@ -229,7 +238,10 @@ class ParameterManager:
             with _bookkeeping():  # the real .grad (Note [gradients users read] in managed.py)
                 grad = param.grad
                 param.grad = None
-            self._on_grad(shard, grad)
+            if self.grad_buckets is None:
+                self._on_grad(shard, grad)
+            else:
+                self.grad_buckets.add(shard, grad)
             for _ in range(self._backward_holds.pop(shard, 0)):
                 self.drop(shard)
         return grad_hook
@@ -264,11 +276,15 @@ class ParameterManager:
         if task in self._backward_tasks:
             self._backward_tasks.remove(task)
         if not self._backward_tasks:  # the outermost (a reentrant checkpoint's inner one ends first)
+            if self.grad_buckets is not None:
+                self.grad_buckets.flush()  # Note [gradient buckets]
             self.end_backward()
             self.backward_passes += 1
 
     def abandon_backward(self) -> None:
         """After a backward that raised (autograd runs no callback then)."""
+        if self.grad_buckets is not None:
+            self.grad_buckets.discard()  # no collective the other ranks may never join
         if self._backward_tasks:
             self._backward_tasks.clear()
             self.end_backward()
@@ -409,6 +425,8 @@ class ParameterManager:
         self._backward_holds.clear()
         self._on_demand.clear()
         self._backward_tasks.clear()
+        if self.grad_buckets is not None:
+            self.grad_buckets.discard()
 
     def remove_hooks(self) -> None:
         for h in self._handles:

@@ -332,15 +332,15 @@ class Shard:
         self.grad_part = torch.zeros(self.part_numel, dtype=torch.float32, device=ctx.grad_device)
 
     def take_grad(self, grad: torch.Tensor) -> None:
-        """Averages a full gradient over ranks and adds this rank's slice into grad_part (fp32)."""
-        flat = grad.detach().reshape(-1)
-        if self.ctx.pg.world_size > 1 or flat.numel() < self.part_numel:
-            # Averaged in fp32 (a bf16/fp16 sum over ranks would round at every
-            # add); a fresh padded buffer, since all_reduce works in place.
-            padded = torch.zeros(self.padded_numel, dtype=torch.float32, device=flat.device)
-            padded[:self.numel] = flat
-            flat = padded
-        mine = self.ctx.pg.average_and_slice(flat, self.part_numel)
+        """Adds this rank's gradient partition, averaged over ranks, into grad_part (fp32).
+        With one rank that is the whole gradient, any shape; with several, the
+        part_numel elements a reduce-scatter gave this rank (Note [gradient buckets])."""
+        mine = grad.detach().reshape(-1)
+        if mine.numel() < self.part_numel:  # an empty parameter's partition is one padding element
+            mine = torch.zeros(self.part_numel, dtype=torch.float32, device=mine.device)
+        elif mine.numel() != self.part_numel:
+            raise ValueError(f"gradient of {self.name}: {mine.numel()} elements, expected this rank's "
+                             f"partition of {self.part_numel}")
         if self.has_grad:
             self.grad_part.add_(mine.to(self.grad_part.device, torch.float32))
         else:

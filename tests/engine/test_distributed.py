@@ -61,23 +61,31 @@ def _worker(rank, world, port, nvme_root, results):
         dist.destroy_process_group()
 
 
-def test_world_size_two_matches_data_parallel_pytorch(tmp_path):
+def run_ranks(worker, args, *, world=2, timeout=280) -> tuple[dict, list]:
+    """Spawns `world` ranks running worker(rank, world, port, *args, results), each
+    putting (rank, key, "ok" or a traceback) on results. Returns ({(rank, key): status},
+    the processes, joined)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, str(tmp_path), results)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, *args, results)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=280)
+        p.join(timeout=timeout)
     outcome = {}
     while not results.empty():
-        rank, case, status = results.get()
-        outcome[(rank, case)] = status
+        rank, key, status = results.get()
+        outcome[(rank, key)] = status
     for p in procs:
         if p.is_alive():
             p.kill()
             p.join()
+    return outcome, procs
+
+
+def test_world_size_two_matches_data_parallel_pytorch(tmp_path):
+    outcome, procs = run_ranks(_worker, (str(tmp_path),))
     failures = {k: v for k, v in outcome.items() if v != "ok"}
     assert not failures, "\n".join(f"rank {r} case {CASES[c]}:\n{msg}" for (r, c), msg in failures.items())
     assert len(outcome) == 2 * len(CASES), f"workers reported {len(outcome)} of {2 * len(CASES)} results"
