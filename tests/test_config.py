@@ -180,8 +180,7 @@ INERT_DS_KEYS = {
     "zero_optimization.legacy_stage1": False,
     "zero_optimization.load_from_fp32_weights": True,
     "zero_optimization.cpu_offload_use_pin_memory": True,
-    "zero_optimization.offload_param.pin_memory": True,  # Note [pin_memory] in sections.py
-    "zero_optimization.offload_optimizer.pin_memory": True,
+    "zero_optimization.offload_optimizer.pin_memory": True,  # Note [pin_memory] in sections.py
     "zero_optimization.stage3_model_persistence_threshold": 1e9,
     "zero_optimization.stage3_module_granularity_threshold": 0,
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": False,
@@ -255,9 +254,9 @@ def test_values_offload_does_not_act_on_are_named(path, value, why):
 
 def test_sections_given_to_config_directly_name_their_keys_with_no_effect():
     c = Config(aio={"single_submit": True, "use_gds": True},
-               zero_optimization={"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}})
+               zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}})
     assert set(dict(c.no_effect())) == {"aio.single_submit", "aio.use_gds",
-                                        "zero_optimization.offload_param.pin_memory"}
+                                        "zero_optimization.offload_optimizer.pin_memory"}
     assert Config(aio={"single_submit": False}).no_effect() == []
 
 
@@ -293,7 +292,9 @@ def test_deprecated_cpu_offload_booleans_are_mapped(old, section):
     assert getattr(Config.load(d).zero_optimization, section).device is Tier.DEVICE
     d = {"zero_optimization": {"stage": 3, old: True, section: {"device": "cpu", "pin_memory": True}}}
     assert getattr(Config.load(d).zero_optimization, section).device is Tier.HOST
-    assert f"zero_optimization.{section}.pin_memory" in dict(Config.load(d).no_effect())
+    # Note [pin_memory]: offload_param's decides for parameters; offload_optimizer's is named as inert
+    assert (f"zero_optimization.{section}.pin_memory" in dict(Config.load(d).no_effect())) is (
+        section == "offload_optimizer")
     with pytest.raises(ConfigError, match=rf"'zero_optimization\.{old}': true .* contradicts "
                                           rf"'zero_optimization\.{section}'"):
         Config.load(with_(f"zero_optimization.{old}", True))  # the base offloads to nvme
@@ -375,8 +376,8 @@ def test_max_grad_norm_points_to_gradient_clipping():
     ("aio.backend", "io_uring", r"^aio\.backend: 'io_uring' is not one of auto, native, libaio, threads"),
     ("memory", {"host_budget": "8 gigs"}, r"^memory\.host_budget: '8 gigs' is not a byte size"),
     ("memory", {"device_budget": -1}, r"^memory\.device_budget: -1 is not an integer >= 0"),
-    ("memory", {"host_budget": "1GiB", "pinned_budget": "512MiB"},
-     r"^memory\.pinned_budget: 536870912 bytes: a budget of pinned memory is not implemented yet"),
+    ("memory", {"host_budget": "256MiB", "pinned_budget": "512MiB"},
+     r"^memory\.pinned_budget: 536870912 bytes is more than memory\.host_budget \(268435456\)"),
     ("fp16", {"enabled": True}, r"^bf16\.enabled and fp16\.enabled are both true"),
 ])
 def test_bad_values_name_the_key(path, value, message):
@@ -393,9 +394,9 @@ def test_nvme_only_keys_with_another_device_are_errors(device):
     d = with_("zero_optimization.offload_optimizer", {"device": device, "buffer_count": 4})
     with pytest.raises(ConfigError, match=r"offload_optimizer\.buffer_count: 4 is only used when"):
         Config.load(d)
-    # pin_memory has no effect whatever the device (Note [pin_memory] in sections.py): named, not refused
-    assert "zero_optimization.offload_param.pin_memory" in dict(
-        Config.load(with_("zero_optimization.offload_param", {"pin_memory": True})).no_effect())
+    # pin_memory is honoured whatever the device (Note [pin_memory] in sections.py): not refused
+    assert Config.load(with_("zero_optimization.offload_param", {"pin_memory": False})
+                       ).zero_optimization.offload_param.pin_memory is False
 
 
 def test_direct_construction_is_validated():
@@ -444,8 +445,7 @@ def test_byte_sizes():
     assert parse_bytes("1.5 KiB") == 1536 and parse_bytes(4096) == 4096 and parse_bytes("100") == 100
     m = Config.load({"memory": {"device_budget": "2GiB", "host_budget": 3 << 30, "pinned_budget": None}}).memory
     assert (m.device_budget, m.host_budget, m.pinned_budget) == (2 << 30, 3 << 30, None)
-    with pytest.raises(ConfigError, match=r"memory\.pinned_budget: 1000000000 bytes: .* not implemented yet"):
-        Config.load({"memory": {"pinned_budget": "1GB"}})
+    assert Config.load({"memory": {"pinned_budget": "1GB"}}).memory.pinned_budget == 10**9
     with pytest.raises(ConfigError, match=r"memory\.pinned_budget: '1\.0000000001 B' is not a whole number"):
         Config.load({"memory": {"pinned_budget": "1.0000000001 B"}})
     with pytest.raises(ConfigError, match=r"memory\.device_budget: True is not an integer"):

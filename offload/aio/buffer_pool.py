@@ -16,8 +16,21 @@ credit(nbytes); the engine passes its host tier) is charged a buffer's size
 when it is made and credited when the pool drops it: the same bytes the
 budget counts, so a budget checked at initialize holds mid-step. (Each
 allocation also carries up to one alignment unit of padding, not counted.)
+
+Note [staging pool]
+The same pool, with `buffer_bytes` set, is the engine's pool of host staging
+buffers between NVMe and the device (offload/partition/nvme_home.py
+ParamStore): every buffer is exactly `buffer_bytes` (the largest transfer),
+so a budget of depth x buffer_bytes makes at most `depth` buffers, each
+allocated (and pinned, with CUDA and pin_memory) at initialize (`fill`)
+and reused for the rest of the run: no allocation and no pinning per
+transfer after the first step. `acquire` waits for a buffer another thread
+releases; `allocations` counts the buffers made (tests check it stays put).
 """
 from __future__ import annotations
+
+import threading
+import time
 
 import torch
 
@@ -25,23 +38,62 @@ from offload.aio.memory import ALIGN, aligned_empty, round_up
 
 
 class BufferPool:
-    def __init__(self, budget_bytes: int, pin: bool | None = None, ledger=None):
+    def __init__(self, budget_bytes: int, pin: bool | None = None, ledger=None, *,
+                 buffer_bytes: int | None = None, what: str = "swap staging buffer"):
         if budget_bytes < 2 * ALIGN:
             raise ValueError(f"buffer budget must be at least {2 * ALIGN} bytes, got {budget_bytes}")
+        self.buffer_bytes = None if buffer_bytes is None else round_up(max(buffer_bytes, 1))
+        if self.buffer_bytes is not None and self.buffer_bytes > budget_bytes:
+            raise ValueError(f"{what}: buffers of {self.buffer_bytes} bytes do not fit the pool "
+                             f"budget of {budget_bytes}")
         self.budget_bytes = budget_bytes
         self._pin = pin
         self._ledger = ledger
+        self._what = what
         self._free: list[torch.Tensor] = []  # cached, whole allocations
+        self._released = threading.Condition()
         self.allocated_bytes = 0  # held by callers plus cached
         self.in_use_bytes = 0
         self.peak_in_use_bytes = 0
+        self.allocations = 0  # buffers made over the pool's life
 
-    def try_acquire(self, nbytes: int) -> torch.Tensor | None:
-        """An aligned uint8 buffer of at least `nbytes` (sliced to nbytes), or
-        None while the budget is held by buffers in use."""
+    @property
+    def depth(self) -> int | None:
+        """How many buffers a fixed-size pool holds at most (None: sizes vary)."""
+        return None if self.buffer_bytes is None else self.budget_bytes // self.buffer_bytes
+
+    def acquire(self, nbytes: int, timeout: float = 600.0) -> torch.Tensor:
+        """As try_acquire, waiting for another thread to release a buffer while
+        none is free; a wait past `timeout` seconds is an error naming the pool
+        (a thread waiting for buffers it holds itself would wait forever)."""
+        deadline = time.monotonic() + timeout
+        with self._released:
+            while (buf := self.try_acquire(nbytes)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{self._what}: no buffer of {nbytes} bytes came free in {timeout:.0f} s "
+                                       f"({self.in_use_bytes} of {self.budget_bytes} bytes in use)")
+                self._released.wait(left)
+            return buf
+
+    def try_acquire(self, nbytes: int, *, keep_free_bytes: int = 0) -> torch.Tensor | None:
+        """A whole aligned uint8 buffer of at least `nbytes`, or
+        None while the budget is held by buffers in use (or taking one would
+        leave less than keep_free_bytes of it for others)."""
         size = round_up(max(nbytes, 1))
+        if self.buffer_bytes is not None:
+            if size > self.buffer_bytes:
+                raise ValueError(f"{self._what}: request of {size} bytes exceeds the pool's buffers "
+                                 f"of {self.buffer_bytes}")
+            size = self.buffer_bytes
         if size > self.budget_bytes:
             raise ValueError(f"request of {size} bytes exceeds the pool budget of {self.budget_bytes}")
+        with self._released:
+            if self.budget_bytes - self.in_use_bytes - size < keep_free_bytes:
+                return None
+            return self._try_acquire(size)
+
+    def _try_acquire(self, size: int) -> torch.Tensor | None:
         # Best fit among cached buffers that are not wastefully large.
         fits = [b for b in self._free if size <= b.numel() <= 2 * size]
         if fits:
@@ -55,7 +107,7 @@ class BufferPool:
             if self.allocated_bytes + size > self.budget_bytes:
                 return None
             if self._ledger is not None:  # before allocating: a refused charge leaves nothing held
-                self._ledger.charge(size, "swap staging buffer")
+                self._ledger.charge(size, self._what)
             try:
                 buf = aligned_empty(size, pin=self._pin)
             except BaseException:
@@ -63,6 +115,7 @@ class BufferPool:
                     self._ledger.credit(size)
                 raise
             self.allocated_bytes += size
+            self.allocations += 1
         self.in_use_bytes += buf.numel()
         self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
         return buf
@@ -72,15 +125,53 @@ class BufferPool:
         del self._free[next(i for i, b in enumerate(self._free) if b is buf)]
 
     def release(self, buf: torch.Tensor) -> None:
-        self.in_use_bytes -= buf.numel()
-        self._free.append(buf)
+        with self._released:
+            self.in_use_bytes -= buf.numel()
+            self._free.append(buf)
+            self._released.notify_all()
+
+    def fill(self) -> None:
+        """Makes every buffer of a fixed-size pool now (at initialize: a budget
+        that cannot hold them fails there, not mid-step)."""
+        bufs = [self.try_acquire(self.buffer_bytes) for _ in range(self.depth)]
+        for buf in bufs:
+            self.release(buf)
 
     def clear(self) -> None:
-        for buf in self._free:
-            self._drop(buf)
-        self._free.clear()
+        with self._released:
+            for buf in self._free:
+                self._drop(buf)
+            self._free.clear()
 
     def _drop(self, buf: torch.Tensor) -> None:
         self.allocated_bytes -= buf.numel()
         if self._ledger is not None:
             self._ledger.credit(buf.numel())
+
+
+class PinnedLedger:
+    """Page-locked host bytes of one engine: charged to `host` (its host-tier
+    ledger: pinned bytes are host bytes) and kept within `budget`
+    (memory.pinned_budget; None: no bound)."""
+
+    def __init__(self, host, budget: int | None):
+        self._host, self.budget = host, budget
+        self._lock = threading.Lock()
+        self.now = self.peak = 0
+
+    def charge(self, nbytes: int, what: str, *, host_charged: bool = False) -> None:
+        """host_charged: the bytes are already charged to the host tier (a host
+        home pinned after it was made): counted against the pinned budget only."""
+        with self._lock:
+            if self.budget is not None and self.now + nbytes > self.budget:
+                raise MemoryError(f"memory.pinned_budget exceeded allocating {nbytes} pinned bytes for {what}: "
+                                  f"{self.now} of {self.budget} bytes already pinned")
+            if not host_charged:
+                self._host.charge(nbytes, what)
+            self.now += nbytes
+            self.peak = max(self.peak, self.now)
+
+    def credit(self, nbytes: int) -> None:
+        with self._lock:
+            self.now -= nbytes
+            self._host.credit(nbytes)

@@ -25,6 +25,25 @@ def pin_by_default() -> bool:
     return torch.cuda.is_available()
 
 
+def pins(*, cuda: bool, pin_memory: bool) -> bool:
+    """Whether host buffers that feed the device are pinned: only with CUDA (a
+    CPU-only host has nothing to pin for) and only when the config's
+    pin_memory allows it (Note [pin_memory] in offload/config/sections.py)."""
+    return cuda and pin_memory
+
+
+def pin_host_home(nbytes: int, *, cuda: bool, pin_memory: bool, pinned_committed: int,
+                  pinned_budget: int | None) -> bool:
+    """Whether a parameter's host home of `nbytes` is pinned: when buffers are
+    pinned at all (`pins`) and it fits what memory.pinned_budget leaves after
+    the pinned bytes already committed (the staging pool first, then earlier
+    homes). A home that does not fit stays in pageable memory: slower to copy,
+    never an error."""
+    if not pins(cuda=cuda, pin_memory=pin_memory):
+        return False
+    return pinned_budget is None or pinned_committed + nbytes <= pinned_budget
+
+
 def aligned_empty(nbytes: int, pin: bool | None = None) -> torch.Tensor:
     """A uint8 tensor of `nbytes` whose data_ptr is 4096-aligned.
 

@@ -284,12 +284,22 @@ class SchedulerConfig(_Section):
 
 # --------------------------------------------------------------------------- zero
 
-# Note [pin_memory]: with CUDA every host I/O and staging buffer is allocated
-# pinned (offload.aio.memory.pin_by_default), and on a CPU-only host nothing
-# can be pinned, so the key changes nothing either way. Making it choose,
-# within memory.pinned_budget, waits for a GPU to measure it on.
-_PIN_MEMORY = ("host I/O buffers are pinned whenever CUDA is present, whatever this key says, "
-               "and a CPU-only host pins nothing")
+# Note [pin_memory]
+# Page-locked (pinned) host memory is what a GPU copies from asynchronously
+# and at full speed, and memory the OS can never page out. On a CPU-only host
+# nothing is pinned whatever the keys say (offload.aio.memory.pins).
+# offload_param.pin_memory (default true: pinned when CUDA exists; DeepSpeed's
+# default is false) decides for the parameter side: the staging pool between
+# NVMe and the device (Note [staging pool] in offload/aio/buffer_pool.py) and
+# host homes of offload_param cpu (offload.aio.memory.pin_host_home). false:
+# nothing of it is pinned. memory.pinned_budget bounds all of it: the pool is
+# made within it (refused at initialize when it cannot hold MIN_STAGING_DEPTH
+# of the largest partition) and a host home is pinned only while it fits.
+# Not yet chosen by a key: the optimizer's own host buffers (the swap stores'
+# staging, gathered buffers), pinned whenever CUDA is present; so
+# offload_optimizer.pin_memory and cpu_offload_use_pin_memory change nothing.
+_PIN_MEMORY = ("the optimizer's host I/O buffers are pinned whenever CUDA is present, whatever this key "
+               "says, and a CPU-only host pins nothing (offload_param.pin_memory does decide for parameters)")
 _OFFLOAD_OPTIMIZER_INERT = {
     "pin_memory": _PIN_MEMORY,
     "pipeline_read": "NVMe reads of optimizer state are always pipelined",
@@ -326,18 +336,21 @@ class OffloadParamConfig(_Section):
 
     buffer_count, buffer_size (elements) and max_in_cpu (elements) are optional: by
     default the engine sizes them from the model and the prefetch depth.
+    pin_memory: whether parameter staging buffers and host homes are pinned when CUDA
+    exists (Note [pin_memory]).
     """
 
     SECTION: ClassVar[str] = "zero_optimization.offload_param"
-    INERT: ClassVar[dict] = {"pin_memory": _PIN_MEMORY}
     device: Tier = Tier.DEVICE
     nvme_path: Path | None = None
     buffer_count: int | None = None
     buffer_size: int | None = None
     max_in_cpu: int | None = None
+    pin_memory: bool = True
 
     def __post_init__(self):
         k = self._key
+        _bool(k("pin_memory"), self.pin_memory)
         self._set("buffer_count", _int(k("buffer_count"), self.buffer_count, lo=1, none=True))
         self._set("buffer_size", _int(k("buffer_size"), self.buffer_size, lo=1, none=True))
         self._set("max_in_cpu", _int(k("max_in_cpu"), self.max_in_cpu, lo=0, none=True))
@@ -433,7 +446,8 @@ class ZeroConfig(_Section):
     stage3_max_reuse_distance: Any = None
     stage3_param_persistence_threshold: Any = 100_000
     sub_group_size: Any = 1_000_000_000
-    # None: two of the largest shards (gradients awaiting an overlapped update).
+    # Gradient elements per reduce-scatter with several ranks (None: the largest
+    # parameter) and gradients awaiting an overlapped update (None: two of the largest shards).
     reduce_bucket_size: Any = None
     overlap_comm: bool = True
     contiguous_gradients: bool = True
@@ -569,8 +583,8 @@ class MemoryConfig(_Section):
     device_budget: bytes the device tier may hold (on a CPU-only host, the budget of the
       plain memory that stands in for the device); None = the GPU's memory, or unlimited.
     host_budget: bytes of host memory the engine may hold, pinned included; None = no limit.
-    pinned_budget: bytes of page-locked host memory (a part of host_budget). Not implemented
-      yet: only null is accepted (Note [pin_memory]); a bound that is not kept is worse than none.
+    pinned_budget: bytes of page-locked host memory the parameter side may pin (a part of
+      host_budget; Note [pin_memory]); None = no bound of its own.
     """
 
     SECTION: ClassVar[str] = "memory"
@@ -583,7 +597,7 @@ class MemoryConfig(_Section):
             v = getattr(self, name)
             if v is not None:
                 self._set(name, parse_bytes(v, self._key(name)))
-        if self.pinned_budget is not None:
-            raise ConfigError(f"memory.pinned_budget: {self.pinned_budget} bytes: a budget of pinned memory is "
-                              "not implemented yet (with CUDA every host I/O buffer is pinned, within "
-                              "memory.host_budget); remove the key or set it to null")
+        if None not in (self.pinned_budget, self.host_budget) and self.pinned_budget > self.host_budget:
+            raise ConfigError(f"memory.pinned_budget: {self.pinned_budget} bytes is more than memory.host_budget "
+                              f"({self.host_budget}), which includes pinned memory; lower it to at most "
+                              f"{self.host_budget}")

@@ -28,11 +28,13 @@ from typing import Callable
 
 import torch
 
-from offload.aio.memory import BufferCache
+from offload.aio.buffer_pool import BufferPool, PinnedLedger
+from offload.aio.memory import BufferCache, pin_host_home, pins
 from offload.aio.run_dir import RunDirectories
 from offload.config import Config
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
+from offload.partition import nvme_home
 from offload.partition.nvme_home import ParamStore
 from offload.partition.shard import PartitionStore, Shard, ShardContext, partition_numel
 from offload.tiers import Tier
@@ -109,6 +111,7 @@ class Built:
     _sources: dict = field(default_factory=dict)
     _plan: object = None
     placed: list[Shard] = field(default_factory=list)  # homed, master taken (Note [an interrupted initialize])
+    pin_home: Callable[[Shard], None] | None = None  # pins a host home when the budget allows
 
     def place(self, take_master: Callable[[Shard, torch.Tensor], None]) -> None:
         """Moves every parameter home, in order, one at a time: take_master(shard,
@@ -144,6 +147,8 @@ class Built:
             fp32 = value.reshape(-1).to(torch.float32)
             part = shard.my_slice(fp32).clone()
             shard.adopt(value)
+            if shard.home is Tier.HOST and self.pin_home is not None:
+                self.pin_home(shard)
         if not shard.ctx.lazy_grads:
             shard.allocate_grad_part()
         return part
@@ -291,8 +296,10 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
         # host: a 7 s step).
         writer = _swap_config(param_path, nvme_sizes, None, config, pg)
         configs["writer"] = dataclasses.replace(writer, capacity_bytes=0)
+    staging = _staging_plan(planned, config, dtype, device, pg.world_size)
     notes = _preflight_budgets(planned, config, dtype, sum(c.buffer_bytes for c in configs.values()),
                                device=device, world_size=pg.world_size,
+                               param_staging_bytes=staging[0] * staging[1] if staging else 0,
                                on_demand=_largest_module_group(model, named, planned, device, pg.world_size))
     account.budget_notes.update(notes)
     check_free_space(configs)  # before anything is written or moved
@@ -306,9 +313,18 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
     _set_buffers(model, plan, dtype, device)
 
     stores = {role: _open_store(c, account, run_dirs) for role, c in configs.items()}
-    param_store = param_writer = None
+    pinned = PinnedLedger(_host_ledger(account), config.memory.pinned_budget)
+    pin = pins(cuda=device.type == "cuda", pin_memory=zero.offload_param.pin_memory)
+    param_store = param_writer = staging_pool = None
+    if staging:
+        buffer_bytes, depth = staging
+        staging_pool = BufferPool(buffer_bytes * depth, pin=pin, buffer_bytes=buffer_bytes,
+                                  ledger=pinned if pin else _host_ledger(account),
+                                  what="parameter staging buffer" + (" (pinned)" if pin else ""))
+        staging_pool.fill()
     if nvme_sizes:
-        param_store = ParamStore(builder.store if have_param_store else stores["param"], pg, timeline)
+        param_store = ParamStore(builder.store if have_param_store else stores["param"], pg, timeline,
+                                 staging=staging_pool)
         param_writer = ParamStore(stores.get("writer") or stores["state"], pg, timeline)
     offloaded = [pl.padded_numel * dtype.itemsize for pl in planned if pl.home is not Tier.DEVICE]
     buffers = None
@@ -327,7 +343,54 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
             shards.append(pl.built)
         else:
             shards.append(Shard(pl.index, pl.name, pl.param, compute_dtype=dtype, home=pl.home, ctx=ctx))
-    return Built(shards, ctx, stores.get("state"), param_writer, _sources=sources, _plan=plan)
+    pin_home = None
+    if pin:
+        def pin_home(shard: Shard) -> None:
+            nbytes = shard.part_numel * shard.dtype.itemsize
+            if pin_host_home(nbytes, cuda=True, pin_memory=True, pinned_committed=pinned.now,
+                             pinned_budget=pinned.budget):
+                pinned.charge(nbytes, f"pinned host home of {shard.name}", host_charged=True)
+                shard.host_part = shard.host_part.pin_memory()
+    return Built(shards, ctx, stores.get("state"), param_writer, _sources=sources, _plan=plan,
+                 pin_home=pin_home)
+
+
+def _host_ledger(account: MemoryAccount):
+    from offload.engine.memory import TierLedger
+
+    return TierLedger(account, Tier.HOST)
+
+
+def _staging_plan(planned: list[_Planned], config: Config, dtype: torch.dtype, device: torch.device,
+                  world_size: int) -> tuple[int, int] | None:
+    """(buffer bytes, depth) of the parameter staging pool (Note [staging pool] in
+    offload/aio/buffer_pool.py), or None when parameter reads need no staging.
+    Buffers hold the largest NVMe partition; depth: nvme_home.staging_depth, cut
+    to what memory.pinned_budget holds when they are pinned. A pinned budget that
+    cannot hold MIN_STAGING_DEPTH of them is refused here, before anything moves."""
+    from offload.aio.memory import round_up
+    from offload.partition.prefetch import prefetch_limits
+
+    nvme = [pl for pl in planned if pl.home is Tier.NVME]
+    if not nvme or not nvme_home.stages_reads(world_size, device):
+        return None
+    zero = config.zero_optimization
+    buffer_bytes = round_up(max(pl.part_numel for pl in nvme) * dtype.itemsize)
+    largest_offloaded = max(pl.padded_numel for pl in planned if pl.home is not Tier.DEVICE)
+    bucket, _, _ = prefetch_limits(zero, largest_offloaded)
+    depth = nvme_home.staging_depth([pl.padded_numel for pl in nvme], bucket)
+    budget = config.memory.pinned_budget
+    if budget is not None and pins(cuda=device.type == "cuda", pin_memory=zero.offload_param.pin_memory):
+        least = nvme_home.MIN_STAGING_DEPTH * buffer_bytes
+        if budget < least:
+            raise MemoryError(
+                f"memory.pinned_budget is {budget} bytes but the parameter staging pool needs at least "
+                f"{least} ({nvme_home.MIN_STAGING_DEPTH} buffers of the largest NVMe partition, "
+                f"{buffer_bytes} bytes: one read ahead and the one a step waits on); raise "
+                f"memory.pinned_budget to at least {least}, or set "
+                "zero_optimization.offload_param.pin_memory to false (unpinned staging)")
+        depth = min(depth, budget // buffer_bytes)
+    return buffer_bytes, depth
 
 
 def _set_buffers(model: torch.nn.Module, plan, dtype: torch.dtype, device: torch.device) -> None:
@@ -368,7 +431,7 @@ def _largest_module_group(model: torch.nn.Module, named, planned: list[_Planned]
 
 def _preflight_budgets(planned: list[_Planned], config: Config, dtype: torch.dtype,
                        staging_bytes: int = 0, *, device: torch.device = torch.device("cpu"),
-                       world_size: int = 1, on_demand: int = 0) -> dict[Tier, str]:
+                       world_size: int = 1, on_demand: int = 0, param_staging_bytes: int = 0) -> dict[Tier, str]:
     """Refuses, before any parameter moves, a configuration whose budgets cannot hold
     what the engine itself will hold at once; returns, per budgeted tier, a line
     saying what was reserved (for TierBudgetError's message at a step).
@@ -388,6 +451,8 @@ def _preflight_budgets(planned: list[_Planned], config: Config, dtype: torch.dty
     need = {Tier.DEVICE: {}, Tier.HOST: {}}
     if staging_bytes:
         need[Tier.HOST]["swap staging buffers"] = staging_bytes
+    if param_staging_bytes:
+        need[Tier.HOST]["parameter staging buffers"] = param_staging_bytes
 
     def add(tier, what, nbytes):
         if tier in need and nbytes:

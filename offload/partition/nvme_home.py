@@ -3,8 +3,17 @@
 A thin adapter over offload.aio.SwapStore that speaks in shards: write a
 partition, read a parameter back in full onto the device tier. On a CPU-only
 host with world size 1 the read lands directly in the device buffer (no
-staging copy); otherwise it goes through a host staging tensor, then an
-all-gather (several ranks) or a host-to-device copy (CUDA).
+staging copy); otherwise it goes through a buffer of the staging pool (Note
+[staging pool] in offload/aio/buffer_pool.py), then an all-gather (several
+ranks) or a host-to-device copy (CUDA).
+
+Note [staging buffers for reads ahead]
+Only the compute thread reads parameters, so a read waiting for a staging
+buffer would wait for itself: the prefetcher's reads ahead hold buffers
+until the step takes their parameters into use. So a read takes a buffer
+only while one more stays free (`keep_free_bytes`), and when none is, it is
+put off (`_DeferredRead`) and started when the step waits on it: the step's
+own read always finds the buffer kept free, and the pool never grows.
 """
 from __future__ import annotations
 
@@ -12,35 +21,63 @@ import time
 
 import torch
 
+from offload.aio.buffer_pool import BufferPool
 from offload.aio.memory import aligned_tensor
 from offload.aio.swap_store import SwapStore
 from offload.partition.collectives import ProcessGroupInfo
 from offload.timeline import Timeline
 
 
+MIN_STAGING_DEPTH = 2  # one read ahead, and the one the step waits on
+
+
 def _key(shard) -> str:
     return f"param.{shard.index}"
 
 
+def stages_reads(world_size: int, device: torch.device) -> bool:
+    """Whether a parameter read goes through a staging buffer: unless one rank
+    on a CPU-only host, where the device buffer itself is host memory."""
+    return world_size > 1 or device.type != "cpu"
+
+
+def staging_depth(padded: list[int], bucket_elems: int) -> int:
+    """Buffers of the staging pool: the one the step waits on, plus the reads
+    the prefetcher keeps ahead (its bucket in units of the largest parameter,
+    plus the one it always reads past the bucket; none with prefetch off),
+    never more than the parameters read. `padded`: the NVMe parameters'
+    padded elements."""
+    ahead = 0 if bucket_elems <= 0 else -(-bucket_elems // max(padded)) + 1
+    return max(MIN_STAGING_DEPTH, min(len(padded), 1 + ahead))
+
+
 class _PendingRead:
-    def __init__(self, handle, finish, timeline, name: str):
+    def __init__(self, handle, finish, timeline, name: str, release=None):
         self._handle, self._finish = handle, finish
         self._timeline, self._name = timeline, name
+        self._release = release  # gives the staging buffer back, once the bytes are done with
         self._t0 = time.perf_counter()
         self._done = False
 
     def _wait_bytes(self):
         if not self._done:
-            self._handle.wait()
+            try:
+                self._handle.wait()
+            except Exception:
+                self._done = True  # the transfer is over, failed: its buffer is free again
+                raise
             self._done = True
             if self._timeline is not None:
                 self._timeline.record("read", self._name, self._t0)
 
     def wait(self):
-        self._wait_bytes()
-        if self._finish is not None:
-            self._finish()
-            self._finish = None
+        try:
+            self._wait_bytes()
+            if self._finish is not None:
+                self._finish()  # a synchronous copy out of the staging buffer
+                self._finish = None
+        finally:
+            self._give_back()
 
     def cancel(self):
         """Waits for the bytes (the buffer must not be freed under the kernel)
@@ -50,6 +87,26 @@ class _PendingRead:
             self._wait_bytes()
         except Exception:  # noqa: BLE001 - the value is being thrown away
             self._done = True
+        self._give_back()
+
+    def _give_back(self):
+        if self._release is not None and self._done:
+            self._release()
+            self._release = None
+
+
+class _DeferredRead:
+    """A read put off for want of a free staging buffer (Note [staging buffers
+    for reads ahead]): started, and waited for, when the step needs it."""
+
+    def __init__(self, start):
+        self._start = start
+
+    def wait(self):
+        return self._start().wait()
+
+    def cancel(self):
+        pass
 
 
 class ParamStore:
@@ -57,12 +114,16 @@ class ParamStore:
 
     store: the SwapStore one thread uses (Note [one store per thread] in
     offload/engine/build.py); the compute thread reads, the optimizer writes.
-    timeline: where the reads are recorded (the engine's), or None."""
+    timeline: where the reads are recorded (the engine's), or None.
+    staging: the staging pool (Note [staging pool]) of buffers of the largest
+    partition; None: a fresh aligned tensor per staged read (offload.init)."""
 
-    def __init__(self, store: SwapStore, pg: ProcessGroupInfo, timeline: Timeline | None = None):
+    def __init__(self, store: SwapStore, pg: ProcessGroupInfo, timeline: Timeline | None = None,
+                 staging: BufferPool | None = None):
         self.store = store
         self.pg = pg
         self.timeline = timeline
+        self.staging = staging
 
     def write(self, shard, part: torch.Tensor, *, borrow: bool = False):
         """Writes this rank's partition (compute dtype, host) asynchronously;
@@ -75,16 +136,33 @@ class ParamStore:
 
     def read_full(self, shard, full: torch.Tensor) -> _PendingRead:
         """Starts filling `full` (padded flat, device tier) with the parameter."""
-        direct = self.pg.world_size == 1 and full.device.type == "cpu"
-        if direct:
+        if not stages_reads(self.pg.world_size, full.device):
             handle = self.store.swap_in(_key(shard), out=full[:shard.part_numel])
             return _PendingRead(handle, None, self.timeline, shard.name)
-        staging = aligned_tensor(shard.part_numel, shard.dtype)  # pinned when CUDA exists
-        handle = self.store.swap_in(_key(shard), out=staging)
-        return _PendingRead(handle, lambda: self.pg.all_gather(full, staging), self.timeline, shard.name)
+        if self.staging is None:
+            staging = aligned_tensor(shard.part_numel, shard.dtype)
+            handle = self.store.swap_in(_key(shard), out=staging)
+            return _PendingRead(handle, lambda: self.pg.all_gather(full, staging), self.timeline, shard.name)
+        nbytes = shard.part_numel * shard.dtype.itemsize
+        buf = self.staging.try_acquire(nbytes, keep_free_bytes=self.staging.buffer_bytes)
+        if buf is None:
+            return _DeferredRead(lambda: self._read_staged(shard, full, self.staging.acquire(nbytes)))
+        return self._read_staged(shard, full, buf)
+
+    def _read_staged(self, shard, full: torch.Tensor, buf: torch.Tensor) -> _PendingRead:
+        staging = buf[:shard.part_numel * shard.dtype.itemsize].view(shard.dtype)
+        try:
+            handle = self.store.swap_in(_key(shard), out=staging)
+        except BaseException:
+            self.staging.release(buf)
+            raise
+        return _PendingRead(handle, lambda: self.pg.all_gather(full, staging), self.timeline, shard.name,
+                            release=lambda: self.staging.release(buf))
 
     def close(self) -> None:
         self.store.close()
+        if self.staging is not None:
+            self.staging.clear()  # credits its bytes; the buffers go with the last reference
 
     def path_of(self, shard):
         """The swap file of `shard`'s partition (checkpoints copy it)."""
