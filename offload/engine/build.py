@@ -343,16 +343,19 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
             shards.append(pl.built)
         else:
             shards.append(Shard(pl.index, pl.name, pl.param, compute_dtype=dtype, home=pl.home, ctx=ctx))
-    pin_home = None
-    if pin:
-        def pin_home(shard: Shard) -> None:
-            nbytes = shard.part_numel * shard.dtype.itemsize
-            if pin_host_home(nbytes, cuda=True, pin_memory=True, pinned_committed=pinned.now,
-                             pinned_budget=pinned.budget):
-                pinned.charge(nbytes, f"pinned host home of {shard.name}", host_charged=True)
-                shard.host_part = shard.host_part.pin_memory()
     return Built(shards, ctx, stores.get("state"), param_writer, _sources=sources, _plan=plan,
-                 pin_home=pin_home)
+                 pin_home=_home_pinner(pinned) if pin else None)
+
+
+def _home_pinner(pinned: PinnedLedger) -> Callable[[Shard], None]:
+    """Pins a host home (already charged to the host tier) while it fits memory.pinned_budget."""
+    def pin_home(shard: Shard) -> None:
+        nbytes = shard.part_numel * shard.dtype.itemsize
+        if pin_host_home(nbytes, cuda=True, pin_memory=True, pinned_committed=pinned.now,
+                         pinned_budget=pinned.budget):
+            pinned.charge(nbytes, f"pinned host home of {shard.name}", host_charged=True)
+            shard.host_part = shard.host_part.pin_memory()
+    return pin_home
 
 
 def _host_ledger(account: MemoryAccount):

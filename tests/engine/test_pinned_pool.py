@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import offload
-from offload.aio import buffer_pool, memory
+from offload.aio import memory
 from offload.aio.buffer_pool import BufferPool, PinnedLedger
 from offload.config import Config, ConfigError
 from offload.partition import nvme_home
