@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from offload.device.layer import DeviceLayer, Event, Stream, nbytes
+from offload.device.layer import DeviceLayer, Event, Stream
 
 
 class CpuEvent(Event):
@@ -45,8 +45,7 @@ class CpuDevice(DeviceLayer):
 
     def alloc(self, numel: int, dtype: torch.dtype, name: str) -> torch.Tensor:
         buf = torch.empty(numel, dtype=dtype)
-        self.counters.device_allocations += 1
-        self.counters.device_bytes_allocated += nbytes(buf)
+        self.counters.allocated(buf)
         return buf
 
     def free(self, buf: torch.Tensor) -> None:
@@ -56,8 +55,7 @@ class CpuDevice(DeviceLayer):
         # Nothing to pin: host and device are the same memory. Counted all the
         # same, so the pinned-pool tests hold on every layer.
         buf = torch.empty(numel, dtype=dtype)
-        self.counters.pinned_allocations += 1
-        self.counters.pinned_bytes_allocated += nbytes(buf)
+        self.counters.allocated(buf, pinned=True)
         return buf
 
     def stream(self, name: str) -> Stream:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from offload.device.layer import DeviceLayer, Event, Stream, nbytes
+from offload.device.layer import DeviceLayer, Event, Stream
 
 
 def require_cuda() -> None:
@@ -69,8 +69,7 @@ class CudaDevice(DeviceLayer):
 
     def alloc(self, numel: int, dtype: torch.dtype, name: str) -> torch.Tensor:
         buf = torch.empty(numel, dtype=dtype, device=self.device)
-        self.counters.device_allocations += 1
-        self.counters.device_bytes_allocated += nbytes(buf)
+        self.counters.allocated(buf)
         return buf
 
     def free(self, buf: torch.Tensor) -> None:
@@ -80,8 +79,7 @@ class CudaDevice(DeviceLayer):
 
     def pinned(self, numel: int, dtype: torch.dtype, name: str = "pinned") -> torch.Tensor:
         buf = torch.empty(numel, dtype=dtype, pin_memory=True)
-        self.counters.pinned_allocations += 1
-        self.counters.pinned_bytes_allocated += nbytes(buf)
+        self.counters.allocated(buf, pinned=True)
         return buf
 
     def stream(self, name: str) -> Stream:

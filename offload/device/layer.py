@@ -60,6 +60,16 @@ class DeviceCounters:
     copies: int = 0
     bytes_copied: int = 0
 
+    def allocated(self, buf: torch.Tensor, *, pinned: bool = False) -> torch.Tensor:
+        """Counts an allocation (device memory, or pinned host memory); returns buf."""
+        if pinned:
+            self.pinned_allocations += 1
+            self.pinned_bytes_allocated += nbytes(buf)
+        else:
+            self.device_allocations += 1
+            self.device_bytes_allocated += nbytes(buf)
+        return buf
+
 
 class Event(abc.ABC):
     """Marks a point in a stream; completes when the stream's work before it has."""

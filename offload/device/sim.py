@@ -166,14 +166,12 @@ class SimDevice(DeviceLayer):
     def alloc(self, numel: int, dtype: torch.dtype, name: str) -> torch.Tensor:
         buf = torch.empty(numel, dtype=dtype)
         poison(buf)  # fresh device memory is garbage; make reading it before a write visible
-        self.counters.device_allocations += 1
-        self.counters.device_bytes_allocated += nbytes(buf)
+        self.counters.allocated(buf)
         return wrap_buffer(buf, SimDeviceTensor, SimRecord(name, "device", layer=self))
 
     def pinned(self, numel: int, dtype: torch.dtype, name: str = "pinned") -> torch.Tensor:
         buf = torch.empty(numel, dtype=dtype)
-        self.counters.pinned_allocations += 1
-        self.counters.pinned_bytes_allocated += nbytes(buf)
+        self.counters.allocated(buf, pinned=True)
         return wrap_buffer(buf, SimPinnedTensor, SimRecord(name, "pinned", layer=self))
 
     def free(self, buf: torch.Tensor) -> None:
