@@ -26,6 +26,7 @@ allocated (and pinned, with CUDA and pin_memory) at initialize (`fill`)
 and reused for the rest of the run: no allocation and no pinning per
 transfer after the first step. `acquire` waits for a buffer another thread
 releases; `allocations` counts the buffers made (tests check it stays put).
+The engine's close() closes it (`close`): every buffer and its charge go.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class BufferPool:
         self.in_use_bytes = 0
         self.peak_in_use_bytes = 0
         self.allocations = 0  # buffers made over the pool's life
+        self.closed = False  # close(): buffers given back are dropped, not cached
 
     @property
     def depth(self) -> int | None:
@@ -127,6 +129,9 @@ class BufferPool:
     def release(self, buf: torch.Tensor) -> None:
         with self._released:
             self.in_use_bytes -= buf.numel()
+            if self.closed:  # a transfer that outlived close(): its buffer goes now
+                self._drop(buf)
+                return
             self._free.append(buf)
             self._released.notify_all()
 
@@ -142,6 +147,13 @@ class BufferPool:
             for buf in self._free:
                 self._drop(buf)
             self._free.clear()
+
+    def close(self) -> None:
+        """Drops every buffer, crediting the ledger: the cached ones now, any
+        still held by a transfer when it is released. Idempotent."""
+        with self._released:
+            self.closed = True
+        self.clear()
 
     def _drop(self, buf: torch.Tensor) -> None:
         self.allocated_bytes -= buf.numel()

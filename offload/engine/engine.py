@@ -502,6 +502,11 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
     def _remove_swap_files(self) -> None:
         for store in self._stores:
             store.close()
+        # The engine closes its stores itself, not through ParamStore.close: the
+        # parameter staging pool's buffers and their host (and pinned) charge go here.
+        param_store = self.shard_context and self.shard_context.param_store
+        if param_store is not None and param_store.staging is not None:
+            param_store.staging.close()
         self._run_dirs.remove()  # the files and this run's directory, whoever made nvme_path
 
     def _abort(self) -> None:

@@ -162,7 +162,7 @@ class ParamStore:
     def close(self) -> None:
         self.store.close()
         if self.staging is not None:
-            self.staging.clear()  # credits its bytes; the buffers go with the last reference
+            self.staging.close()  # credits its bytes; the buffers go with the last reference
 
     def path_of(self, shard):
         """The swap file of `shard`'s partition (checkpoints copy it)."""

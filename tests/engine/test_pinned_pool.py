@@ -76,6 +76,48 @@ def test_staging_pool_is_charged_to_the_host_tier(tmp_path, staged):
         assert engine.account.usage(Tier.HOST).now == before - pool.depth * pool.buffer_bytes
 
 
+class _CountingLedger:
+    """Passes charges and credits on to `inner`, counting the bytes credited."""
+
+    def __init__(self, inner):
+        self.inner, self.credited = inner, 0
+
+    def charge(self, n, what):
+        self.inner.charge(n, what)
+
+    def credit(self, n):
+        self.credited += n
+        self.inner.credit(n)
+
+
+def test_engine_close_releases_the_staging_pool_and_its_host_charge(tmp_path, staged):
+    engine = offload.initialize(build("tiny_gpt"), make_config("nvme", "cpu", tmp_path))
+    account, pool = engine.account, engine.shard_context.param_store.staging
+    pool_bytes = pool.depth * pool.buffer_bytes
+    pool._ledger = ledger = _CountingLedger(pool._ledger)  # charged pool_bytes at initialize (fill)
+    train_engine(engine, batches(2))
+    held = account.usage(Tier.HOST).now
+    engine.close()
+    assert pool.allocated_bytes == 0 and pool.closed
+    assert ledger.credited == pool_bytes  # the host tier holds none of the pool's bytes
+    assert account.usage(Tier.HOST).now <= held - pool_bytes
+    engine.close()  # idempotent: nothing credited twice
+    assert ledger.credited == pool_bytes
+
+
+def test_a_buffer_released_after_close_is_dropped_and_credited():
+    host = _Host()
+    pool = BufferPool(2 * 8192, pin=False, buffer_bytes=8192, ledger=host, what="t")
+    pool.fill()
+    held = pool.acquire(10)  # a transfer still in flight at close
+    pool.close()
+    assert host.now == 8192 and pool.allocated_bytes == 8192
+    pool.release(held)
+    assert host.now == 0 and pool.allocated_bytes == 0 and pool.in_use_bytes == 0
+    pool.close()
+    assert host.now == 0
+
+
 def test_reads_ahead_never_take_the_last_buffer():
     """Note [staging buffers for reads ahead]: the buffer the step waits on stays free."""
     pool = BufferPool(2 * 8192, pin=False, buffer_bytes=8192, what="t")
