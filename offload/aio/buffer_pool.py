@@ -187,3 +187,7 @@ class PinnedLedger:
         with self._lock:
             self.now -= nbytes
             self._host.credit(nbytes)
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = self.now

@@ -313,7 +313,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
     _set_buffers(model, plan, dtype, device)
 
     stores = {role: _open_store(c, account, run_dirs) for role, c in configs.items()}
-    pinned = PinnedLedger(_host_ledger(account), config.memory.pinned_budget)
+    pinned = account.pinned = PinnedLedger(_host_ledger(account), config.memory.pinned_budget)
     pin = pins(cuda=device.type == "cuda", pin_memory=zero.offload_param.pin_memory)
     param_store = param_writer = staging_pool = None
     if staging:

@@ -432,8 +432,10 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
         return tuple(self._stores)
 
     def memory_report(self) -> dict:
-        """Bytes per tier the engine holds (now, peak, budget), the process RSS,
-        and under "os" the OS's figures beside the engine's (ProcessMemory.report)."""
+        """Bytes per tier the engine holds (now, peak, budget), under "pinned" its
+        page-locked host bytes (now, peak, memory.pinned_budget; part of "host"),
+        the process RSS, and under "os" the OS's figures beside the engine's
+        (ProcessMemory.report)."""
         report = self.account.report()
         report["process_rss"] = psutil.Process().memory_info().rss
         report["os"] = self._process_memory.report(self.account, self.device)

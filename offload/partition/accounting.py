@@ -41,6 +41,9 @@ class MemoryAccount:
         # Per tier, what initialize reserved out of the budget, said in a refusal
         # (engine/build.py `_preflight_budgets`).
         self.budget_notes: dict[Tier, str] = {}
+        # The engine's page-locked host bytes (offload.aio.buffer_pool.PinnedLedger:
+        # now, peak, budget), set by engine/build.py; part of the host tier, not a tier.
+        self.pinned = None
 
     def add_reclaimer(self, tier: Tier, reclaim) -> None:
         """reclaim(nbytes): frees up to about nbytes of optional holdings on `tier`
@@ -110,6 +113,15 @@ class MemoryAccount:
         with self._lock:
             for u in self._usage.values():
                 u.peak = u.now
+        if self.pinned is not None:
+            self.pinned.reset_peak()
 
     def report(self) -> dict[str, dict[str, int | None]]:
-        return {tier.value: vars(self.usage(tier)) for tier in Tier}
+        """Per tier (by its value) now, peak and budget; under "pinned" the same
+        for page-locked host bytes (already counted in "host"): budget is
+        memory.pinned_budget, None when unset."""
+        report = {tier.value: vars(self.usage(tier)) for tier in Tier}
+        pinned = self.pinned
+        report["pinned"] = (vars(TierUsage()) if pinned is None else
+                            vars(TierUsage(now=pinned.now, peak=pinned.peak, budget=pinned.budget)))
+        return report

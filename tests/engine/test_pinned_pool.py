@@ -105,6 +105,33 @@ def test_engine_close_releases_the_staging_pool_and_its_host_charge(tmp_path, st
     assert ledger.credited == pool_bytes
 
 
+def test_memory_report_shows_pinned_bytes_now_peak_and_budget(tmp_path, staged, monkeypatch):
+    # Pinning as with CUDA (this host has none: the buffers themselves stay pageable).
+    from offload.aio import buffer_pool
+    from offload.engine import build as build_mod
+    real = buffer_pool.aligned_empty
+    monkeypatch.setattr(build_mod, "pins", lambda *, cuda, pin_memory: pin_memory)
+    monkeypatch.setattr(buffer_pool, "aligned_empty", lambda nbytes, pin=None: real(nbytes, pin=False))
+    cfg = make_config("nvme", "cpu", tmp_path)
+    cfg["memory"] = {"pinned_budget": 1 << 20}
+    engine = offload.initialize(build("tiny_gpt"), cfg)
+    account, pool = engine.account, engine.shard_context.param_store.staging
+    pool_bytes = pool.depth * pool.buffer_bytes
+    train_engine(engine, batches(2))
+    report = engine.memory_report()
+    assert report["pinned"] == {"now": pool_bytes, "peak": pool_bytes, "budget": 1 << 20}
+    assert report["host"]["now"] >= pool_bytes  # pinned bytes are host bytes
+    account.reset_peak()
+    engine.close()
+    assert account.report()["pinned"] == {"now": 0, "peak": pool_bytes, "budget": 1 << 20}
+    # pin_memory false: a staging pool all the same, nothing pinned; no budget set: None.
+    unpinned = make_config("nvme", "cpu", tmp_path / "unpinned")
+    unpinned["zero_optimization"]["offload_param"]["pin_memory"] = False
+    with offload.initialize(build("tiny_gpt"), unpinned) as engine:
+        assert engine.shard_context.param_store.staging.allocated_bytes > 0
+        assert engine.memory_report()["pinned"] == {"now": 0, "peak": 0, "budget": None}
+
+
 def test_a_buffer_released_after_close_is_dropped_and_credited():
     host = _Host()
     pool = BufferPool(2 * 8192, pin=False, buffer_bytes=8192, ledger=host, what="t")
