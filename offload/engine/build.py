@@ -184,7 +184,11 @@ def discard_home(shard: Shard) -> None:
     """Forgets a shard's home bytes (its NVMe file is left for a shard of the same index to overwrite)."""
     nbytes = shard.part_numel * shard.dtype.itemsize
     if shard.home is Tier.HOST:
-        shard.ctx.account.credit(Tier.HOST, nbytes)
+        pinned = shard.ctx.account.pinned
+        if pinned is not None and shard.host_part is not None and shard.host_part.is_pinned():
+            pinned.credit(nbytes)  # pinned by _home_pinner: off the pinned budget and the host tier
+        else:
+            shard.ctx.account.credit(Tier.HOST, nbytes)
         shard.host_part = None
     elif shard.home is Tier.NVME:
         shard.ctx.account.credit(Tier.NVME, nbytes)

@@ -132,6 +132,28 @@ def test_memory_report_shows_pinned_bytes_now_peak_and_budget(tmp_path, staged, 
         assert engine.memory_report()["pinned"] == {"now": 0, "peak": 0, "budget": None}
 
 
+class _LooksPinned(torch.Tensor):
+    """A host tensor that says it is pinned: this host has no CUDA to pin with."""
+
+    def is_pinned(self, device=None):
+        return True
+
+
+def test_discarding_a_pinned_host_home_credits_the_pinned_budget(tmp_path, monkeypatch):
+    from offload.engine import build as build_mod
+    monkeypatch.setattr(build_mod, "pins", lambda *, cuda, pin_memory: pin_memory)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, device=None: self.as_subclass(_LooksPinned))
+    with offload.initialize(build("tiny_gpt"), make_config("cpu", "cpu", tmp_path)) as engine:
+        homes = [s for s in engine.shards if s.home is Tier.HOST]
+        home_bytes = sum(s.part_numel * s.dtype.itemsize for s in homes)
+        assert engine.memory_report()["pinned"]["now"] == home_bytes > 0  # every home pinned (no budget)
+        shard, host = homes[0], engine.account.usage(Tier.HOST).now
+        nbytes = shard.part_numel * shard.dtype.itemsize
+        build_mod.discard_home(shard)
+        assert engine.memory_report()["pinned"]["now"] == home_bytes - nbytes
+        assert engine.account.usage(Tier.HOST).now == host - nbytes  # credited once, not twice
+
+
 def test_a_buffer_released_after_close_is_dropped_and_credited():
     host = _Host()
     pool = BufferPool(2 * 8192, pin=False, buffer_bytes=8192, ledger=host, what="t")
