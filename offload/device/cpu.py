@@ -37,6 +37,7 @@ class CpuStream(Stream):
 
 class CpuDevice(DeviceLayer):
     name = "cpu"
+    separate_memory = False
 
     def __init__(self) -> None:
         super().__init__()

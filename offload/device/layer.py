@@ -38,6 +38,13 @@ The contract the engine programs against, the same for all three:
   That orders later device compute, not the host's reads of a pinned buffer
   a copy writes: those need `Event.synchronize` (or a stream's, or the
   layer's `synchronize`), as on CUDA.
+- Note [compute the layer cannot see]: the model's ops and the collectives
+  run on plain tensors, so the engine tells the layer where compute takes a
+  device buffer (`lend`, the hand-over of a gathered parameter to the model
+  or to a collective) and where compute gives one (`adopt`, autograd's
+  gradient before its copy to the host). On cuda and cpu both return their
+  argument; the sim checks and records the access there, as compute on the
+  default stream, so a wait missing before a hand-over raises.
 - The sim counts all host threads as one (it cannot see a hand-over
   between two host threads, so a wait on one counts for all).
 """
@@ -143,6 +150,19 @@ class DeviceLayer(abc.ABC):
     @abc.abstractmethod
     def synchronize(self) -> None:
         """Block until every stream's queued work has completed."""
+
+    # Compute the layer does not run itself (Note [compute the layer cannot see]).
+    separate_memory = True  # False only where the device is the host (cpu)
+
+    def lend(self, buf: torch.Tensor, *, write: bool) -> torch.Tensor:
+        """A plain alias of device buffer `buf` for compute on the current stream that
+        the layer cannot see (the model's ops, a collective); the access is checked now."""
+        return buf
+
+    def adopt(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """`t`, which compute on the current stream wrote (autograd's gradient), as a device
+        buffer the layer can copy from; its write counts as the current stream's, now."""
+        return t
 
     def describe(self) -> str:
         return self.name

@@ -24,8 +24,8 @@ import torch
 
 from offload.device.layer import DeviceLayer, Event, Stream, nbytes
 from offload.device.sim_memory import (
-    DEFAULT_LANE, HOST_LANE, Access, SimDeviceTensor, SimPinnedTensor, SimRecord, StreamOrderError,
-    VectorClock, check_access, note_access, plain, poison, record_of, wrap_buffer,
+    DEFAULT_LANE, HOST_LANE, Access, SimDeviceTensor, SimPinnedTensor, SimRecord, SimTensor,
+    StreamOrderError, VectorClock, check_access, note_access, plain, poison, record_of, wrap_buffer,
 )
 
 DEFAULT_GBPS = 25.0
@@ -291,6 +291,25 @@ class SimDevice(DeviceLayer):
         if record is None and isinstance(t, SimDeviceTensor):
             record = t._sim_record = SimRecord("computed device tensor", "device", layer=self)
         return record
+
+    # -- compute the layer cannot see (Note [compute the layer cannot see]) ----
+
+    def lend(self, buf: torch.Tensor, *, write: bool) -> torch.Tensor:
+        record = record_of(buf)
+        if record is None or record.kind != "device":
+            raise TypeError(f"sim device: lend() of {type(buf).__name__}; expected a device buffer "
+                            "(alloc, or adopt)")
+        self._compute_access("lend", True, [(buf, write)])
+        return plain(buf)
+
+    def adopt(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        if isinstance(t, SimTensor):
+            raise TypeError(f"sim device: adopt() of {t!r}, already the layer's")
+        with self.lock:
+            lane = self.default
+            lane.clock.merge(self.host.clock)
+            access = Access(lane.lane, lane.next_seq(), lane.name, f"compute (wrote '{name}')")
+        return wrap_buffer(t, SimDeviceTensor, SimRecord(name, "device", last_write=access, layer=self))
 
     # -- compute (called from SimTensor.__torch_function__) -------------------
 
