@@ -31,7 +31,9 @@ import torch
 from offload.aio.buffer_pool import BufferPool, PinnedLedger
 from offload.aio.memory import BufferCache, pin_host_home, pins
 from offload.aio.run_dir import RunDirectories
+import offload.device
 from offload.config import Config
+from offload.device import DeviceLayer
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
 from offload.partition import nvme_home
@@ -64,13 +66,24 @@ class HomePolicy:
 
 
 def shard_context(config: Config, device: torch.device, pg: ProcessGroupInfo, account: MemoryAccount, *,
-                  param_store: PartitionStore | None = None, buffers: BufferCache | None = None) -> ShardContext:
+                  param_store: PartitionStore | None = None, buffers: BufferCache | None = None,
+                  layer: DeviceLayer | None = None) -> ShardContext:
     """The one way a ShardContext is made: gradients live where the config's
     optimizer tier puts them (`OffloadOptimizerConfig.grad_tier`)."""
     optimizer = config.zero_optimization.offload_optimizer
     return ShardContext(device=device, pg=pg, account=account, param_store=param_store,
                         grad_tier=optimizer.grad_tier, lazy_grads=optimizer.device is Tier.NVME,
-                        buffers=buffers)
+                        buffers=buffers, layer=layer or device_layer_for(device))
+
+
+def device_layer_for(device: torch.device) -> DeviceLayer:
+    """The device layer OFFLOAD_DEVICE picks (Note [device layer] in offload/device/layer.py);
+    cuda on this rank's GPU (`device`)."""
+    name = offload.device.selected_name()
+    if name == "cuda":
+        from offload.device.cuda import CudaDevice
+        return CudaDevice(index=device.index if device.type == "cuda" else None)
+    return offload.device.make(name)
 
 
 def default_device() -> torch.device:
@@ -215,12 +228,13 @@ def _owners(model: torch.nn.Module, attr: str) -> dict[int, list[tuple[torch.nn.
 
 def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device, pg: ProcessGroupInfo,
                  account: MemoryAccount, timeline, run_dirs: RunDirectories, builder=None,
-                 weights=None) -> Built:
+                 weights=None, layer: DeviceLayer | None = None) -> Built:
     """Every parameter's shard, its home decided and nothing moved yet (`Built.place` moves them).
 
     timeline: an offload.timeline.Timeline the parameter reads are recorded on;
     builder: an offload.init ModelBuilder whose homed shards are adopted;
-    weights: anything offload.engine.weights.open_weights takes."""
+    weights: anything offload.engine.weights.open_weights takes;
+    layer: the engine's device layer (None: the one OFFLOAD_DEVICE picks)."""
     zero = config.zero_optimization
     dtype = config.precision.dtype
     plan = None
@@ -337,7 +351,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
         buffers = BufferCache(3 * max(offloaded),
                               charge=lambda n: account.charge(Tier.HOST, n, "idle gathered buffers"),
                               credit=lambda n: account.credit(Tier.HOST, n))
-    ctx = shard_context(config, device, pg, account, param_store=param_store, buffers=buffers)
+    ctx = shard_context(config, device, pg, account, param_store=param_store, buffers=buffers, layer=layer)
     shards = []
     for pl in planned:
         if pl.reuse:

@@ -22,7 +22,7 @@ import torch
 
 from offload.aio.run_dir import RunDirectories
 from offload.config import Config, Precision
-from offload.engine.build import build_shards, default_device
+from offload.engine.build import build_shards, default_device, device_layer_for
 from offload.engine.checkpoint_methods import CheckpointMethods
 from offload.engine.closed import EngineClosedError, close_off, weak_callback
 from offload.engine.deepspeed_api import DeepSpeedMethods
@@ -58,7 +58,10 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
         self.config = config
         self.module = model
         self.pg = ProcessGroupInfo.current()
-        self.device = default_device()
+        # Every copy between host and a separate device goes through this layer
+        # (Note [device layer] in offload/device/layer.py): OFFLOAD_DEVICE picks it.
+        self.device_layer = device_layer_for(default_device())
+        self.device = self.device_layer.device
         self.compute_dtype = config.precision.dtype
         zero = config.zero_optimization
         self.param_tier = zero.offload_param.device
@@ -96,7 +99,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
             model, config.activation_checkpointing, self.account, self.device)
         built = build_shards(model, config, device=self.device, pg=self.pg, account=self.account,
                              timeline=self._timeline, run_dirs=self._run_dirs,
-                             builder=self._builder, weights=self._weights)
+                             builder=self._builder, weights=self._weights, layer=self.device_layer)
         self._builder = self._weights = None
         self.shard_context = built.ctx
         self.shards = built.shards
@@ -473,6 +476,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
             self.activation_checkpointing.remove()
             self._remove_swap_files()
             self.pg.release()  # Note [releasing the process group] in partition/collectives.py
+            self.device_layer.close()
             self.account.drop_callbacks()
             reason = ("the model's parameters hold their values (engine.module)" if given_back else
                       "the parameters did not fit in memory and were not given back: save before closing "
@@ -535,6 +539,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
             self.activation_checkpointing.remove()
         self._remove_swap_files()
         self.pg.release()  # Note [releasing the process group] in partition/collectives.py
+        self.device_layer.close()
 
     def _check_open(self) -> None:
         if self._closed:  # engine.optimizer.step() reaches _update through its driver

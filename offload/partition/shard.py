@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from offload.aio.memory import BufferCache, aligned_tensor
+from offload.device import DeviceLayer
+from offload.device.cpu import CpuDevice
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
 from offload.tiers import Tier
@@ -87,6 +89,7 @@ class ShardContext:
     grad_tier: where fp32 gradient partitions live (the optimizer's side), and
     lazy_grads: whether they exist only while a gradient is pending (Note [gradient partitions]).
     buffers: gathered buffers on a CPU device, reused from step to step; None: allocated each time.
+    layer: the device layer every host<->device copy goes through (Note [device layer]).
     """
 
     device: torch.device
@@ -96,6 +99,7 @@ class ShardContext:
     grad_tier: Tier = Tier.HOST
     lazy_grads: bool = False
     buffers: BufferCache | None = None
+    layer: DeviceLayer = field(default_factory=CpuDevice)
 
     @property
     def grad_device(self) -> torch.device:
