@@ -69,7 +69,11 @@ class SimEvent(Event):
     def synchronize(self) -> None:
         if self.clock is None:
             return
-        self.done.wait()
+        done = self.done
+        if not done.is_set():  # the caller blocks: recorded (Note [hidden transfer time])
+            start = time.perf_counter()
+            done.wait()
+            self._layer.blocked.append((start, time.perf_counter(), threading.current_thread().name))
         self._layer.raise_worker_error()
         with self._layer.lock:
             self._layer.host.clock.merge(self.clock)
@@ -116,7 +120,11 @@ class SimStream(Stream):
         if self.worker is None:
             # The default stream is the calling thread: its wait blocks the caller. It
             # orders later default-stream work, not the host's own reads (as on CUDA).
-            event.done.wait()
+            done = event.done
+            if not done.is_set():  # the caller blocks: recorded (Note [hidden transfer time])
+                start = time.perf_counter()
+                done.wait()
+                self._layer.blocked.append((start, time.perf_counter(), threading.current_thread().name))
             self._layer.raise_worker_error()
             with self._layer.lock:
                 self.clock.merge(event.clock)
@@ -156,6 +164,9 @@ class SimDevice(DeviceLayer):
         self._streams: list[SimStream] = []
         self.schedule: list[CopySpan] = []
         self.worker_errors: list[BaseException] = []
+        # (start, end, thread name) of each wait that blocked a host thread: the default
+        # stream's wait_event, Event/Stream/layer synchronize (Note [hidden transfer time]).
+        self.blocked: list[tuple[float, float, str]] = []
 
     def describe(self) -> str:
         return (f"sim (seed {self.seed}, {self.gbps:g} GB/s, jitter up to {self.jitter_s * 1e6:g} us, "
@@ -167,7 +178,11 @@ class SimDevice(DeviceLayer):
         buf = torch.empty(numel, dtype=dtype)
         poison(buf)  # fresh device memory is garbage; make reading it before a write visible
         self.counters.allocated(buf)
-        return wrap_buffer(buf, SimDeviceTensor, SimRecord(name, "device", layer=self))
+        # Written by the default stream at the allocation (Note [sim stream order]).
+        with self.lock:
+            last = Access(DEFAULT_LANE, self.default.clock[DEFAULT_LANE], "default",
+                          "compute queued before the allocation")
+        return wrap_buffer(buf, SimDeviceTensor, SimRecord(name, "device", last_write=last, layer=self))
 
     def pinned(self, numel: int, dtype: torch.dtype, name: str = "pinned") -> torch.Tensor:
         buf = torch.empty(numel, dtype=dtype)
@@ -296,11 +311,17 @@ class SimDevice(DeviceLayer):
 
     def lend(self, buf: torch.Tensor, *, write: bool) -> torch.Tensor:
         record = record_of(buf)
-        if record is None or record.kind != "device":
-            raise TypeError(f"sim device: lend() of {type(buf).__name__}; expected a device buffer "
-                            "(alloc, or adopt)")
-        self._compute_access("lend", True, [(buf, write)])
+        if record is None:
+            raise TypeError(f"sim device: lend() of {type(buf).__name__}; expected a buffer of this "
+                            "layer (alloc, pinned, register_pinned or adopt)")
+        self._compute_access("lend", record.kind == "device", [(buf, write)])
         return plain(buf)
+
+    def register_pinned(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        if isinstance(buf, SimTensor):
+            raise TypeError(f"sim device: register_pinned() of {buf!r}, already the layer's")
+        self.counters.allocated(buf, pinned=True)
+        return wrap_buffer(buf, SimPinnedTensor, SimRecord(name, "pinned", layer=self))
 
     def adopt(self, t: torch.Tensor, name: str) -> torch.Tensor:
         if isinstance(t, SimTensor):
