@@ -36,7 +36,7 @@ class CollectiveCounter:
                       fp32 (sum of padded * 4 bytes), received: this rank's
                       partitions of them (that / W)
       all_reduce      sent = received: the tensor (scalars: the gradient norm
-                      for clipping, the overflow and memory flags)
+                      each step records, fp16's overflow flag, close's memory flag)
       broadcast       sent on the source rank, received on the others
     So one training step with W ranks and fp32 buckets carries, per rank,
       reduce_scatter  4 * sum over trained parameters of padded numel, sent,
