@@ -1,6 +1,11 @@
 """Training step benchmark; same as `offload bench train` (see benchmarks/offload_bench/train.py).
 
-    python benchmarks/train.py [--out DIR] [--nvme-dir DIR] [--quick]
+    python benchmarks/train.py [--out DIR] [--nvme-dir DIR] [--quick] [--device cpu|cuda|sim]
+
+    python benchmarks/train.py --device cuda    # the GPU readiness run: torch, ours (cpu, nvme),
+                                                # FSDP2 with CPU offload, DeepSpeed ZeRO-3 offload
+    python benchmarks/train.py --device sim --contenders offload-nvme --sim-gbps 25
+                                                # how much transfer time was hidden behind compute
 """
 import argparse
 import sys

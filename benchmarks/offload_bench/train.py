@@ -11,6 +11,8 @@ offloaded to the host (`cpu`) or to NVMe (`nvme`), AdamW lr 1e-4. Contenders:
   offload-nvme    ... nvme, under --nvme-dir
   deepspeed-cpu   deepspeed.initialize with the same config
   deepspeed-nvme  ... nvme, under --nvme-dir
+  fsdp2-cpu       torch's FSDP2 (fully_shard per block, CPUOffloadPolicy), world
+                  size 1 (in the default run with --device cuda)
   offload-nvme-unchecked  offload-nvme with aio.verify_swap_checksums false (not in
                   the default run; beside offload-nvme it measures what the swap
                   files' CRC-32C costs: benchmarks/RESULTS.md, "Swap checksums")
@@ -27,11 +29,25 @@ and a rotation spreads the drift over every contender instead of handing it
 to whichever ran during a slow spell. A contender that fails has its error in the JSON and
 the run goes on. JSON on stdout (progress and the contenders' logs on
 stderr), train.json and train.png under --out.
+
+Per contender: median step time, tokens/s, and TFLOPS as model FLOPs, 6 x
+parameters x tokens per step over the step time (attention's seq^2 term left
+out); with --device cuda also peak GPU memory (torch.cuda.max_memory_allocated).
+
+--device picks where compute runs (offload_bench/train_contenders.py says how
+each contender uses it):
+  cpu   (default) everything on the host, ours with OFFLOAD_DEVICE=cpu
+  cuda  the GPU readiness run: every contender on the GPU, ours with
+        OFFLOAD_DEVICE=cuda; refused at once where CUDA is absent
+  sim   ours on the simulated device (OFFLOAD_DEVICE=sim, OFFLOAD_SIM_GBPS from
+        --sim-gbps): for each offload contender, how much of the last step's
+        host<->device copy time and NVMe read time was hidden behind compute
+        (Note [hidden transfer time] in offload/device/overlap.py), the copies'
+        timeline in the JSON, and train_copies.png where matplotlib is installed.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import shutil
@@ -43,7 +59,15 @@ import time
 from pathlib import Path
 
 DEFAULT_CONTENDERS = ("torch", "offload-cpu", "offload-nvme", "deepspeed-cpu", "deepspeed-nvme")
-CONTENDERS = DEFAULT_CONTENDERS + ("offload-nvme-unchecked",)
+CONTENDERS = DEFAULT_CONTENDERS + ("offload-nvme-unchecked", "fsdp2-cpu")
+DEVICES = ("cpu", "cuda", "sim")
+# The default run per --device: the GPU run adds FSDP2; the sim concerns ours
+# (DeepSpeed and FSDP2 do not go through our device layer).
+DEVICE_CONTENDERS = {"cpu": DEFAULT_CONTENDERS,
+                     "cuda": ("torch", "offload-cpu", "offload-nvme", "fsdp2-cpu", "deepspeed-cpu", "deepspeed-nvme"),
+                     "sim": ("torch", "offload-cpu", "offload-nvme")}
+SIM_CONTENDERS = ("torch", "offload-cpu", "offload-nvme", "offload-nvme-unchecked")
+DEFAULT_SIM_GBPS = 25.0
 
 # The benchmark model of the issue, and the --quick one.
 FULL_MODEL = dict(vocab_size=8192, hidden=1024, layers=4, heads=16, max_seq=128, tie_embeddings=False)
@@ -55,9 +79,15 @@ AIO = {"block_size": 1048576, "queue_depth": 32, "intra_op_parallelism": 1,
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
-                   help=f"comma-separated, in run order (default: {','.join(DEFAULT_CONTENDERS)}; "
+    p.add_argument("--contenders", default=None,
+                   help=f"comma-separated, in run order (default: {','.join(DEFAULT_CONTENDERS)}; with "
+                        f"--device cuda also fsdp2-cpu; with --device sim torch and ours only; "
                         f"also: {','.join(CONTENDERS[len(DEFAULT_CONTENDERS):])})")
+    p.add_argument("--device", choices=DEVICES, default="cpu",
+                   help="where compute runs: cpu (default), cuda (the GPU readiness run), or sim "
+                        "(ours on the simulated device, with the hidden share of its transfers)")
+    p.add_argument("--sim-gbps", type=float, default=None,
+                   help=f"--device sim: host<->device bandwidth in GB/s (default {DEFAULT_SIM_GBPS:g})")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; --quick: 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps, median kept (default 10; --quick: 3)")
     p.add_argument("--batch", type=int, default=None, help="micro batch (default 4; --quick: 2)")
@@ -80,8 +110,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke test")
     p.add_argument("--out", default="bench_out",
                    help="directory for train.json, train.png and the offload contenders' traces (default bench_out)")
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one contender
-    p.add_argument("--child-spec", default=None, help=argparse.SUPPRESS)
 
 
 # --------------------------------------------------------------------- config
@@ -133,152 +161,6 @@ def _settings(args) -> dict:
     }
 
 
-# --------------------------------------------------------------------- child
-
-def _rss() -> int | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return None
-
-
-def _child(name: str, spec: dict) -> dict:
-    """Runs one contender in this process; returns its figures."""
-    import resource
-
-    import torch
-
-    from offload_bench.gpt import GPT, GPTConfig, lm_loss
-
-    s = spec["settings"]
-    res: dict = {"name": name, "torch_threads": torch.get_num_threads(), "rss_after_import": _rss()}
-    torch.manual_seed(s["seed"])
-    model = GPT(GPTConfig(**s["model"]))
-    res["params"] = sum(p.numel() for p in model.parameters())
-    gen = torch.Generator().manual_seed(s["seed"] + 1)
-    n_batches = s["warmup"] + s["steps"] + 1
-    batches = [torch.randint(0, s["model"]["vocab_size"], (s["batch"], s["seq"] + 1), generator=gen)
-               for _ in range(n_batches)]
-    res["rss_after_model"] = _rss()
-
-    t0 = time.perf_counter()
-    engine = None
-    if name == "torch":
-        opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, 0.999), eps=1e-8,
-                                weight_decay=0.0, fused=True)
-
-        def step(tokens):
-            logits = model(tokens[:, :-1])
-            loss = lm_loss(logits, tokens[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-    elif name.startswith("offload-"):
-        import offload
-
-        engine = offload.initialize(model, spec["config"])
-
-        def step(tokens):
-            loss = lm_loss(engine(tokens[:, :-1]), tokens[:, 1:])
-            engine.backward(loss)
-            engine.step()
-            return loss
-    elif name.startswith("deepspeed-"):
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo")
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=copy.deepcopy(spec["config"]))
-
-        def step(tokens):
-            loss = lm_loss(engine(tokens[:, :-1]), tokens[:, 1:])
-            engine.backward(loss)
-            engine.step()
-            return loss
-    else:
-        raise ValueError(f"unknown contender {name!r}")
-    res["init_s"] = round(time.perf_counter() - t0, 3)
-    res["rss_after_init"] = _rss()
-
-    losses, times = [], []
-    stores = engine.swap_stores if name.startswith("offload-") else []
-    moved = None
-    for i in range(s["warmup"] + s["steps"]):
-        if i == s["warmup"]:
-            moved = [(st.stats.bytes_read, st.stats.bytes_written) for st in stores]
-            usage = resource.getrusage(resource.RUSAGE_SELF)
-        t = time.perf_counter()
-        loss = step(batches[i])
-        dt = time.perf_counter() - t
-        losses.append(float(loss.detach()))
-        if i >= s["warmup"]:
-            times.append(dt)
-        print(f"[{name}] step {i} {'warmup' if i < s['warmup'] else 'timed'} "
-              f"{dt:.3f} s loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
-    # CPU seconds (user, system) and page faults per timed step: on 2 cores a
-    # step whose CPU time nears twice its wall time is short of cores, not disk.
-    end = resource.getrusage(resource.RUSAGE_SELF)
-    res["cpu_s_per_step"] = {"user": round((end.ru_utime - usage.ru_utime) / s["steps"], 3),
-                             "system": round((end.ru_stime - usage.ru_stime) / s["steps"], 3)}
-    res["page_faults_per_step"] = (end.ru_minflt - usage.ru_minflt) // s["steps"]
-    if stores:
-        # Bytes moved per timed step, and where the last step's time went (Note [timeline]).
-        res["bytes_read_per_step"] = sum(st.stats.bytes_read - r for st, (r, _) in zip(stores, moved)) // s["steps"]
-        res["bytes_written_per_step"] = sum(st.stats.bytes_written - w
-                                            for st, (_, w) in zip(stores, moved)) // s["steps"]
-    if name.startswith("offload-"):
-        tl = engine.timeline()
-        res["timeline"] = {"wall_s": round(tl["wall_s"], 4),
-                           "seconds": {k: round(v, 4) for k, v in tl["seconds"].items()}}
-        if spec.get("trace_dir"):
-            engine.export_chrome_trace(os.path.join(spec["trace_dir"], f"{name}.trace.json"))
-    res["step_times_s"] = [round(t, 4) for t in times]
-    res["median_s"] = round(statistics.median(times), 4)
-    res["tokens_per_s"] = round(s["batch"] * s["seq"] / res["median_s"], 1)
-    res["losses"] = [round(x, 5) for x in losses]
-
-    if spec.get("profile") and name.startswith("offload-"):
-        import cProfile
-        import io
-        import pstats
-
-        prof = cProfile.Profile()
-        t = time.perf_counter()
-        prof.enable()
-        step(batches[-1])
-        prof.disable()
-        out = io.StringIO()
-        st = pstats.Stats(prof, stream=out)
-        st.sort_stats("tottime").print_stats(spec["profile"])
-        st.sort_stats("cumulative").print_stats(spec["profile"])
-        res["profile_step_s"] = round(time.perf_counter() - t, 4)
-        res["profile"] = out.getvalue()
-        print(res["profile"], file=sys.stderr, flush=True)
-
-    if name.startswith("offload-"):
-        res["memory_report"] = engine.memory_report()
-        engine.close()
-    from offload.engine.memory import peak_rss_bytes  # after the run: the import adds nothing to its peak
-
-    res["peak_rss_bytes"] = peak_rss_bytes()
-    res["ru_maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return res
-
-
-def _child_main(name: str, spec_path: str) -> int:
-    spec = json.loads(Path(spec_path).read_text())
-    # Everything the contender prints (DeepSpeed logs on fd 1) goes to stderr;
-    # the figures go to the result file.
-    os.dup2(2, 1)
-    res = _child(name, spec)
-    Path(spec["result"]).write_text(json.dumps(res))
-    return 0
-
-
 # --------------------------------------------------------------------- parent
 
 def _free_port() -> int:
@@ -301,7 +183,11 @@ def _run_one(name: str, spec: dict, timeout: int, workdir: Path) -> dict:
     roots = [str(Path(offload.__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1])]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(roots + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    cmd = [sys.executable, "-m", "offload_bench.train", "--child", name, "--child-spec", str(spec_path)]
+    # Ours uses the device layer --device names (Note [device layer]), never CUDA by default.
+    env["OFFLOAD_DEVICE"] = spec["device"]
+    if spec["device"] == "sim":
+        env["OFFLOAD_SIM_GBPS"] = repr(spec["sim_gbps"])
+    cmd = [sys.executable, "-m", "offload_bench.train_contenders", name, str(spec_path)]
     log(f"== {name}")
     load = OtherLoad()
     t0 = time.perf_counter()
@@ -348,6 +234,9 @@ def _merge_rounds(rounds: list[dict]) -> dict:
     merged = dict(rounds[-1])
     merged["median_s"] = round(statistics.median(r["median_s"] for r in rounds), 4)
     merged["tokens_per_s"] = round(rounds[-1]["tokens_per_s"] * rounds[-1]["median_s"] / merged["median_s"], 1)
+    merged["tflops"] = float(f"{rounds[-1]['tflops'] * rounds[-1]['median_s'] / merged['median_s']:.4g}")
+    if "peak_gpu_bytes" in merged:
+        merged["peak_gpu_bytes"] = max(r["peak_gpu_bytes"] for r in rounds)
     merged["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in rounds)
     merged["step_times_s"] = [t for r in rounds for t in r["step_times_s"]]
     merged["other_load_share"] = max(r["other_load_share"] for r in rounds)
@@ -376,6 +265,10 @@ def _ratios(results: dict) -> dict:
                                 "peak_rss": _ratio(get(ours, "peak_rss_bytes"), get("torch", "peak_rss_bytes"))}
         out[f"{ds}/torch"] = {"time": _ratio(get(ds, "median_s"), get("torch", "median_s")),
                               "peak_rss": _ratio(get(ds, "peak_rss_bytes"), get("torch", "peak_rss_bytes"))}
+    if "fsdp2-cpu" in results:
+        out["offload-cpu/fsdp2-cpu"] = {key: _ratio(get("offload-cpu", f), get("fsdp2-cpu", f)) for key, f in
+                                        (("time", "median_s"), ("peak_rss", "peak_rss_bytes"),
+                                         ("peak_gpu", "peak_gpu_bytes"))}
     return out
 
 
@@ -460,15 +353,104 @@ def _plot(results: dict, out_dir: str, title: str):
     return save_png(fig, out_dir, "train.png")
 
 
+def _sim_gbps(args) -> float | None:
+    if args.device != "sim":
+        return None
+    return DEFAULT_SIM_GBPS if args.sim_gbps is None else args.sim_gbps
+
+
+def _refuse_device(args, names: list[str]) -> str | None:
+    """Why --device (with --sim-gbps and the contenders) cannot run here, or None;
+    asked before anything is made."""
+    if args.sim_gbps is not None and args.device != "sim":
+        return f"--sim-gbps applies to --device sim only (got --device {args.device})"
+    if args.device == "sim":
+        if args.sim_gbps is not None and not args.sim_gbps > 0:
+            return f"--sim-gbps must be a bandwidth > 0 GB/s, got {args.sim_gbps!r}"
+        other = [n for n in names if n not in SIM_CONTENDERS]
+        if other:
+            return (f"--device sim runs ours on the simulated device; {', '.join(other)} do(es) not go "
+                    f"through it (choose from {', '.join(SIM_CONTENDERS)})")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            why = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
+                   else f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU")
+            return (f"--device cuda: CUDA is not available here ({why}); run it on a GPU machine, "
+                    "or use --device cpu (the default) or --device sim")
+    return None
+
+
+def _figures_line(r: dict) -> str:
+    """Step time, tokens/s, TFLOPS (model FLOPs), peak RSS and, on cuda, peak GPU memory."""
+    line = (f"{r['median_s']:.3f} s/step, {r['tokens_per_s']:.0f} tokens/s, {r['tflops']:.3g} TFLOPS, "
+            f"peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
+    if "peak_gpu_bytes" in r:
+        line += f", peak GPU {r['peak_gpu_bytes'] / 2**30:.2f} GiB"
+    return line
+
+
+def _print_hidden(results: dict) -> None:
+    """--device sim: the share of the last step's transfer time hidden behind compute."""
+    from offload_bench.common import log
+
+    for name, r in results.items():
+        sim = r.get("sim")
+        if sim is None:
+            continue
+        if "error" in sim:
+            log(f"   {name}: {sim['error']}")
+            continue
+        for label, key in ((f"host<->device copies at {sim['gbps']:g} GB/s", "host_device"),
+                           ("NVMe reads", "nvme_reads")):
+            f = sim[key]
+            share = "n/a (none in the step)" if f["hidden_fraction"] is None else f"{f['hidden_fraction']:.1%}"
+            log(f"   {name} {label}: {share} of the last step's transfer time hidden behind compute "
+                f"({f['busy_s']:.4f} s busy, {f['exposed_s']:.4f} s of it with compute blocked)")
+        if "note" in sim:
+            log(f"   {name}: {sim['note']}")
+
+
+def _plot_copies(results: dict, out_dir: str, title: str):
+    """The last step's copies per stream, per offload contender (--device sim)."""
+    from offload_bench.common import pyplot, save_png
+
+    runs = [(n, r["sim"]) for n, r in results.items() if "host_device" in r.get("sim", {})]
+    if not runs or not any(sim["host_device"]["timeline"] for _, sim in runs):
+        return None
+    plt = pyplot("train_copies.png")
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.5 + 1.2 * len(runs)), squeeze=False)
+    for ax, (name, sim) in zip(axes[:, 0], runs):
+        copies = sim["host_device"]["timeline"]
+        streams = sorted({c["stream"] for c in copies})
+        for row, stream in enumerate(streams):
+            bars = [(c["start_s"], (c["end_s"] if c["end_s"] is not None else c["start_s"]) - c["start_s"])
+                    for c in copies if c["stream"] == stream]
+            ax.broken_barh(bars, (row - 0.4, 0.8))
+        ax.set_yticks(range(len(streams)), streams)
+        f = sim["host_device"]
+        share = "n/a" if f["hidden_fraction"] is None else f"{f['hidden_fraction']:.0%}"
+        ax.set_title(f"{name}: {share} of copy time hidden", fontsize=9)
+    axes[-1, 0].set_xlabel("seconds from the step's start")
+    fig.suptitle(title, fontsize=9)
+    return save_png(fig, out_dir, "train_copies.png")
+
+
 def run(args) -> int:
-    if args.child:
-        return _child_main(args.child, args.child_spec)
     from offload_bench.common import log, machine_info, write_json
 
-    names = [n.strip() for n in args.contenders.split(",") if n.strip()]
+    contenders = args.contenders if args.contenders is not None else ",".join(DEVICE_CONTENDERS[args.device])
+    names = [n.strip() for n in contenders.split(",") if n.strip()]
     bad = [n for n in names if n not in CONTENDERS]
     if bad:
         log(f"unknown contender(s) {bad}; choose from {', '.join(CONTENDERS)}")
+        return 2
+    refused = _refuse_device(args, names)
+    if refused:
+        log(refused)
         return 2
     if args.rounds < 1:  # refused before anything is made (the --out and NVMe directories)
         log(f"--rounds must be at least 1, got {args.rounds}")
@@ -495,9 +477,18 @@ def run(args) -> int:
         "settings": settings,
         "params": gcfg.num_params(),
         "ds_config": configs,
+        "device": args.device,
         "peak_rss_source": "VmHWM of the contender's own process (/proc/self/status)",
         "results": {},
     }
+    if args.device == "cuda":
+        import torch
+
+        report["machine"]["gpu"] = torch.cuda.get_device_name()
+        report["peak_gpu_source"] = ("torch.cuda.max_memory_allocated() over the warmup and timed steps "
+                                     "(peak_gpu_bytes_setup: during setup)")
+    if args.device == "sim":
+        report["sim_gbps"] = _sim_gbps(args)
     results = report["results"]
     workdir = Path(tempfile.mkdtemp(prefix="offload-train-bench-"))
     if args.out:
@@ -506,8 +497,9 @@ def run(args) -> int:
     try:
         for round_index in range(args.rounds):
             for name in names:
-                spec = {"settings": settings, "profile": args.profile, "trace_dir": args.out}
-                if name != "torch":
+                spec = {"settings": settings, "profile": args.profile, "trace_dir": args.out,
+                        "device": args.device, "sim_gbps": _sim_gbps(args)}
+                if name.startswith(("offload-", "deepspeed-")):
                     mode = name.split("-")[1]
                     spec["config"] = configs[mode]
                     if name.endswith("-unchecked"):
@@ -515,14 +507,13 @@ def run(args) -> int:
                                                                    "verify_swap_checksums": False}}
                     if mode == "nvme":
                         (nvme_root / "swap").mkdir(parents=True, exist_ok=True)
-                if name.startswith("deepspeed-"):
+                if name.startswith(("deepspeed-", "fsdp2-")):
                     spec["port"] = _free_port()
                 r = _run_one(name, spec, args.timeout, workdir)
                 rounds[name].append(r)
                 shutil.rmtree(nvme_root / "swap", ignore_errors=True)
                 if "median_s" in r:
-                    log(f"   {name} (round {round_index + 1}/{args.rounds}): {r['median_s']:.3f} s/step, "
-                        f"peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
+                    log(f"   {name} (round {round_index + 1}/{args.rounds}): {_figures_line(r)}")
         results.update({name: _merge_rounds(rs) for name, rs in rounds.items()})
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -536,6 +527,7 @@ def run(args) -> int:
             if own_nvme:  # the disk probe made the directory again
                 shutil.rmtree(nvme_root, ignore_errors=True)
         _print_breakdown(results, report["io_roofline"])
+    _print_hidden(results)
     report["machine"]["load_average_end"] = list(os.getloadavg())
     if args.out:
         title = (f"GPT {report['params'] / 1e6:.1f}M params, batch {settings['batch']} x seq "
@@ -545,6 +537,10 @@ def run(args) -> int:
         png = _plot(results, args.out, title)
         if png:
             report["png"] = str(png)
+        if args.device == "sim":
+            png = _plot_copies(results, args.out, f"{title}; sim {report['sim_gbps']:g} GB/s")
+            if png:
+                report["copies_png"] = str(png)
     write_json(report, args.out, "train.json")
     ok = all("median_s" in r for r in results.values())
     return 0 if ok else 1

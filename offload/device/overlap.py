@@ -108,6 +108,7 @@ def copy_overlap(schedule, blocked, window: Interval, thread: str) -> dict:
     # A copy on the default stream runs on the compute thread: exposed whole.
     waits += [(start, end) for stream, start, end in spans if stream == "default"]
     figures = hidden([(start, end) for _, start, end in spans], waits, window)
+    figures["step_s"] = t1 - t0
     figures["copies"] = len(timeline)
     figures["bytes"] = sum(c["bytes"] for c in timeline)
     return {**figures, "timeline": timeline}

@@ -78,15 +78,17 @@ def test_copy_overlap_counts_only_the_compute_threads_waits_and_default_stream_c
         _span(4, "h2d", 13.5, None, 50),      # in flight at the window's end
         _span(5, "h2d", 2.0, 3.0),            # before the window
         _span(6, "h2d", None, None),          # not started
+        _span(7, "h2d", 9.5, 10.5),           # from before the window: counts from its start
     ]
     blocked = [(11.5, 12.0, "MainThread"), (12.0, 13.0, "optimizer")]
     figures = overlap.copy_overlap(schedule, blocked, window=(10.0, 14.0), thread="MainThread")
     assert figures["busy_s"] == pytest.approx(4.0)
     assert figures["exposed_s"] == pytest.approx(1.0)
     assert figures["hidden_fraction"] == pytest.approx(0.75)
-    assert figures["copies"] == 5 and figures["bytes"] == 450
+    assert figures["copies"] == 6 and figures["bytes"] == 550 and figures["step_s"] == 4.0
     assert [(c["stream"], c["start_s"], c["end_s"]) for c in figures["timeline"]] == [
-        ("h2d", 0.0, 1.0), ("h2d", 1.0, 2.0), ("d2h", 2.0, 3.0), ("default", 3.0, 3.5), ("h2d", 3.5, None)]
+        ("h2d", 0.0, 1.0), ("h2d", 1.0, 2.0), ("d2h", 2.0, 3.0), ("default", 3.0, 3.5), ("h2d", 3.5, None),
+        ("h2d", -0.5, 0.5)]
 
 
 def test_read_overlap_from_a_timeline_step():

@@ -1,0 +1,258 @@
+"""One contender of `offload bench train`, run in a process of its own.
+
+    python -m offload_bench.train_contenders NAME SPEC_JSON
+
+The parent (offload_bench/train.py) writes the spec (settings, config, device)
+and reads the figures back from the result file the spec names. Where each
+contender's model, batches and step live:
+
+  torch        the model and the batches on the device; AdamW(fused=True)
+  offload-*    offload.initialize; batches on engine.device; the device
+               layer is OFFLOAD_DEVICE, set by the parent from --device
+  fsdp2-cpu    torch.distributed.fsdp.fully_shard on each block, then on the
+               model, with CPUOffloadPolicy (parameters, gradients and the
+               optimizer step on the host), world size 1: nccl on cuda, gloo
+               on cpu. On cpu the policy's pin_memory is off: torch pins for
+               an accelerator and refuses without one. AdamW (foreach).
+  deepspeed-*  deepspeed.initialize with the same config; nccl on cuda, gloo on cpu
+
+On cuda each step ends with torch.cuda.synchronize(), so a step's time is
+its work and not only its launches; peak GPU memory is
+torch.cuda.max_memory_allocated() over the warmup and timed steps (reset
+after setup: FSDP2 moves the whole model to the GPU while it shards it),
+and at setup apart.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import resource
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def _rss() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
+
+
+def model_tflops(params: int, tokens_per_step: int, step_s: float) -> float:
+    """Model FLOPs per second, in TFLOPS: 6 x parameters x tokens per step (forward 2,
+    backward 4 per parameter and token; attention's seq^2 term left out), over the step time."""
+    return 6 * params * tokens_per_step / step_s / 1e12
+
+
+def _rank0_env(spec: dict) -> None:
+    """World size 1, for the contenders that start torch.distributed themselves."""
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+
+
+def _setup(name: str, model, spec: dict, device):
+    """(step function, engine or None, where the batches go) for one contender."""
+    import torch
+
+    from offload_bench.gpt import lm_loss
+
+    s = spec["settings"]
+    cuda = device.type == "cuda"
+    if name == "torch":
+        model.to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, 0.999), eps=1e-8,
+                                weight_decay=0.0, fused=True)
+
+        def step(tokens):
+            loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        return step, None, device
+    if name == "fsdp2-cpu":
+        import torch.distributed as dist
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        _rank0_env(spec)
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+        policy = CPUOffloadPolicy(pin_memory=cuda)
+        for block in model.blocks:
+            fully_shard(block, offload_policy=policy)
+        fully_shard(model, offload_policy=policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, 0.999), eps=1e-8,
+                                weight_decay=0.0)
+
+        def step(tokens):
+            loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        return step, None, device
+    if name.startswith("offload-"):
+        import offload
+
+        engine = offload.initialize(model, spec["config"])
+    elif name.startswith("deepspeed-"):
+        _rank0_env(spec)
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=copy.deepcopy(spec["config"]))
+    else:
+        raise ValueError(f"unknown contender {name!r}")
+
+    def step(tokens):
+        loss = lm_loss(engine(tokens[:, :-1]), tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return step, engine, engine.device
+
+
+def _sim_overlap(engine, window: tuple[float, float]) -> dict:
+    """How much of the last step's transfer time was hidden (Note [hidden transfer time])."""
+    from offload.device import overlap
+
+    layer = engine.device_layer
+    if layer.name != "sim":
+        return {"error": f"--device sim: the engine's device layer is {layer.describe()!r}, not sim"}
+    copies = overlap.copy_overlap(layer.schedule, layer.blocked, window, threading.main_thread().name)
+    out = {"layer": layer.describe(), "gbps": layer.gbps, "host_device": copies,
+           "nvme_reads": overlap.read_overlap(engine.timeline())}
+    if not copies["copies"]:
+        out["note"] = "no host<->device copy went through the device layer in the last step"
+    return out
+
+
+def run_contender(name: str, spec: dict) -> dict:
+    """Runs one contender in this process; returns its figures."""
+    import torch
+
+    from offload_bench.gpt import GPT, GPTConfig
+
+    s = spec["settings"]
+    device = torch.device("cuda" if spec.get("device") == "cuda" else "cpu")
+    cuda = device.type == "cuda"
+    res: dict = {"name": name, "device": spec.get("device", "cpu"), "torch_threads": torch.get_num_threads(),
+                 "rss_after_import": _rss()}
+    torch.manual_seed(s["seed"])
+    model = GPT(GPTConfig(**s["model"]))
+    res["params"] = sum(p.numel() for p in model.parameters())
+    gen = torch.Generator().manual_seed(s["seed"] + 1)
+    n_batches = s["warmup"] + s["steps"] + 1
+    batches = [torch.randint(0, s["model"]["vocab_size"], (s["batch"], s["seq"] + 1), generator=gen)
+               for _ in range(n_batches)]
+    res["rss_after_model"] = _rss()
+
+    t0 = time.perf_counter()
+    step, engine, batch_device = _setup(name, model, spec, device)
+    batches = [b.to(batch_device) for b in batches]
+    res["init_s"] = round(time.perf_counter() - t0, 3)
+    res["rss_after_init"] = _rss()
+    if cuda:
+        torch.cuda.synchronize()
+        res["peak_gpu_bytes_setup"] = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+
+    losses, times = [], []
+    stores = engine.swap_stores if name.startswith("offload-") else []
+    moved = None
+    window = None
+    for i in range(s["warmup"] + s["steps"]):
+        if i == s["warmup"]:
+            moved = [(st.stats.bytes_read, st.stats.bytes_written) for st in stores]
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+        t = time.perf_counter()
+        loss = step(batches[i])
+        if cuda:
+            torch.cuda.synchronize()
+        end = time.perf_counter()
+        window, dt = (t, end), end - t
+        losses.append(float(loss.detach()))
+        if i >= s["warmup"]:
+            times.append(dt)
+        print(f"[{name}] step {i} {'warmup' if i < s['warmup'] else 'timed'} "
+              f"{dt:.3f} s loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+    # CPU seconds (user, system) and page faults per timed step: on 2 cores a
+    # step whose CPU time nears twice its wall time is short of cores, not disk.
+    end_usage = resource.getrusage(resource.RUSAGE_SELF)
+    res["cpu_s_per_step"] = {"user": round((end_usage.ru_utime - usage.ru_utime) / s["steps"], 3),
+                             "system": round((end_usage.ru_stime - usage.ru_stime) / s["steps"], 3)}
+    res["page_faults_per_step"] = (end_usage.ru_minflt - usage.ru_minflt) // s["steps"]
+    if cuda:
+        res["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    if stores:
+        # Bytes moved per timed step, and where the last step's time went (Note [timeline]).
+        res["bytes_read_per_step"] = sum(st.stats.bytes_read - r for st, (r, _) in zip(stores, moved)) // s["steps"]
+        res["bytes_written_per_step"] = sum(st.stats.bytes_written - w
+                                            for st, (_, w) in zip(stores, moved)) // s["steps"]
+    if name.startswith("offload-"):
+        tl = engine.timeline()
+        res["timeline"] = {"wall_s": round(tl["wall_s"], 4),
+                           "seconds": {k: round(v, 4) for k, v in tl["seconds"].items()}}
+        if spec.get("device") == "sim":
+            res["sim"] = _sim_overlap(engine, window)
+        if spec.get("trace_dir"):
+            engine.export_chrome_trace(os.path.join(spec["trace_dir"], f"{name}.trace.json"))
+    res["step_times_s"] = [round(t, 4) for t in times]
+    res["median_s"] = round(statistics.median(times), 4)
+    tokens = s["batch"] * s["seq"]
+    res["tokens_per_s"] = round(tokens / res["median_s"], 1)
+    res["tflops"] = float(f"{model_tflops(res['params'], tokens, res['median_s']):.4g}")  # 4 digits: tiny on a CPU
+    res["losses"] = [round(x, 5) for x in losses]
+
+    if spec.get("profile") and name.startswith("offload-"):
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        t = time.perf_counter()
+        prof.enable()
+        step(batches[-1])
+        prof.disable()
+        out = io.StringIO()
+        st = pstats.Stats(prof, stream=out)
+        st.sort_stats("tottime").print_stats(spec["profile"])
+        st.sort_stats("cumulative").print_stats(spec["profile"])
+        res["profile_step_s"] = round(time.perf_counter() - t, 4)
+        res["profile"] = out.getvalue()
+        print(res["profile"], file=sys.stderr, flush=True)
+
+    if name.startswith("offload-"):
+        res["memory_report"] = engine.memory_report()
+        engine.close()
+    if name == "fsdp2-cpu":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    from offload.engine.memory import peak_rss_bytes  # after the run: the import adds nothing to its peak
+
+    res["peak_rss_bytes"] = peak_rss_bytes()
+    res["ru_maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return res
+
+
+def main(argv: list[str]) -> int:
+    name, spec_path = argv
+    spec = json.loads(Path(spec_path).read_text())
+    # Everything the contender prints (DeepSpeed logs on fd 1) goes to stderr;
+    # the figures go to the result file.
+    os.dup2(2, 1)
+    res = run_contender(name, spec)
+    Path(spec["result"]).write_text(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
