@@ -40,7 +40,9 @@ from offload.aio.memory import ALIGN, aligned_empty, round_up
 
 class BufferPool:
     def __init__(self, budget_bytes: int, pin: bool | None = None, ledger=None, *,
-                 buffer_bytes: int | None = None, what: str = "swap staging buffer"):
+                 buffer_bytes: int | None = None, what: str = "swap staging buffer", register=None):
+        """register(buf, what) -> buf: applied to each buffer made (a device layer's
+        register_pinned, so host<->device copies out of the pool are asynchronous)."""
         if budget_bytes < 2 * ALIGN:
             raise ValueError(f"buffer budget must be at least {2 * ALIGN} bytes, got {budget_bytes}")
         self.buffer_bytes = None if buffer_bytes is None else round_up(max(buffer_bytes, 1))
@@ -51,6 +53,7 @@ class BufferPool:
         self._pin = pin
         self._ledger = ledger
         self._what = what
+        self._register = register
         self._free: list[torch.Tensor] = []  # cached, whole allocations
         self._released = threading.Condition()
         self.allocated_bytes = 0  # held by callers plus cached
@@ -112,6 +115,8 @@ class BufferPool:
                 self._ledger.charge(size, self._what)
             try:
                 buf = aligned_empty(size, pin=self._pin)
+                if self._register is not None:
+                    buf = self._register(buf, self._what)
             except BaseException:
                 if self._ledger is not None:
                     self._ledger.credit(size)

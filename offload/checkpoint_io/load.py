@@ -337,7 +337,7 @@ def load_into(engine, load_dir, tag: str | None = None, *, optimizer_states: boo
         if s.home is Tier.HOST:
             s.host_part.copy_(part)
         elif s.home is Tier.DEVICE:
-            s.ctx.pg.all_gather(s.device_full(), part.to(s.ctx.device))
+            s.set_device_home(part)
         else:
             s.ctx.param_store.write(s, part.contiguous()).wait()
         if optimizer_states:

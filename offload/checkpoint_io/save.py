@@ -104,11 +104,10 @@ class _Item:
 
 
 def _home_view(shard):
-    """This rank's compute-dtype partition at its home, in place (no copy)."""
+    """This rank's compute-dtype partition at its home: in place (no copy) on the host."""
     if shard.home is Tier.HOST:
         return shard.host_part
-    start = shard.ctx.pg.rank * shard.part_numel
-    return shard.device_full()[start:start + shard.part_numel]
+    return shard.home_partition()
 
 
 def plan_items(engine) -> list[_Item]:

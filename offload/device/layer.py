@@ -155,9 +155,17 @@ class DeviceLayer(abc.ABC):
     separate_memory = True  # False only where the device is the host (cpu)
 
     def lend(self, buf: torch.Tensor, *, write: bool) -> torch.Tensor:
-        """A plain alias of device buffer `buf` for compute on the current stream that
-        the layer cannot see (the model's ops, a collective); the access is checked now."""
+        """A plain alias of `buf` for compute the layer cannot see: on a device buffer,
+        compute on the current stream (the model's ops, a collective); on a pinned
+        buffer, the host's (an NVMe read into it, the optimizer reading it). The
+        access is checked now."""
         return buf
+
+    def register_pinned(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        """Host memory the caller allocated (page-locked where the device pins:
+        offload.aio.memory.aligned_empty) as a pinned buffer of this layer, counted
+        as a pinned allocation; returns the buffer to use from now on."""
+        return self.counters.allocated(buf, pinned=True)
 
     def adopt(self, t: torch.Tensor, name: str) -> torch.Tensor:
         """`t`, which compute on the current stream wrote (autograd's gradient), as a device

@@ -18,6 +18,7 @@ import queue
 import random
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +65,13 @@ class SimEvent(Event):
 
     def query(self) -> bool:
         self._layer.raise_worker_error()
-        return self.clock is None or self.done.is_set()
+        if self.clock is None:
+            return True
+        if not self.done.is_set():
+            return False
+        with self._layer.lock:  # as on CUDA, a query that saw it done orders the host after it
+            self._layer.host.clock.merge(self.clock)
+        return True
 
     def synchronize(self) -> None:
         if self.clock is None:
@@ -164,6 +171,7 @@ class SimDevice(DeviceLayer):
         self._streams: list[SimStream] = []
         self.schedule: list[CopySpan] = []
         self.worker_errors: list[BaseException] = []
+        self._by_storage: dict[int, list] = {}  # storage address -> [(start, end, wrapper ref, record)]
         # (start, end, thread name) of each wait that blocked a host thread: the default
         # stream's wait_event, Event/Stream/layer synchronize (Note [hidden transfer time]).
         self.blocked: list[tuple[float, float, str]] = []
@@ -182,15 +190,15 @@ class SimDevice(DeviceLayer):
         with self.lock:
             last = Access(DEFAULT_LANE, self.default.clock[DEFAULT_LANE], "default",
                           "compute queued before the allocation")
-        return wrap_buffer(buf, SimDeviceTensor, SimRecord(name, "device", last_write=last, layer=self))
+        return self._track(wrap_buffer(buf, SimDeviceTensor, SimRecord(name, "device", last_write=last, layer=self)))
 
     def pinned(self, numel: int, dtype: torch.dtype, name: str = "pinned") -> torch.Tensor:
         buf = torch.empty(numel, dtype=dtype)
         self.counters.allocated(buf, pinned=True)
-        return wrap_buffer(buf, SimPinnedTensor, SimRecord(name, "pinned", layer=self))
+        return self._track(wrap_buffer(buf, SimPinnedTensor, SimRecord(name, "pinned", layer=self)))
 
     def free(self, buf: torch.Tensor) -> None:
-        record = record_of(buf)
+        record = self.record_of(buf)
         if record is None:
             raise TypeError(f"sim device: free() of {type(buf).__name__} that this layer did not "
                             "allocate (alloc or pinned)")
@@ -247,13 +255,14 @@ class SimDevice(DeviceLayer):
         assert isinstance(stream, SimStream), f"not a sim stream: {stream!r}"
         self.raise_worker_error()
         self._count_copy(dst, src)
-        if not isinstance(dst, SimDeviceTensor) and not isinstance(src, SimDeviceTensor):
+        dst_record, src_record = self._record_for(dst), self._record_for(src)
+        kinds = [r.kind if r is not None else "pageable" for r in (dst_record, src_record)]
+        if "device" not in kinds:
             raise TypeError("sim device: copy() between two host tensors; the layer copies to, "
                             "from or within the device")
         # Pageable host memory cannot be copied asynchronously: as on CUDA, the
         # caller waits for the copy (Note [device layer]).
-        pageable = any(not isinstance(t, (SimDeviceTensor, SimPinnedTensor)) for t in (dst, src))
-        dst_record, src_record = self._record_for(dst), self._record_for(src)
+        pageable = "pageable" in kinds
         with self.lock:
             index = len(self.schedule)
             stream.clock.merge(self.host.clock)  # what the host did before enqueueing is ordered before
@@ -302,26 +311,52 @@ class SimDevice(DeviceLayer):
 
     def _record_for(self, t: torch.Tensor) -> SimRecord | None:
         """The buffer's record; a tensor computed on the device gets one when a copy first touches it."""
-        record = record_of(t)
+        record = self.record_of(t)
         if record is None and isinstance(t, SimDeviceTensor):
             record = t._sim_record = SimRecord("computed device tensor", "device", layer=self)
         return record
 
+    # -- buffers by address ---------------------------------------------------
+
+    def _track(self, buf: torch.Tensor) -> torch.Tensor:
+        """Remembers where `buf` lies, so a plain view of it (one taken with tensor
+        subclasses off, as the engine's own code does) still finds its record."""
+        with torch._C.DisableTorchFunctionSubclass():
+            base = buf.untyped_storage().data_ptr()
+            start = buf.data_ptr()
+            end = start + buf.numel() * buf.element_size()
+        spans = self._by_storage.setdefault(base, [])
+        spans[:] = [sp for sp in spans if sp[2]() is not None]  # wrappers gone: their memory may be reused
+        spans.append((start, end, weakref.ref(buf), record_of(buf)))
+        return buf
+
+    def record_of(self, t: torch.Tensor) -> SimRecord | None:
+        """The record of `t`'s buffer: its own, or that of a live buffer it views."""
+        record = record_of(t)
+        if record is not None:
+            return record
+        with torch._C.DisableTorchFunctionSubclass():
+            base, ptr = t.untyped_storage().data_ptr(), t.data_ptr()
+        for start, end, alive, rec in self._by_storage.get(base, ()):
+            if start <= ptr < end and alive() is not None:
+                return rec
+        return None
+
     # -- compute the layer cannot see (Note [compute the layer cannot see]) ----
 
     def lend(self, buf: torch.Tensor, *, write: bool) -> torch.Tensor:
-        record = record_of(buf)
+        record = self.record_of(buf)
         if record is None:
             raise TypeError(f"sim device: lend() of {type(buf).__name__}; expected a buffer of this "
                             "layer (alloc, pinned, register_pinned or adopt)")
-        self._compute_access("lend", record.kind == "device", [(buf, write)])
+        self._compute_access("lend", record.kind == "device", [(record, write)])
         return plain(buf)
 
     def register_pinned(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         if isinstance(buf, SimTensor):
             raise TypeError(f"sim device: register_pinned() of {buf!r}, already the layer's")
         self.counters.allocated(buf, pinned=True)
-        return wrap_buffer(buf, SimPinnedTensor, SimRecord(name, "pinned", layer=self))
+        return self._track(wrap_buffer(buf, SimPinnedTensor, SimRecord(name, "pinned", layer=self)))
 
     def adopt(self, t: torch.Tensor, name: str) -> torch.Tensor:
         if isinstance(t, SimTensor):
@@ -330,7 +365,7 @@ class SimDevice(DeviceLayer):
             lane = self.default
             lane.clock.merge(self.host.clock)
             access = Access(lane.lane, lane.next_seq(), lane.name, f"compute (wrote '{name}')")
-        return wrap_buffer(t, SimDeviceTensor, SimRecord(name, "device", last_write=access, layer=self))
+        return self._track(wrap_buffer(t, SimDeviceTensor, SimRecord(name, "device", last_write=access, layer=self)))
 
     # -- compute (called from SimTensor.__torch_function__) -------------------
 
@@ -343,10 +378,10 @@ class SimDevice(DeviceLayer):
             seq = lane.next_seq()
             access = Access(lane.lane, seq, lane.name, f"compute ({op})")
             where = "the default stream" if on_device else "the host"
-            for t, write in operands:
-                record = record_of(t)
+            operands = [(t if isinstance(t, SimRecord) else record_of(t), write) for t, write in operands]
+            for record, write in operands:
                 if record.freed or self.check_order:
                     check_access(record, lane.clock, write, f"compute ({op}) on {where}")
-            for t, write in operands:
-                note_access(record_of(t), access, write)
+            for record, write in operands:
+                note_access(record, access, write)
             return access

@@ -16,6 +16,11 @@ set up, as PyTorch's CUDA stream sanitizer does:
   the host's reads of a pinned buffer (the sim blocks the caller all the
   same, since it runs the default stream). Compute on device tensors is the
   default stream's; compute on pinned tensors is the host's.
+- Device memory comes from the default stream's pool, as from CUDA's caching
+  allocator: it may be memory that compute queued so far still uses, so a
+  buffer from `alloc` starts as written by the default stream where it was
+  allocated, and a side stream's first access must be ordered after that
+  (`wait_stream(default)`, as FSDP2's copy-in does).
 - Every buffer (`SimRecord`) keeps its last write and, per lane, its last
   read since. A write on stream t is legal when the last write and every
   read since are ordered before t (t's clock has reached them); a read when

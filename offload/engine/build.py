@@ -37,6 +37,7 @@ from offload.device import DeviceLayer
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
 from offload.partition import nvme_home
+from offload.partition.device_copies import CopyStreams
 from offload.partition.nvme_home import ParamStore
 from offload.partition.shard import PartitionStore, Shard, ShardContext, partition_numel
 from offload.tiers import Tier
@@ -67,13 +68,13 @@ class HomePolicy:
 
 def shard_context(config: Config, device: torch.device, pg: ProcessGroupInfo, account: MemoryAccount, *,
                   param_store: PartitionStore | None = None, buffers: BufferCache | None = None,
-                  layer: DeviceLayer | None = None) -> ShardContext:
+                  layer: DeviceLayer | None = None, streams: CopyStreams | None = None) -> ShardContext:
     """The one way a ShardContext is made: gradients live where the config's
     optimizer tier puts them (`OffloadOptimizerConfig.grad_tier`)."""
     optimizer = config.zero_optimization.offload_optimizer
     return ShardContext(device=device, pg=pg, account=account, param_store=param_store,
                         grad_tier=optimizer.grad_tier, lazy_grads=optimizer.device is Tier.NVME,
-                        buffers=buffers, layer=layer or device_layer_for(device))
+                        buffers=buffers, layer=layer or device_layer_for(device), streams=streams)
 
 
 def device_layer_for(device: torch.device) -> DeviceLayer:
@@ -198,7 +199,7 @@ def discard_home(shard: Shard) -> None:
     nbytes = shard.part_numel * shard.dtype.itemsize
     if shard.home is Tier.HOST:
         pinned = shard.ctx.account.pinned
-        if pinned is not None and shard.host_part is not None and shard.host_part.is_pinned():
+        if pinned is not None and shard.host_part is not None and shard.pinned_home:
             pinned.credit(nbytes)  # pinned by _home_pinner: off the pinned budget and the host tier
         else:
             shard.ctx.account.credit(Tier.HOST, nbytes)
@@ -235,6 +236,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
     builder: an offload.init ModelBuilder whose homed shards are adopted;
     weights: anything offload.engine.weights.open_weights takes;
     layer: the engine's device layer (None: the one OFFLOAD_DEVICE picks)."""
+    layer = layer or device_layer_for(device)
     zero = config.zero_optimization
     dtype = config.precision.dtype
     plan = None
@@ -314,7 +316,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
         # host: a 7 s step).
         writer = _swap_config(param_path, nvme_sizes, None, config, pg)
         configs["writer"] = dataclasses.replace(writer, capacity_bytes=0)
-    staging = _staging_plan(planned, config, dtype, device, pg.world_size)
+    staging = _staging_plan(planned, config, dtype, layer, pg.world_size)
     notes = _preflight_budgets(planned, config, dtype, sum(c.buffer_bytes for c in configs.values()),
                                device=device, world_size=pg.world_size,
                                param_staging_bytes=staging[0] * staging[1] if staging else 0,
@@ -332,13 +334,16 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
 
     stores = {role: _open_store(c, account, run_dirs) for role, c in configs.items()}
     pinned = account.pinned = PinnedLedger(_host_ledger(account), config.memory.pinned_budget)
-    pin = pins(cuda=device.type == "cuda", pin_memory=zero.offload_param.pin_memory)
+    # Pinned: buffers that feed a device with memory of its own (page-locked on cuda,
+    # tracked as pinned by the simulator: Note [device layer]).
+    pin = pins(cuda=layer.separate_memory, pin_memory=zero.offload_param.pin_memory)
     param_store = param_writer = staging_pool = None
     if staging:
         buffer_bytes, depth = staging
-        staging_pool = BufferPool(buffer_bytes * depth, pin=pin, buffer_bytes=buffer_bytes,
+        staging_pool = BufferPool(buffer_bytes * depth, pin=pin and layer.name == "cuda", buffer_bytes=buffer_bytes,
                                   ledger=pinned if pin else _host_ledger(account),
-                                  what="parameter staging buffer" + (" (pinned)" if pin else ""))
+                                  what="parameter staging buffer" + (" (pinned)" if pin else ""),
+                                  register=layer.register_pinned if pin else None)
         staging_pool.fill()
     if nvme_sizes:
         param_store = ParamStore(builder.store if have_param_store else stores["param"], pg, timeline,
@@ -351,7 +356,8 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
         buffers = BufferCache(3 * max(offloaded),
                               charge=lambda n: account.charge(Tier.HOST, n, "idle gathered buffers"),
                               credit=lambda n: account.credit(Tier.HOST, n))
-    ctx = shard_context(config, device, pg, account, param_store=param_store, buffers=buffers, layer=layer)
+    ctx = shard_context(config, device, pg, account, param_store=param_store, buffers=buffers, layer=layer,
+                        streams=CopyStreams(layer) if layer.separate_memory else None)
     shards = []
     for pl in planned:
         if pl.reuse:
@@ -362,17 +368,19 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
         else:
             shards.append(Shard(pl.index, pl.name, pl.param, compute_dtype=dtype, home=pl.home, ctx=ctx))
     return Built(shards, ctx, stores.get("state"), param_writer, _sources=sources, _plan=plan,
-                 pin_home=_home_pinner(pinned) if pin else None)
+                 pin_home=_home_pinner(pinned, layer) if pin else None)
 
 
-def _home_pinner(pinned: PinnedLedger) -> Callable[[Shard], None]:
+def _home_pinner(pinned: PinnedLedger, layer: DeviceLayer) -> Callable[[Shard], None]:
     """Pins a host home (already charged to the host tier) while it fits memory.pinned_budget."""
     def pin_home(shard: Shard) -> None:
         nbytes = shard.part_numel * shard.dtype.itemsize
         if pin_host_home(nbytes, cuda=True, pin_memory=True, pinned_committed=pinned.now,
                          pinned_budget=pinned.budget):
             pinned.charge(nbytes, f"pinned host home of {shard.name}", host_charged=True)
-            shard.host_part = shard.host_part.pin_memory()
+            if layer.name == "cuda":
+                shard.host_part = shard.host_part.pin_memory()
+            shard.pinned_home = True  # its copy-in is asynchronous (Shard._host_copy_source)
     return pin_home
 
 
@@ -382,7 +390,7 @@ def _host_ledger(account: MemoryAccount):
     return TierLedger(account, Tier.HOST)
 
 
-def _staging_plan(planned: list[_Planned], config: Config, dtype: torch.dtype, device: torch.device,
+def _staging_plan(planned: list[_Planned], config: Config, dtype: torch.dtype, layer: DeviceLayer,
                   world_size: int) -> tuple[int, int] | None:
     """(buffer bytes, depth) of the parameter staging pool (Note [staging pool] in
     offload/aio/buffer_pool.py), or None when parameter reads need no staging.
@@ -393,7 +401,7 @@ def _staging_plan(planned: list[_Planned], config: Config, dtype: torch.dtype, d
     from offload.partition.prefetch import prefetch_limits
 
     nvme = [pl for pl in planned if pl.home is Tier.NVME]
-    if not nvme or not nvme_home.stages_reads(world_size, device):
+    if not nvme or not nvme_home.stages_reads(world_size, layer.separate_memory):
         return None
     zero = config.zero_optimization
     buffer_bytes = round_up(max(pl.part_numel for pl in nvme) * dtype.itemsize)
@@ -401,7 +409,7 @@ def _staging_plan(planned: list[_Planned], config: Config, dtype: torch.dtype, d
     bucket, _, _ = prefetch_limits(zero, largest_offloaded)
     depth = nvme_home.staging_depth([pl.padded_numel for pl in nvme], bucket)
     budget = config.memory.pinned_budget
-    if budget is not None and pins(cuda=device.type == "cuda", pin_memory=zero.offload_param.pin_memory):
+    if budget is not None and pins(cuda=layer.separate_memory, pin_memory=zero.offload_param.pin_memory):
         least = nvme_home.MIN_STAGING_DEPTH * buffer_bytes
         if budget < least:
             raise MemoryError(

@@ -575,7 +575,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
             self.buffers.clear()
         while self._device_publishes:
             shard, part = self._device_publishes.pop(0)
-            shard.ctx.pg.all_gather(shard.device_full(), part)
+            shard.set_device_home(part)
 
 def _fused_torch_adam(master, grad, m, v, step: int, group: dict) -> None:
     """torch's fused kernel, for state that lives on a CUDA device."""

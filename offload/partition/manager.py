@@ -56,6 +56,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves  # no public torch.utils.pytree in torch 2.13
 
 from offload.timeline import Timeline
+from offload.partition.device_copies import GradientsToHost
 from offload.partition.grad_buckets import GradientBuckets
 from offload.partition.prefetch import PrefetchScheduler
 from offload.partition.shard import Residency, Shard
@@ -116,10 +117,19 @@ class ParameterManager:
         self.shards = shards
         self.shard_of = {id(s.param): s for s in shards}
         self._on_grad = on_grad
+        # On a device with memory of its own each gradient (each rank's reduced
+        # partition) is copied to the host on the d2h stream (Note [copy streams]).
+        self.to_host: GradientsToHost | None = None
+        ctx = shards[0].ctx if shards else None
+        if ctx is not None and ctx.streams is not None:
+            self.to_host = GradientsToHost(ctx.streams, max(s.part_numel for s in shards) * 4, on_grad,
+                                           ledger=ctx.account.pinned, pin=ctx.layer.name == "cuda")
+            on_grad = self.to_host.put
+        self._deliver_grad = on_grad
         self.grad_buckets: GradientBuckets | None = None  # one rank: gradients go straight to on_grad
-        if shards and shards[0].ctx.pg.world_size > 1:
+        if ctx is not None and ctx.pg.world_size > 1:
             largest = max(s.padded_numel for s in shards)
-            self.grad_buckets = GradientBuckets(shards[0].ctx.pg, reduce_bucket_elems or largest, on_grad)
+            self.grad_buckets = GradientBuckets(ctx.pg, reduce_bucket_elems or largest, on_grad)
         self.prefetch = prefetch or PrefetchScheduler(bucket_elems=0, max_live_elems=0,
                                                       reuse_distance=-1, enabled=False)
         self.timeline = timeline or Timeline(enabled=False)
@@ -239,7 +249,7 @@ class ParameterManager:
                 grad = param.grad
                 param.grad = None
             if self.grad_buckets is None:
-                self._on_grad(shard, grad)
+                self._deliver_grad(shard, grad)
             else:
                 self.grad_buckets.add(shard, grad)
             for _ in range(self._backward_holds.pop(shard, 0)):
@@ -278,6 +288,8 @@ class ParameterManager:
         if not self._backward_tasks:  # the outermost (a reentrant checkpoint's inner one ends first)
             if self.grad_buckets is not None:
                 self.grad_buckets.flush()  # Note [gradient buckets]
+            if self.to_host is not None:
+                self.to_host.drain()  # every gradient in its partition before the optimizer reads them
             self.end_backward()
             self.backward_passes += 1
 
@@ -285,6 +297,8 @@ class ParameterManager:
         """After a backward that raised (autograd runs no callback then)."""
         if self.grad_buckets is not None:
             self.grad_buckets.discard()  # no collective the other ranks may never join
+        if self.to_host is not None:
+            self.to_host.discard()
         if self._backward_tasks:
             self._backward_tasks.clear()
             self.end_backward()
@@ -427,11 +441,15 @@ class ParameterManager:
         self._backward_tasks.clear()
         if self.grad_buckets is not None:
             self.grad_buckets.discard()
+        if self.to_host is not None:
+            self.to_host.discard()
 
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.to_host is not None:
+            self.to_host.close()  # its pinned buffers and their charge
         if self._account is not None:
             self._account.remove_reclaimer(Tier.DEVICE)
         # The engine is closing: no cycles left through what it attached

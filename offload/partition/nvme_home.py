@@ -5,7 +5,10 @@ partition, read a parameter back in full onto the device tier. On a CPU-only
 host with world size 1 the read lands directly in the device buffer (no
 staging copy); otherwise it goes through a buffer of the staging pool (Note
 [staging pool] in offload/aio/buffer_pool.py), then an all-gather (several
-ranks) or a host-to-device copy (CUDA).
+ranks, CPU-only) or a copy-in on the h2d stream (a device with memory of its
+own; the shard all-gathers after it, Note [copy streams] in device_copies.py).
+A staging buffer goes back to the pool only once its copy-in has completed
+(`_after_copy_in`, the wait staging-after-h2d).
 
 Note [staging buffers for reads ahead]
 Only the compute thread reads parameters, so a read waiting for a staging
@@ -18,6 +21,7 @@ own read always finds the buffer kept free, and the pool never grows.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -35,10 +39,10 @@ def _key(shard) -> str:
     return f"param.{shard.index}"
 
 
-def stages_reads(world_size: int, device: torch.device) -> bool:
+def stages_reads(world_size: int, separate_memory: bool) -> bool:
     """Whether a parameter read goes through a staging buffer: unless one rank
     on a CPU-only host, where the device buffer itself is host memory."""
-    return world_size > 1 or device.type != "cpu"
+    return world_size > 1 or separate_memory
 
 
 def staging_depth(padded: list[int], bucket_elems: int) -> int:
@@ -71,13 +75,16 @@ class _PendingRead:
                 self._timeline.record("read", self._name, self._t0)
 
     def wait(self):
+        """Returns what the finish returned: the copy-in's event on a separate device."""
+        result = None
         try:
             self._wait_bytes()
             if self._finish is not None:
-                self._finish()  # a synchronous copy out of the staging buffer
+                result = self._finish()  # an all-gather, or a copy-in started, out of the staging buffer
                 self._finish = None
         finally:
-            self._give_back()
+            self._give_back(result)
+        return result
 
     def cancel(self):
         """Waits for the bytes (the buffer must not be freed under the kernel)
@@ -89,9 +96,9 @@ class _PendingRead:
             self._done = True
         self._give_back()
 
-    def _give_back(self):
+    def _give_back(self, copy_in=None):
         if self._release is not None and self._done:
-            self._release()
+            self._release(copy_in)
             self._release = None
 
 
@@ -124,6 +131,7 @@ class ParamStore:
         self.pg = pg
         self.timeline = timeline
         self.staging = staging
+        self._after_copy_in: deque = deque()  # (event, buffer): staging buffers a copy-in still reads
 
     def write(self, shard, part: torch.Tensor, *, borrow: bool = False):
         """Writes this rank's partition (compute dtype, host) asynchronously;
@@ -135,8 +143,10 @@ class ParamStore:
         return self.store.swap_in(_key(shard), out=out)
 
     def read_full(self, shard, full: torch.Tensor) -> _PendingRead:
-        """Starts filling `full` (padded flat, device tier) with the parameter."""
-        if not stages_reads(self.pg.world_size, full.device):
+        """Starts filling `full` (padded flat, device tier) with the parameter; on a
+        separate device, wait() returns the event of its copy-in (Note [copy streams])."""
+        streams = shard.ctx.streams
+        if not stages_reads(self.pg.world_size, streams is not None):
             handle = self.store.swap_in(_key(shard), out=full[:shard.part_numel])
             return _PendingRead(handle, None, self.timeline, shard.name)
         if self.staging is None:
@@ -144,22 +154,61 @@ class ParamStore:
             handle = self.store.swap_in(_key(shard), out=staging)
             return _PendingRead(handle, lambda: self.pg.all_gather(full, staging), self.timeline, shard.name)
         nbytes = shard.part_numel * shard.dtype.itemsize
+        self._reclaim(wait=False)
         buf = self.staging.try_acquire(nbytes, keep_free_bytes=self.staging.buffer_bytes)
         if buf is None:
-            return _DeferredRead(lambda: self._read_staged(shard, full, self.staging.acquire(nbytes)))
+            return _DeferredRead(lambda: self._read_staged(shard, full, self._acquire(nbytes)))
         return self._read_staged(shard, full, buf)
 
+    def _acquire(self, nbytes: int) -> torch.Tensor:
+        """A staging buffer for the read the step waits on (Note [staging buffers for reads ahead])."""
+        buf = self.staging.try_acquire(nbytes)
+        while buf is None and self._after_copy_in:
+            self._reclaim(wait=True, oldest_only=True)
+            buf = self.staging.try_acquire(nbytes)
+        return buf if buf is not None else self.staging.acquire(nbytes)
+
     def _read_staged(self, shard, full: torch.Tensor, buf: torch.Tensor) -> _PendingRead:
-        staging = buf[:shard.part_numel * shard.dtype.itemsize].view(shard.dtype)
+        streams = shard.ctx.streams
+        # The read writes the buffer from the host: ordered after the copy-in that last read it.
+        target = buf if streams is None else streams.layer.lend(buf, write=True)
+        staging = target[:shard.part_numel * shard.dtype.itemsize].view(shard.dtype)
         try:
             handle = self.store.swap_in(_key(shard), out=staging)
         except BaseException:
             self.staging.release(buf)
             raise
-        return _PendingRead(handle, lambda: self.pg.all_gather(full, staging), self.timeline, shard.name,
-                            release=lambda: self.staging.release(buf))
+        if streams is None:
+            finish = lambda: self.pg.all_gather(full, staging)  # noqa: E731
+        else:
+            source = buf[:shard.part_numel * shard.dtype.itemsize].view(shard.dtype)
+            finish = lambda: streams.to_device(shard._own_slice(full), source)  # noqa: E731
+        return _PendingRead(handle, finish, self.timeline, shard.name,
+                            release=lambda copy_in: self._release_after(copy_in, buf))
+
+    def _release_after(self, copy_in, buf: torch.Tensor) -> None:
+        if copy_in is None:
+            self.staging.release(buf)
+        else:
+            self._after_copy_in.append((copy_in, buf))  # staging-after-h2d (Note [copy streams])
+
+    def _reclaim(self, *, wait: bool, oldest_only: bool = False) -> None:
+        """Gives back the staging buffers whose copy-in has completed (wait: the oldest
+        first, waiting for it)."""
+        while self._after_copy_in:
+            event, buf = self._after_copy_in[0]
+            if wait:
+                event.synchronize()
+            elif not event.query():
+                return
+            self._after_copy_in.popleft()
+            self.staging.release(buf)
+            if oldest_only:
+                return
 
     def close(self) -> None:
+        while self._after_copy_in:
+            self._reclaim(wait=True)
         self.store.close()
         if self.staging is not None:
             self.staging.close()  # credits its bytes; the buffers go with the last reference

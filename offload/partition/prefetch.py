@@ -34,9 +34,11 @@ without it into a TierBudgetError, and initialize's check
 (`_preflight_budgets` in offload/engine/build.py) counts the scheduler's
 live limit plus the one read ahead (`working_set_elems`) so that at an
 accepted budget the configured depth has room.
-Only NVMe homes are read ahead: a host home on a CPU-only machine is already
-the device copy (Note [zero-copy gather]), and gathers that need collectives
-run in use order on the compute thread, the same on every rank.
+Only transfers are started ahead (`Shard.reads_ahead`): NVMe reads, and on a
+device with memory of its own the copy-in of a host home (Note [copy streams]
+in device_copies.py); a host home on a CPU-only machine is already the device
+copy (Note [zero-copy gather]). Gathers that need collectives run in use
+order on the compute thread, the same on every rank.
 """
 from __future__ import annotations
 
@@ -182,7 +184,7 @@ class PrefetchScheduler:
         live = self._live_elems()
         while self._issued < len(order):
             s = order[self._issued]
-            if s.home is Tier.NVME and s.residency is Residency.RELEASED:
+            if s.reads_ahead and s.residency is Residency.RELEASED:
                 n = s.padded_numel
                 if self._unused and (ahead + n > self.bucket_elems or live + n > self.max_live_elems):
                     return  # the bucket is full: continue when the next one is used
@@ -239,4 +241,4 @@ def prefetch_scheduler(zero, shards: list[Shard]) -> PrefetchScheduler:
     bucket, max_live, reuse = prefetch_limits(zero, largest)
     return PrefetchScheduler(
         bucket_elems=bucket, max_live_elems=max_live, reuse_distance=reuse,
-        enabled=bucket > 0 and any(s.home is Tier.NVME for s in shards))
+        enabled=bucket > 0 and any(s.reads_ahead for s in shards))

@@ -32,6 +32,7 @@ import torch
 from offload.aio.memory import BufferCache, aligned_tensor
 from offload.device import DeviceLayer
 from offload.device.cpu import CpuDevice
+from offload.partition.device_copies import CopyStreams
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
 from offload.tiers import Tier
@@ -89,7 +90,9 @@ class ShardContext:
     grad_tier: where fp32 gradient partitions live (the optimizer's side), and
     lazy_grads: whether they exist only while a gradient is pending (Note [gradient partitions]).
     buffers: gathered buffers on a CPU device, reused from step to step; None: allocated each time.
-    layer: the device layer every host<->device copy goes through (Note [device layer]).
+    layer: the device layer every host<->device copy goes through (Note [device layer]);
+    streams: its copy streams where the device has memory of its own, None on
+    the cpu layer (Note [copy streams] in device_copies.py).
     """
 
     device: torch.device
@@ -100,6 +103,7 @@ class ShardContext:
     lazy_grads: bool = False
     buffers: BufferCache | None = None
     layer: DeviceLayer = field(default_factory=CpuDevice)
+    streams: CopyStreams | None = None
 
     @property
     def grad_device(self) -> torch.device:
@@ -133,9 +137,12 @@ class Shard:
         # memory (CPU-only), a host partition already is the full parameter:
         # gathering points param.data at it and costs no bytes and no copy.
         self._zero_copy = (home is Tier.HOST and ctx.pg.world_size == 1
-                           and ctx.device.type == "cpu")
+                           and not ctx.layer.separate_memory)
         self._fetch = None  # pending NVMe read while FETCHING
+        self._copy_in = None  # the copy into _full compute waits before using it (Note [copy streams])
         self.host_part: torch.Tensor | None = None  # HOST home only
+        self.pinned_home = False  # host_part is pinned memory (engine/build.py _home_pinner)
+        self._host_alias: torch.Tensor | None = None  # host_part as the layer's pinned buffer
         # fp32 gradient partition, accumulated across micro-steps, on the
         # optimizer's side (Note [gradient partitions]).
         self.grad_part: torch.Tensor | None = None
@@ -177,9 +184,15 @@ class Shard:
             # Replicated on every rank (padded so an updated partition can be
             # all-gathered straight into it after the optimizer step).
             self._full = self._alloc_full()
-            self._full[:self.numel].copy_(flat)
-            self._full[self.numel:].zero_()
-            self.param.data = self._full[:self.numel].view(self.shape)
+            if self.ctx.streams is None:
+                self._full[:self.numel].copy_(flat)
+                self._full[self.numel:].zero_()
+            else:
+                padded = torch.zeros(self.padded_numel, dtype=self.dtype)
+                padded[:self.numel].copy_(flat)
+                self.publish(padded)
+                self._await_copy_in()
+            self.param.data = self._compute_view()
             self.residency = Residency.GATHERED
             return
         part = self.my_slice(flat)
@@ -192,12 +205,25 @@ class Shard:
         self.param.data = self._placeholder
 
     # ---- residency transitions ----------------------------------------
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether bringing this parameter to the device is a transfer worth starting
+        early: an NVMe read, or a copy-in to a separate device (Note [copy streams])."""
+        return self.home is Tier.NVME or (self.home is Tier.HOST and self.ctx.streams is not None)
+
     def prefetch(self) -> None:
-        """Starts bringing the parameter to the device without waiting (NVMe only)."""
-        if self.residency is not Residency.RELEASED or self.home is not Tier.NVME:
+        """Starts bringing the parameter to the device without waiting."""
+        if self.residency is not Residency.RELEASED or not self.reads_ahead:
             return
         self._full = self._alloc_full()
-        self._fetch = self.ctx.param_store.read_full(self, self._full)
+        try:
+            if self.home is Tier.NVME:
+                self._fetch = self.ctx.param_store.read_full(self, self._full)
+            else:
+                self._copy_in = self.ctx.streams.to_device(self._own_slice(self._full), self._host_copy_source())
+        except BaseException:
+            self._drop_full()
+            raise
         self.residency = Residency.FETCHING
 
     def gather(self) -> torch.Tensor:
@@ -208,12 +234,18 @@ class Shard:
         parameter is there, so the caller's error leaves the shard as it was."""
         if self.residency is not Residency.GATHERED:
             self._materialize()
+        elif self._copy_in is not None:  # a device home's update (publish)
+            self._await_copy_in()
+            self.param.data = self._compute_view()
         self._refs += 1
         return self.param.data
 
     def _materialize(self) -> None:
         if self.residency is Residency.RELEASED and self._zero_copy:
             self._full = self.host_part
+        elif self.ctx.streams is not None:
+            self._materialize_separate()
+            return
         elif self.residency is Residency.RELEASED:
             self._full = self._alloc_full()  # a refused charge raises here, before any state changes
             try:
@@ -230,6 +262,55 @@ class Shard:
         self.param.data = self._full[:self.numel].view(self.shape)
         self.residency = Residency.GATHERED
 
+    def _materialize_separate(self) -> None:
+        """_materialize on a device with memory of its own (Note [copy streams])."""
+        self.prefetch()  # the copy-in (or NVMe read), unless a read ahead started it
+        try:
+            if self._fetch is not None:
+                fetch, self._fetch = self._fetch, None
+                self._copy_in = fetch.wait()  # the bytes are staged; their copy-in is under way
+            self._await_copy_in()
+            if self.ctx.pg.world_size > 1:
+                full = self.ctx.layer.lend(self._full, write=True)
+                # A copy of the own partition: gloo's all-gather takes no input inside its output.
+                self.ctx.pg.all_gather(full, self._own_slice(full).clone())
+        except BaseException:
+            self._drop_full()
+            raise
+        self.param.data = self._compute_view()
+        self.residency = Residency.GATHERED
+
+    def _host_copy_source(self) -> torch.Tensor:
+        """host_part as a copy-in reads it: the layer's pinned buffer when the home is
+        pinned (asynchronous), else the pageable tensor (the layer copies it synchronously)."""
+        if not self.pinned_home:
+            return self.host_part
+        alias = self._host_alias
+        if alias is None or alias.data_ptr() != self.host_part.data_ptr() or alias.numel() != self.host_part.numel():
+            alias = self._host_alias = self.ctx.layer.register_pinned(self.host_part, f"host home of {self.name}")
+        return alias
+
+    def _await_copy_in(self) -> None:
+        if self._copy_in is not None:
+            self.ctx.streams.wait(self._copy_in)  # compute-after-h2d (Note [copy streams])
+            self._copy_in = None
+
+    def _compute_view(self) -> torch.Tensor:
+        """The gathered value as the model sees it (on a separate device, lent to compute)."""
+        full = self._full if self.ctx.streams is None else self.ctx.layer.lend(self._full, write=False)
+        return full[:self.numel].view(self.shape)
+
+    def _own_slice(self, flat: torch.Tensor) -> torch.Tensor:
+        start = self.ctx.pg.rank * self.part_numel
+        return flat[start:start + self.part_numel]
+
+    def publish(self, padded_or_part: torch.Tensor) -> None:
+        """A device home's new value (host; the padded full value, or this rank's
+        partition, which the caller then all-gathers) starts its copy to the device;
+        compute waits for it at the next gather (Note [copy streams])."""
+        dst = self._full if padded_or_part.numel() == self.padded_numel else self._own_slice(self._full)
+        self._copy_in = self.ctx.streams.to_device(dst, padded_or_part)
+
     def release(self) -> None:
         """Drops one hold; the last one frees the device copy (home copy stays authoritative)."""
         if self._refs == 0:
@@ -245,6 +326,9 @@ class Shard:
             if self._fetch is not None:
                 self._fetch.cancel()  # the bytes only: no collective outside use order
                 self._fetch = None
+            if self._copy_in is not None:  # a copy-in nobody used: done before its buffer is freed
+                self._copy_in.synchronize()
+                self._copy_in = None
             self._drop_full()
 
     @property
@@ -257,6 +341,8 @@ class Shard:
 
     def _alloc_full(self) -> torch.Tensor:
         self.ctx.account.charge(Tier.DEVICE, self.padded_numel * self.dtype.itemsize, self.name)
+        if self.ctx.layer.separate_memory:
+            return self.ctx.layer.alloc(self.padded_numel, self.dtype, self.name)
         if self.ctx.device.type == "cpu":
             # Aligned, so an NVMe read lands in it with no staging copy; reused
             # from step to step (Note in offload/aio/memory.py BufferCache).
@@ -267,7 +353,9 @@ class Shard:
 
     def _drop_full(self) -> None:
         self.param.data = self._placeholder
-        if self.ctx.buffers is not None and not self._zero_copy and self._full.device.type == "cpu":
+        if self.ctx.layer.separate_memory:
+            self.ctx.layer.free(self._full)
+        elif self.ctx.buffers is not None and not self._zero_copy and self._full.device.type == "cpu":
             self.ctx.buffers.give(self._full)
         self._full = None
         if not self._zero_copy:
@@ -285,6 +373,8 @@ class Shard:
         """The padded flat gathered buffer (held), which edits of the parameter write."""
         if self.residency is not Residency.GATHERED:
             raise RuntimeError(f"parameter {self.name} is not gathered")
+        if self.ctx.streams is not None:
+            return self.ctx.layer.lend(self._full, write=True)
         return self._full
 
     def gathered_partition(self) -> torch.Tensor:
@@ -309,18 +399,33 @@ class Shard:
     def home_partition(self) -> torch.Tensor:
         """A copy of this rank's compute-dtype partition, from wherever it lives."""
         if self.home is Tier.DEVICE:
-            start = self.ctx.pg.rank * self.part_numel
-            return self._full[start:start + self.part_numel].clone()
+            if self.ctx.streams is None:
+                return self._own_slice(self._full).clone()
+            self._await_copy_in()
+            part = torch.empty(self.part_numel, dtype=self.dtype)
+            self.ctx.layer.copy(part, self._own_slice(self._full)).synchronize()  # pageable: synchronous
+            return part
         if self.home is Tier.HOST:
             return self.host_part.clone()
         part = torch.empty(self.part_numel, dtype=self.dtype)
         self.ctx.param_store.read_part(self, part).wait()
         return part
 
-    def device_full(self) -> torch.Tensor:
-        """The padded flat device buffer of a DEVICE-home shard."""
+    def set_device_home(self, part: torch.Tensor) -> None:
+        """A DEVICE-home shard's new partition (this rank's, compute dtype, from the
+        optimizer or a checkpoint) goes to the device and is all-gathered there.
+        With one rank on a separate device the copy-in is left running; the next
+        gather waits for it (Note [copy streams])."""
         assert self.home is Tier.DEVICE
-        return self._full
+        if self.ctx.streams is None:
+            self.ctx.pg.all_gather(self._full, part.to(self.ctx.device))
+            return
+        self.publish(part.detach().reshape(-1).contiguous())
+        if self.ctx.pg.world_size > 1:
+            self._await_copy_in()
+            full = self.ctx.layer.lend(self._full, write=True)
+            self.ctx.pg.all_gather(full, self._own_slice(full).clone())
+            self.param.data = self._compute_view()
 
     # ---- gradients ------------------------------------------------------
     # Note [gradient partitions]

@@ -242,7 +242,7 @@ def _plan(tmp_path, extra_zero=None, memory_section=None):
 
 
 def test_a_pinned_budget_below_two_of_the_largest_partition_is_refused_at_initialize(tmp_path, monkeypatch):
-    # _staging_plan decides with the device it is given: a CUDA device is what pins.
+    # _staging_plan decides with the device layer it is given: one with memory of its own pins.
     from offload.engine import build as build_mod
     model = build("tiny_gpt")
     cfg = _plan(tmp_path, memory_section={"pinned_budget": 4096})
@@ -251,7 +251,8 @@ def test_a_pinned_budget_below_two_of_the_largest_partition_is_refused_at_initia
     policy = HomePolicy(cfg)
     planned = [_Planned(i, n, p, policy.home_of(p), partition_numel(p.numel(), 1), p.numel(), None)
                for i, (n, p) in enumerate(model.named_parameters())]
-    cuda = torch.device("cuda", 0)
+    from offload.device.sim import SimDevice
+    cuda = SimDevice()
     largest = memory.round_up(max(pl.part_numel for pl in planned) * 4)
     with pytest.raises(MemoryError, match=rf"memory.pinned_budget is 4096 bytes but the parameter staging pool "
                                           rf"needs at least {2 * largest} \(2 buffers of the largest NVMe "
@@ -265,8 +266,16 @@ def test_a_pinned_budget_below_two_of_the_largest_partition_is_refused_at_initia
     # a budget of exactly two buffers: a pool of two
     exact = _plan(tmp_path, memory_section={"pinned_budget": 2 * largest})
     assert build_mod._staging_plan(planned, exact, torch.float32, cuda, 1) == (largest, 2)
-    # the engine itself refuses at initialize, before any parameter moves (staged on this host: pinned
-    # only with CUDA, so here the refusal is checked through _staging_plan above)
+    # the engine itself refuses at initialize, on the simulated device (which pins), before any
+    # parameter moves: the model keeps its values
+    monkeypatch.setenv("OFFLOAD_DEVICE", "sim")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    small = make_config("nvme", "cpu", tmp_path / "refused")
+    small["memory"] = {"pinned_budget": 4096}
+    with pytest.raises(MemoryError, match=r"memory.pinned_budget is 4096 bytes but the parameter staging pool"):
+        offload.initialize(model, small)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[n], rtol=0, atol=0)
 
 
 def test_pin_memory_and_pinned_budget_are_checked_keys():

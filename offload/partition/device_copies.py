@@ -1,0 +1,117 @@
+"""Copies between the host and a separate device, on side streams.
+
+Note [copy streams]
+Where the device has memory of its own (cuda; the simulator, Note [device
+layer] in offload/device/layer.py), every host<->device copy of the engine
+runs on a side stream of the layer, so a copy overlaps compute instead of
+holding it up, and each consumer waits on the event of exactly the copy it
+needs, nothing more. The waits, each one tested necessary by removing it
+(tests/engine/test_sim_engine.py, `WAITS`):
+
+  h2d-after-compute   the h2d stream waits the compute stream before it
+                      writes a buffer just allocated: device memory comes
+                      from the compute stream's pool, which compute queued
+                      so far may still use (CopyStreams.to_device);
+  compute-after-h2d   compute waits the event of a parameter's copy-in
+                      before the parameter is handed to the model or to a
+                      collective (Shard._await_copy_in);
+  staging-after-h2d   an NVMe staging buffer goes back to its pool only once
+                      the copy out of it has completed (nvme_home);
+  d2h-after-compute   the d2h stream waits the compute stream before it
+                      copies a gradient autograd just wrote (GradientsToHost.put);
+  host-after-d2h      the optimizer's side reads a gradient's pinned buffer
+                      only after that copy's event (GradientsToHost.drain).
+
+Parameters go host->device on the `h2d` stream when the prefetcher reads
+them ahead (Note [prefetch order]) or, at the latest, when the step takes
+them into use; gradients go device->host on the `d2h` stream as backward
+produces them, into pinned buffers of a small pool, and are added into the
+fp32 gradient partitions when the pool needs a buffer back and at the end of
+backward. A device buffer or gradient is freed only once no copy uses it
+(`DeviceLayer.free`; on cuda, record_stream). On the cpu layer none of this
+runs: the device is the host, and the engine keeps its direct path (Note
+[zero-copy gather] in shard.py).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from offload.aio.buffer_pool import BufferPool
+from offload.device import DeviceLayer, Event
+
+GRADIENT_BUFFERS = 4  # in flight device->host at once; more hides no more on one d2h stream
+
+
+class CopyStreams:
+    """The engine's two copy streams and the compute stream (Note [copy streams])."""
+
+    def __init__(self, layer: DeviceLayer):
+        self.layer = layer
+        self.compute = layer.current_stream()
+        self.h2d = layer.stream("h2d")
+        self.d2h = layer.stream("d2h")
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        """Starts dst (device) <- src (host) on the h2d stream."""
+        self.h2d.wait_stream(self.compute)  # h2d-after-compute
+        return self.layer.copy(dst, src, self.h2d)
+
+    def wait(self, event: Event) -> None:
+        """Compute continues after `event` (compute-after-h2d)."""
+        self.compute.wait_event(event)
+
+
+class GradientsToHost:
+    """Gradients device->host during backward (Note [copy streams]).
+
+    deliver(shard, grad): the gradient, now on the host (a view into a pinned
+    buffer, valid during the call), to add into the shard's partition."""
+
+    def __init__(self, streams: CopyStreams, largest_bytes: int, deliver, ledger=None, pin: bool = False):
+        self.streams = streams
+        self.layer = streams.layer
+        self._deliver = deliver
+        self.pool = BufferPool(GRADIENT_BUFFERS * max(largest_bytes, 4096), pin=pin, ledger=ledger,
+                               buffer_bytes=max(largest_bytes, 1), what="gradient staging buffer",
+                               register=self.layer.register_pinned)
+        self._pending: deque = deque()  # (shard, device grad, pinned buffer, its view, event)
+
+    def put(self, shard, grad: torch.Tensor) -> None:
+        """Starts the copy of `grad`, which compute just wrote, to the host."""
+        flat = grad.detach().reshape(-1)
+        nbytes = flat.numel() * flat.element_size()
+        buf = self.pool.try_acquire(nbytes)
+        while buf is None:  # every buffer holds a gradient still on its way: finish the oldest
+            self._finish_one()
+            buf = self.pool.try_acquire(nbytes)
+        on_device = self.layer.adopt(flat, f"gradient of {shard.name}")
+        host = buf[:nbytes].view(flat.dtype)
+        self.streams.d2h.wait_stream(self.streams.compute)  # d2h-after-compute
+        event = self.layer.copy(host, on_device, self.streams.d2h)
+        self._pending.append((shard, on_device, buf, host, event))
+
+    def drain(self) -> None:
+        """Every gradient started is in its partition (the end of backward)."""
+        while self._pending:
+            self._finish_one()
+
+    def discard(self) -> None:
+        """A backward that raised: the copies finish, their gradients are dropped."""
+        while self._pending:
+            self._finish_one(deliver=False)
+
+    def close(self) -> None:
+        self.discard()
+        self.pool.close()
+
+    def _finish_one(self, deliver: bool = True) -> None:
+        shard, on_device, buf, host, event = self._pending.popleft()
+        try:
+            event.synchronize()  # host-after-d2h
+            if deliver:
+                self._deliver(shard, self.layer.lend(host, write=False))
+        finally:
+            self.layer.free(on_device)
+            self.pool.release(buf)
