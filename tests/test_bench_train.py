@@ -150,6 +150,8 @@ def test_device_sim_reports_how_much_transfer_time_was_hidden(tmp_path, capsys):
         assert 0.0 <= figures["exposed_s"] <= figures["busy_s"]
         assert figures["hidden_fraction"] == pytest.approx(1 - figures["exposed_s"] / figures["busy_s"])
     assert sim["nvme_reads"]["reads"] > 0
+    assert copies["exposed_s"] <= copies["compute_blocked_s"] <= copies["step_s"]
+    assert all(0 <= start < end <= copies["step_s"] for start, end in copies["compute_blocked"])
     err = capsys.readouterr().err
     assert "offload-nvme host<->device copies at 5 GB/s: " in err
     assert "offload-nvme NVMe reads: " in err

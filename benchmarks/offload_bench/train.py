@@ -408,6 +408,10 @@ def _print_hidden(results: dict) -> None:
             share = "n/a (none in the step)" if f["hidden_fraction"] is None else f"{f['hidden_fraction']:.1%}"
             log(f"   {name} {label}: {share} of the last step's transfer time hidden behind compute "
                 f"({f['busy_s']:.4f} s busy, {f['exposed_s']:.4f} s of it with compute blocked)")
+        f = sim["host_device"]
+        log(f"   {name}: {f['copies']} copies, {f['bytes'] / 1e9:.3f} GB, {f['modeled_s']:.4f} s at the "
+            f"modeled bandwidth (a sim copy also spends its memcpy and poison fill); compute blocked on "
+            f"the device {f['compute_blocked_s']:.4f} s of the {f['step_s']:.3f} s step")
         if "note" in sim:
             log(f"   {name}: {sim['note']}")
 
@@ -425,17 +429,21 @@ def _plot_copies(results: dict, out_dir: str, title: str):
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.5 + 1.2 * len(runs)), squeeze=False)
     for ax, (name, sim) in zip(axes[:, 0], runs):
         copies = sim["host_device"]["timeline"]
+        f = sim["host_device"]
         streams = sorted({c["stream"] for c in copies})
         for row, stream in enumerate(streams):
-            bars = [(c["start_s"], (c["end_s"] if c["end_s"] is not None else c["start_s"]) - c["start_s"])
+            bars = [(c["start_s"], (f["step_s"] if c["end_s"] is None else c["end_s"]) - c["start_s"])
                     for c in copies if c["stream"] == stream]
-            ax.broken_barh(bars, (row - 0.4, 0.8))
-        ax.set_yticks(range(len(streams)), streams)
-        f = sim["host_device"]
+            ax.broken_barh(bars, (row - 0.4, 0.8), color="#1f77b4")
+        ax.broken_barh([(start, end - start) for start, end in f["compute_blocked"]],
+                       (len(streams) - 0.4, 0.8), color="#d62728")
+        ax.set_yticks(range(len(streams) + 1), streams + ["compute blocked"])
+        ax.set_xlim(0, f["step_s"])
         share = "n/a" if f["hidden_fraction"] is None else f"{f['hidden_fraction']:.0%}"
-        ax.set_title(f"{name}: {share} of copy time hidden", fontsize=9)
+        ax.set_title(f"{name}: {share} of the copies' busy time hidden behind compute", fontsize=9)
     axes[-1, 0].set_xlabel("seconds from the step's start")
     fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
     return save_png(fig, out_dir, "train_copies.png")
 
 

@@ -93,7 +93,9 @@ def copy_overlap(schedule, blocked, window: Interval, thread: str) -> dict:
     """The sim's copies (`SimDevice.schedule`, CopySpans) in `window`: their hidden
     fraction against `thread`'s blocked intervals (`SimDevice.blocked`), and each
     copy that touched the window (stream, bytes, start and end relative to the
-    window's start; end None while still in flight at the window's end)."""
+    window's start; end None while still in flight at the window's end; the
+    modeled seconds, bytes / bandwidth + jitter: a sim copy also spends the real
+    memcpy and poison fill, so its span is longer)."""
     t0, t1 = window
     spans, timeline = [], []
     for copy in list(schedule):
@@ -103,7 +105,8 @@ def copy_overlap(schedule, blocked, window: Interval, thread: str) -> dict:
         end = t1 if finished is None else finished
         spans.append((copy.stream, started, end))
         timeline.append({"stream": copy.stream, "bytes": copy.nbytes, "src": copy.src, "dst": copy.dst,
-                         "start_s": started - t0, "end_s": None if finished is None else finished - t0})
+                         "start_s": started - t0, "end_s": None if finished is None else finished - t0,
+                         "modeled_s": copy.modeled_s})
     waits = [(start, end) for start, end, who in list(blocked) if who == thread]
     # A copy on the default stream runs on the compute thread: exposed whole.
     waits += [(start, end) for stream, start, end in spans if stream == "default"]
@@ -111,6 +114,10 @@ def copy_overlap(schedule, blocked, window: Interval, thread: str) -> dict:
     figures["step_s"] = t1 - t0
     figures["copies"] = len(timeline)
     figures["bytes"] = sum(c["bytes"] for c in timeline)
+    figures["modeled_s"] = sum(c["modeled_s"] for c in timeline)  # summed, not a union
+    blocked_in_step = intersect(waits, [window])
+    figures["compute_blocked_s"] = length(blocked_in_step)  # on copies in flight or not
+    figures["compute_blocked"] = [(start - t0, end - t0) for start, end in blocked_in_step]
     return {**figures, "timeline": timeline}
 
 

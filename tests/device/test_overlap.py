@@ -66,7 +66,7 @@ def test_a_window_clips_the_transfers_to_it():
 
 
 def _span(index, stream, started, finished, nbytes=100):
-    return CopySpan(index, stream, "stage", "x", nbytes, 0.0, started, finished)
+    return CopySpan(index, stream, "stage", "x", nbytes, 0.25, started, finished)
 
 
 def test_copy_overlap_counts_only_the_compute_threads_waits_and_default_stream_copies_whole():
@@ -80,11 +80,14 @@ def test_copy_overlap_counts_only_the_compute_threads_waits_and_default_stream_c
         _span(6, "h2d", None, None),          # not started
         _span(7, "h2d", 9.5, 10.5),           # from before the window: counts from its start
     ]
-    blocked = [(11.5, 12.0, "MainThread"), (12.0, 13.0, "optimizer")]
+    blocked = [(11.5, 12.0, "MainThread"), (12.0, 13.0, "optimizer"), (13.75, 14.5, "MainThread")]
     figures = overlap.copy_overlap(schedule, blocked, window=(10.0, 14.0), thread="MainThread")
     assert figures["busy_s"] == pytest.approx(4.0)
-    assert figures["exposed_s"] == pytest.approx(1.0)
-    assert figures["hidden_fraction"] == pytest.approx(0.75)
+    assert figures["exposed_s"] == pytest.approx(1.25)
+    assert figures["hidden_fraction"] == pytest.approx(1 - 1.25 / 4)
+    assert figures["compute_blocked_s"] == pytest.approx(1.25)
+    assert figures["compute_blocked"] == [(1.5, 2.0), (3.0, 3.5), (3.75, 4.0)]
+    assert figures["modeled_s"] == pytest.approx(6 * 0.25)
     assert figures["copies"] == 6 and figures["bytes"] == 550 and figures["step_s"] == 4.0
     assert [(c["stream"], c["start_s"], c["end_s"]) for c in figures["timeline"]] == [
         ("h2d", 0.0, 1.0), ("h2d", 1.0, 2.0), ("d2h", 2.0, 3.0), ("default", 3.0, 3.5), ("h2d", 3.5, None),
