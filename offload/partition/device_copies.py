@@ -16,7 +16,7 @@ needs, nothing more. The waits, each one tested necessary by removing it
                       before the parameter is handed to the model or to a
                       collective (Shard._await_copy_in);
   staging-after-h2d   an NVMe staging buffer goes back to its pool only once
-                      the copy out of it has completed (nvme_home);
+                      the copy out of it has completed (ParamStore._release_after);
   d2h-after-compute   the d2h stream waits the compute stream before it
                       copies a gradient autograd just wrote (GradientsToHost.put);
   host-after-d2h      the optimizer's side reads a gradient's pinned buffer
@@ -43,6 +43,16 @@ from offload.device import DeviceLayer, Event
 
 GRADIENT_BUFFERS = 4  # in flight device->host at once; more hides no more on one d2h stream
 
+# The waits of Note [copy streams], by name. Tests remove one at a time to show
+# the simulator catches its absence (tests/engine/test_sim_engine.py); nothing else may.
+WAITS = ("h2d-after-compute", "compute-after-h2d", "staging-after-h2d", "d2h-after-compute", "host-after-d2h")
+removed_waits: set[str] = set()
+
+
+def waits(name: str) -> bool:
+    """Whether the wait `name` (one of WAITS) is made."""
+    return name not in removed_waits
+
 
 class CopyStreams:
     """The engine's two copy streams and the compute stream (Note [copy streams])."""
@@ -55,12 +65,14 @@ class CopyStreams:
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         """Starts dst (device) <- src (host) on the h2d stream."""
-        self.h2d.wait_stream(self.compute)  # h2d-after-compute
+        if waits("h2d-after-compute"):
+            self.h2d.wait_stream(self.compute)
         return self.layer.copy(dst, src, self.h2d)
 
     def wait(self, event: Event) -> None:
         """Compute continues after `event` (compute-after-h2d)."""
-        self.compute.wait_event(event)
+        if waits("compute-after-h2d"):
+            self.compute.wait_event(event)
 
 
 class GradientsToHost:
@@ -76,6 +88,7 @@ class GradientsToHost:
         self.pool = BufferPool(GRADIENT_BUFFERS * max(largest_bytes, 4096), pin=pin, ledger=ledger,
                                buffer_bytes=max(largest_bytes, 1), what="gradient staging buffer",
                                register=self.layer.register_pinned)
+        self.pool.fill()  # at initialize: a memory.pinned_budget too small for it fails there
         self._pending: deque = deque()  # (shard, device grad, pinned buffer, its view, event)
 
     def put(self, shard, grad: torch.Tensor) -> None:
@@ -88,7 +101,8 @@ class GradientsToHost:
             buf = self.pool.try_acquire(nbytes)
         on_device = self.layer.adopt(flat, f"gradient of {shard.name}")
         host = buf[:nbytes].view(flat.dtype)
-        self.streams.d2h.wait_stream(self.streams.compute)  # d2h-after-compute
+        if waits("d2h-after-compute"):
+            self.streams.d2h.wait_stream(self.streams.compute)
         event = self.layer.copy(host, on_device, self.streams.d2h)
         self._pending.append((shard, on_device, buf, host, event))
 
@@ -109,7 +123,8 @@ class GradientsToHost:
     def _finish_one(self, deliver: bool = True) -> None:
         shard, on_device, buf, host, event = self._pending.popleft()
         try:
-            event.synchronize()  # host-after-d2h
+            if waits("host-after-d2h"):
+                event.synchronize()
             if deliver:
                 self._deliver(shard, self.layer.lend(host, write=False))
         finally:

@@ -29,6 +29,7 @@ from offload.aio.buffer_pool import BufferPool
 from offload.aio.memory import aligned_tensor
 from offload.aio.swap_store import SwapStore
 from offload.partition.collectives import ProcessGroupInfo
+from offload.partition.device_copies import waits
 from offload.timeline import Timeline
 
 
@@ -187,7 +188,7 @@ class ParamStore:
                             release=lambda copy_in: self._release_after(copy_in, buf))
 
     def _release_after(self, copy_in, buf: torch.Tensor) -> None:
-        if copy_in is None:
+        if copy_in is None or not waits("staging-after-h2d"):
             self.staging.release(buf)
         else:
             self._after_copy_in.append((copy_in, buf))  # staging-after-h2d (Note [copy streams])

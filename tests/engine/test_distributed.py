@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import offload.device
+
 from tests.engine.harness import (batches, build, make_config, run_engine, run_reference,
                                   run_reference_mixed)
 
@@ -31,8 +33,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, nvme_root, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank, world, port, nvme_root, device, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OFFLOAD_DEVICE=device,
+                      OFFLOAD_SIM_SEED=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -49,7 +52,8 @@ def _worker(rank, world, port, nvme_root, results):
                         world=world)
                 cfg = make_config(param, optim, os.path.join(nvme_root, f"case{i}"), gas=gas,
                                   precision=precision)
-                weights, losses, _ = run_engine(model, data, cfg, rank=rank)
+                weights, losses, engine = run_engine(model, data, cfg, rank=rank)
+                assert offload.device.selected_name() == device
                 torch.testing.assert_close(losses, ref_losses[:, rank])
                 for pname, p in ref_model.named_parameters():
                     torch.testing.assert_close(weights[pname], p.detach(),
@@ -84,8 +88,11 @@ def run_ranks(worker, args, *, world=2, timeout=280) -> tuple[dict, list]:
     return outcome, procs
 
 
-def test_world_size_two_matches_data_parallel_pytorch(tmp_path):
-    outcome, procs = run_ranks(_worker, (str(tmp_path),))
+# sim: the simulated asynchronous device (Note [copy streams]): copy-ins, all-gathers and
+# reduce-scatters of device buffers, gradients to the host on a stream, each rank its own jitter.
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_world_size_two_matches_data_parallel_pytorch(tmp_path, device):
+    outcome, procs = run_ranks(_worker, (str(tmp_path), device))
     failures = {k: v for k, v in outcome.items() if v != "ok"}
     assert not failures, "\n".join(f"rank {r} case {CASES[c]}:\n{msg}" for (r, c), msg in failures.items())
     assert len(outcome) == 2 * len(CASES), f"workers reported {len(outcome)} of {2 * len(CASES)} results"
