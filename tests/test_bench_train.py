@@ -134,7 +134,7 @@ def test_fsdp2_with_cpu_offload_runs_on_cpu_with_the_same_losses_as_torch(tmp_pa
 
 def test_device_sim_reports_how_much_transfer_time_was_hidden(tmp_path, capsys):
     out = tmp_path / "out"
-    assert train.main(["--quick", "--warmup", "1", "--steps", "1", "--device", "sim", "--sim-gbps", "5",
+    assert train.main(["--quick", "--warmup", "1", "--steps", "2", "--device", "sim", "--sim-gbps", "5",
                        "--contenders", "offload-nvme", "--out", str(out)]) == 0
     report = json.loads((out / "train.json").read_text())
     assert report["device"] == "sim" and report["sim_gbps"] == 5.0
@@ -153,5 +153,10 @@ def test_device_sim_reports_how_much_transfer_time_was_hidden(tmp_path, capsys):
     assert copies["exposed_s"] <= copies["compute_blocked_s"] <= copies["step_s"]
     assert all(0 <= start < end <= copies["step_s"] for start, end in copies["compute_blocked"])
     err = capsys.readouterr().err
+    # One hidden fraction per timed step; the last one's figures in full.
+    assert [step["host_device"] for step in sim["per_step"]][-1] == copies["hidden_fraction"]
+    assert len(sim["per_step"]) == 2
+    assert sim["median_hidden_fraction"]["nvme_reads"] == pytest.approx(
+        statistics.median(step["nvme_reads"] for step in sim["per_step"]))
     assert "offload-nvme host<->device copies at 5 GB/s: " in err
     assert "offload-nvme NVMe reads: " in err

@@ -392,7 +392,7 @@ def _figures_line(r: dict) -> str:
 
 
 def _print_hidden(results: dict) -> None:
-    """--device sim: the share of the last step's transfer time hidden behind compute."""
+    """--device sim: the share of the transfer time hidden behind compute."""
     from offload_bench.common import log
 
     for name, r in results.items():
@@ -404,10 +404,13 @@ def _print_hidden(results: dict) -> None:
             continue
         for label, key in ((f"host<->device copies at {sim['gbps']:g} GB/s", "host_device"),
                            ("NVMe reads", "nvme_reads")):
-            f = sim[key]
-            share = "n/a (none in the step)" if f["hidden_fraction"] is None else f"{f['hidden_fraction']:.1%}"
-            log(f"   {name} {label}: {share} of the last step's transfer time hidden behind compute "
-                f"({f['busy_s']:.4f} s busy, {f['exposed_s']:.4f} s of it with compute blocked)")
+            f, median = sim[key], sim["median_hidden_fraction"][key]
+            if median is None:
+                log(f"   {name} {label}: none in a timed step")
+                continue
+            log(f"   {name} {label}: {median:.1%} of the transfer time hidden behind compute (median of "
+                f"{len(sim['per_step'])} timed steps; the last: {f['hidden_fraction']:.1%}, {f['busy_s']:.4f} s "
+                f"busy, {f['exposed_s']:.4f} s of it with compute blocked)")
         f = sim["host_device"]
         log(f"   {name}: {f['copies']} copies, {f['bytes'] / 1e9:.3f} GB, {f['modeled_s']:.4f} s at the "
             f"modeled bandwidth (a sim copy also spends its memcpy and poison fill); compute blocked on "

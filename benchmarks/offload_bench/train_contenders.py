@@ -120,16 +120,29 @@ def _setup(name: str, model, spec: dict, device):
 
 
 def _sim_overlap(engine, window: tuple[float, float]) -> dict:
-    """How much of the last step's transfer time was hidden (Note [hidden transfer time])."""
+    """How much of one step's transfer time was hidden (Note [hidden transfer time]);
+    `window` is the step just run, whose spans engine.timeline() gives."""
     from offload.device import overlap
 
     layer = engine.device_layer
     if layer.name != "sim":
         return {"error": f"--device sim: the engine's device layer is {layer.describe()!r}, not sim"}
-    copies = overlap.copy_overlap(layer.schedule, layer.blocked, window, threading.main_thread().name)
-    out = {"layer": layer.describe(), "gbps": layer.gbps, "host_device": copies,
-           "nvme_reads": overlap.read_overlap(engine.timeline())}
-    if not copies["copies"]:
+    return {"host_device": overlap.copy_overlap(layer.schedule, layer.blocked, window, threading.main_thread().name),
+            "nvme_reads": overlap.read_overlap(engine.timeline())}
+
+
+def _sim_summary(engine, steps: list[dict]) -> dict:
+    """The last timed step in full (the copies' timeline), and each timed step's hidden
+    fractions with their median: one step is one sample of a noisy machine."""
+    if "error" in steps[-1]:
+        return steps[-1]
+    layer = engine.device_layer
+    out = {"layer": layer.describe(), "gbps": layer.gbps, **steps[-1],
+           "per_step": [{k: step[k]["hidden_fraction"] for k in ("host_device", "nvme_reads")} for step in steps]}
+    out["median_hidden_fraction"] = {
+        k: statistics.median(f[k] for f in out["per_step"]) if all(f[k] is not None for f in out["per_step"])
+        else None for k in ("host_device", "nvme_reads")}
+    if not out["host_device"]["copies"]:
         out["note"] = "no host<->device copy went through the device layer in the last step"
     return out
 
@@ -167,7 +180,7 @@ def run_contender(name: str, spec: dict) -> dict:
     losses, times = [], []
     stores = engine.swap_stores if name.startswith("offload-") else []
     moved = None
-    window = None
+    sim_steps: list[dict] = []  # --device sim, ours: each timed step's hidden fractions
     for i in range(s["warmup"] + s["steps"]):
         if i == s["warmup"]:
             moved = [(st.stats.bytes_read, st.stats.bytes_written) for st in stores]
@@ -177,10 +190,12 @@ def run_contender(name: str, spec: dict) -> dict:
         if cuda:
             torch.cuda.synchronize()
         end = time.perf_counter()
-        window, dt = (t, end), end - t
+        dt = end - t
         losses.append(float(loss.detach()))
         if i >= s["warmup"]:
             times.append(dt)
+            if spec.get("device") == "sim" and engine is not None and name.startswith("offload-"):
+                sim_steps.append(_sim_overlap(engine, (t, end)))
         print(f"[{name}] step {i} {'warmup' if i < s['warmup'] else 'timed'} "
               f"{dt:.3f} s loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     # CPU seconds (user, system) and page faults per timed step: on 2 cores a
@@ -200,8 +215,8 @@ def run_contender(name: str, spec: dict) -> dict:
         tl = engine.timeline()
         res["timeline"] = {"wall_s": round(tl["wall_s"], 4),
                            "seconds": {k: round(v, 4) for k, v in tl["seconds"].items()}}
-        if spec.get("device") == "sim":
-            res["sim"] = _sim_overlap(engine, window)
+        if sim_steps:
+            res["sim"] = _sim_summary(engine, sim_steps)
         if spec.get("trace_dir"):
             engine.export_chrome_trace(os.path.join(spec["trace_dir"], f"{name}.trace.json"))
     res["step_times_s"] = [round(t, 4) for t in times]
