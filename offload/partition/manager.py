@@ -178,6 +178,8 @@ class ParameterManager:
                 # it: the store finishes transfers in submission order.
                 shard.prefetch()
                 handed_over = self.prefetch.on_use(shard)
+                if shard.ctx.streams is not None:
+                    self.prefetch.advance()
             if shard.residency is Residency.GATHERED:
                 data = shard.gather()
             else:

@@ -75,6 +75,10 @@ class _PendingRead:
             if self._timeline is not None:
                 self._timeline.record("read", self._name, self._t0)
 
+    def bytes_ready(self) -> bool:
+        """Whether the bytes are in (wait() would not block on the disk)."""
+        return self._done or self._handle.done()
+
     def wait(self):
         """Returns what the finish returned: the copy-in's event on a separate device."""
         result = None
@@ -112,6 +116,9 @@ class _DeferredRead:
 
     def wait(self):
         return self._start().wait()
+
+    def bytes_ready(self) -> bool:
+        return False  # not started
 
     def cancel(self):
         pass

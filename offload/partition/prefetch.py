@@ -155,6 +155,11 @@ class PrefetchScheduler:
                           "(%s); on-demand reads until the next pass", self._key, self._pos, shard.name)
         return was_retained
 
+    def advance(self) -> None:
+        """Reads ahead whose bytes are in start their copy-in (Shard.advance)."""
+        for shard in self._unused:
+            shard.advance()
+
     def on_released(self, shard: Shard) -> None:
         self._live.pop(shard, None)
         self._unused.pop(shard, None)

@@ -63,6 +63,25 @@ class PendingRead(Transfer, Protocol):
     def cancel(self) -> None:
         """Waits for the bytes but skips what follows them (a prefetch nobody used)."""
 
+    def bytes_ready(self) -> bool:
+        """Whether the bytes are in: wait() would not block on the disk."""
+
+
+class _FailedRead:
+    """A read ahead that failed when Shard.advance finished it: its gather raises the error."""
+
+    def __init__(self, exc: Exception):
+        self._exc = exc
+
+    def wait(self):
+        raise self._exc
+
+    def cancel(self) -> None:
+        pass
+
+    def bytes_ready(self) -> bool:
+        return True
+
 
 class PartitionStore(Protocol):
     """What a shard asks of the store holding NVMe homes (offload.partition.nvme_home.ParamStore;
@@ -289,6 +308,16 @@ class Shard:
         if alias is None or alias.data_ptr() != self.host_part.data_ptr() or alias.numel() != self.host_part.numel():
             alias = self._host_alias = self.ctx.layer.register_pinned(self.host_part, f"host home of {self.name}")
         return alias
+
+    def advance(self) -> None:
+        """A read ahead whose bytes are in starts its copy-in now, not when the step
+        needs the parameter: the copy then overlaps compute too (Note [copy streams])."""
+        if self._fetch is not None and self.ctx.streams is not None and self._fetch.bytes_ready():
+            fetch, self._fetch = self._fetch, None
+            try:
+                self._copy_in = fetch.wait()
+            except Exception as exc:  # noqa: BLE001 - this parameter's own gather raises it
+                self._fetch = _FailedRead(exc)
 
     def _await_copy_in(self) -> None:
         if self._copy_in is not None:
