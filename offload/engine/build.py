@@ -161,8 +161,8 @@ class Built:
             fp32 = value.reshape(-1).to(torch.float32)
             part = shard.my_slice(fp32).clone()
             shard.adopt(value)
-            if shard.home is Tier.HOST and self.pin_home is not None:
-                self.pin_home(shard)
+        if shard.home is Tier.HOST and self.pin_home is not None and not shard.pinned_home:
+            self.pin_home(shard)  # offload.init's homes too
         if not shard.ctx.lazy_grads:
             shard.allocate_grad_part()
         return part

@@ -133,3 +133,26 @@ def test_a_pinned_budget_too_small_for_the_gradient_buffers_is_refused_at_initia
         offload.initialize(model, cfg)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), before[n], rtol=0, atol=0)
+
+
+def test_homes_built_by_offload_init_are_pinned_and_train_like_plain_pytorch(tmp_path, sim):
+    sim(2)
+    from tests.engine.models import MODELS
+
+    torch.manual_seed(7)
+    plain = MODELS["tiny_gpt"]()
+    cfg = make_config("cpu", "cpu", tmp_path)
+    torch.manual_seed(7)
+    with offload.init(cfg):
+        model = MODELS["tiny_gpt"]()
+    data = batches(STEPS, seed=4)
+    ref_model, ref_losses = run_reference(plain, data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01)
+    with offload.initialize(model, cfg) as engine:
+        homes = [s for s in engine.shards if s.home.value == "host"]
+        assert homes and all(s.pinned_home for s in homes)
+        home_bytes = sum(s.part_numel * s.dtype.itemsize for s in homes)
+        assert engine.memory_report()["pinned"]["now"] >= home_bytes
+        losses, weights = train_engine(engine, data), engine_weights(engine)
+    torch.testing.assert_close(losses, ref_losses[:, 0])
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{name}: {m}")
