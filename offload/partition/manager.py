@@ -118,10 +118,11 @@ class ParameterManager:
         self.shard_of = {id(s.param): s for s in shards}
         self._on_grad = on_grad
         # On a device with memory of its own each gradient (each rank's reduced
-        # partition) is copied to the host on the d2h stream (Note [copy streams]).
+        # partition) is copied to the host on the d2h stream (Note [copy streams]),
+        # unless the optimizer keeps its gradients on the device.
         self.to_host: GradientsToHost | None = None
         ctx = shards[0].ctx if shards else None
-        if ctx is not None and ctx.streams is not None:
+        if ctx is not None and ctx.streams is not None and ctx.grad_tier is not Tier.DEVICE:
             self.to_host = GradientsToHost(ctx.streams, max(s.part_numel for s in shards) * 4, on_grad,
                                            ledger=ctx.account.pinned, pin=ctx.layer.name == "cuda")
             on_grad = self.to_host.put

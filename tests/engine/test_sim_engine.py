@@ -32,6 +32,7 @@ MATRIX = [
     ("cpu", "nvme", "bf16", 2, True, NO_OVERLAP),
     ("nvme", "cpu", "fp32", 1, True, {**NO_PREFETCH, **NO_OVERLAP}),
     ("cpu", "cpu", "fp32", 1, False, {"stage3_param_persistence_threshold": 200}),  # device homes too
+    ("none", "none", "bf16", 2, True, {}),  # everything on the device: gradients stay there
 ]
 
 
