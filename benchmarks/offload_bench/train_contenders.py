@@ -154,7 +154,8 @@ def run_contender(name: str, spec: dict) -> dict:
     from offload_bench.gpt import GPT, GPTConfig
 
     s = spec["settings"]
-    device = torch.device("cuda" if spec.get("device") == "cuda" else "cpu")
+    # cuda:0, with its index: torch.cuda.set_device refuses a bare "cuda" (world size 1, LOCAL_RANK 0)
+    device = torch.device("cuda", 0) if spec.get("device") == "cuda" else torch.device("cpu")
     cuda = device.type == "cuda"
     res: dict = {"name": name, "device": spec.get("device", "cpu"), "torch_threads": torch.get_num_threads(),
                  "rss_after_import": _rss()}
