@@ -27,10 +27,65 @@ already charged where it lives (Shard.adopt).
 
 A checkpoint's inputs (activations/recompute.py) are saved through the same
 hooks inside `checkpoint_inputs()`. With cpu_checkpointing they go to the
-host tier instead: with CUDA, a copy into pinned host memory (and a device
-copy, charged while it lives, when recomputation needs it back); on a
-CPU-only host the device tier already is host memory, so no copy: the
-storage is charged to the host tier instead of the device tier.
+host tier instead: on a device with memory of its own (cuda, sim: the
+engine has copy streams), a copy through the device layer into a pinned
+pool (and a device copy, charged while it lives, when recomputation needs
+it back): Note [pinned checkpoint inputs]; on a CPU-only host the device
+tier already is host memory, so no copy: the storage is charged to the host
+tier instead of the device tier. (Without copy streams on CUDA, an engine
+with no parameter to take them from, a fresh pinned tensor per input.)
+
+Note [pinned checkpoint inputs]
+With cpu_checkpointing on a device with memory of its own (the engine's
+ShardContext has copy streams, Note [copy streams] in
+partition/device_copies.py), a checkpoint input goes device->host on the
+`d2h` stream when forward saves it, into a buffer of one pinned pool
+(`PinnedInputs`, a BufferPool of varying sizes registered with the layer and
+charged to `memory.pinned_budget`'s ledger), and back host->device on the
+`h2d` stream into a buffer of `layer.alloc` when backward recomputes from it.
+The inputs live from forward to backward, so the pool holds every
+checkpoint input of a step; its buffers are made in the first step and
+reused in every later one: no pinned allocation after the first step.
+Its bound: `memory.pinned_budget` when set (shared with the other pinned
+pools: what they hold is not left for this one), else a quarter of the
+host's physical memory (PINNED_INPUTS_SHARE). An input the pool cannot
+hold (the bound reached, the pinned budget refusing, or larger than the
+bound) goes to pageable host memory instead: the layer copies it
+synchronously, correct and only not overlapped; never an error mid-step.
+
+A buffer goes back to the pool when its holder dies (the node that saved it
+ran its backward, or the graph was dropped unrun), seen through `_died` and
+`_settle` (Note [credits owed by the garbage collector]); not at unpack:
+backward with retain_graph unpacks an input again. It goes back at once,
+its copies perhaps still running: the next copy into it is ordered after
+them by stream order alone. That copy runs on the d2h stream after
+input-d2h-after-compute; a buffer copied back was read by an h2d copy that
+compute waited (compute-after-h2d) before it used the input, so the d2h
+stream, waiting compute, is ordered after that read too; a buffer never
+copied back was last written on the d2h stream itself. (A wait on the host
+before the release was tried and removing it made no test fail: it was
+redundant.) At close the copy streams are synchronized before the pool drops
+its buffers.
+
+Bytes (Note [activation bytes]): a pooled copy is not charged by the saver:
+the pool charges the host tier (through the pinned ledger) for every buffer
+it holds, in use or cached, and charging the copy too would count the same
+bytes twice. A pageable copy is charged to the host tier while its holder
+lives, as on a CPU-only host. The device copy unpack makes is charged to
+the device tier while it lives.
+
+The waits (WAITS; tests/engine/test_sim_checkpointing.py removes each alone
+and the simulator raises at the racing access, naming the buffer):
+
+  input-d2h-after-compute   the d2h stream waits the compute stream before it
+                            copies an input compute just wrote (`to_host`);
+  input-h2d-after-d2h       the h2d stream waits the event of the input's
+                            device->host copy before copying it back
+                            (`to_device`): a stream wait, so the host never
+                            blocks for it.
+
+The copy back also makes two waits of Note [copy streams] through
+CopyStreams: h2d-after-compute (to_device) and compute-after-h2d (wait).
 """
 from __future__ import annotations
 
@@ -40,8 +95,11 @@ import threading
 import weakref
 from dataclasses import dataclass
 
+import psutil
 import torch
 
+from offload.aio.buffer_pool import BufferPool
+from offload.device import Event
 from offload.partition.accounting import MemoryAccount
 from offload.tiers import Tier
 
@@ -71,6 +129,106 @@ class _OnHost(_Saved):
         self.device = device
 
 
+class _Staged(_Saved):
+    """A checkpoint input copied to host memory through the device layer (Note
+    [pinned checkpoint inputs]); `tensor` is the flat host copy."""
+
+    __slots__ = ("shape", "copy")
+
+    def __init__(self, tensor: torch.Tensor, shape: torch.Size, copy: "_HostCopy"):
+        super().__init__(tensor)
+        self.shape = shape
+        self.copy = copy
+
+
+@dataclass
+class _HostCopy:
+    """A checkpoint input's host copy: its pinned buffer (None: pageable memory)
+    and the event of the device->host copy into it."""
+
+    buf: torch.Tensor | None
+    written: Event
+
+
+# The waits of Note [pinned checkpoint inputs], by name. Tests remove one at a time
+# to show the simulator catches its absence; nothing else may.
+WAITS = ("input-d2h-after-compute", "input-h2d-after-d2h")
+removed_waits: set[str] = set()
+
+
+def waits(name: str) -> bool:
+    """Whether the wait `name` (one of WAITS) is made."""
+    return name not in removed_waits
+
+
+PINNED_INPUTS_SHARE = 0.25  # of physical host memory: the pool's bound without memory.pinned_budget
+
+
+class PinnedInputs:
+    """Checkpoint inputs device->host into pinned buffers and back (Note [pinned checkpoint inputs])."""
+
+    def __init__(self, streams, ledger, *, pin: bool):
+        self.streams = streams
+        self.layer = streams.layer
+        budget = ledger.budget if ledger is not None and ledger.budget is not None \
+            else int(PINNED_INPUTS_SHARE * psutil.virtual_memory().total)
+        self.pool = BufferPool(max(budget, 8192), pin=pin, ledger=ledger, what="pinned checkpoint input",
+                               register=self.layer.register_pinned)
+
+    def to_host(self, src: torch.Tensor) -> _Staged:
+        """Starts the copy of `src`, which compute wrote, to host memory."""
+        flat = src.reshape(-1)
+        nbytes = flat.numel() * flat.element_size()
+        buf = self._acquire(nbytes)
+        on_device = self.layer.adopt(flat, f"checkpoint input {tuple(src.shape)}")
+        if buf is None:
+            host = torch.empty(flat.shape, dtype=flat.dtype)
+        else:  # a view, no access: the layer finds the buffer by address (its copies may still run)
+            with torch._C.DisableTorchFunctionSubclass():
+                host = buf.as_subclass(torch.Tensor)[:nbytes].view(flat.dtype)
+        if waits("input-d2h-after-compute"):
+            self.streams.d2h.wait_stream(self.streams.compute)
+        try:  # pageable: the layer copies synchronously
+            written = self.layer.copy(host, on_device, self.streams.d2h)
+        except BaseException:
+            if buf is not None:
+                self.pool.release(buf)
+            raise
+        return _Staged(host, src.shape, _HostCopy(buf, written))
+
+    def to_device(self, saved: _Staged) -> torch.Tensor:
+        """The input back on the device, for compute on the current stream."""
+        host = saved.tensor
+        with torch._C.DisableTorchFunctionSubclass():
+            numel, dtype = host.numel(), host.dtype
+        out = self.layer.alloc(numel, dtype, f"checkpoint input {tuple(saved.shape)} (back)")
+        if waits("input-h2d-after-d2h"):
+            self.streams.h2d.wait_event(saved.copy.written)
+        self.streams.wait(self.streams.to_device(out, host))
+        return self.layer.lend(out, write=False).view(saved.shape)
+
+    def returned(self, copy: _HostCopy) -> None:
+        """Its holder died (any thread: Note [credits owed by the garbage collector]);
+        its copies may still run (Note [pinned checkpoint inputs]: ordered by the streams)."""
+        self.pool.release(copy.buf)
+
+    def _acquire(self, nbytes: int) -> torch.Tensor | None:
+        """A pinned buffer of at least nbytes, or None: the input goes to pageable memory."""
+        if nbytes > self.pool.budget_bytes:
+            return None
+        try:
+            return self.pool.try_acquire(nbytes)
+        except MemoryError:  # memory.pinned_budget (or the host tier) refused a new buffer
+            return None
+
+    def close(self) -> None:
+        """The pool closed: its cached buffers and their charge go now, those of
+        holders still alive when they die; no copy still uses them."""
+        self.streams.d2h.synchronize()
+        self.streams.h2d.synchronize()
+        self.pool.close()
+
+
 @dataclass
 class _Charge:
     tier: Tier
@@ -91,12 +249,25 @@ class ActivationSaver:
                         "checkpointed_calls": 0, "recomputations": 0}
         self._lock = threading.RLock()  # account.charge under it settles (Note [credits owed ...])
         self._charges: dict[tuple, _Charge] = {}  # storage key -> its charge
-        # Note [credits owed by the garbage collector]: id(weakref) -> (weakref, storage key)
-        # for live holders; `_died` gets each weakref as its holder dies.
-        self._watched: dict[int, tuple[weakref.ref, tuple]] = {}
+        # Note [credits owed by the garbage collector]: id(weakref) -> (weakref, storage key
+        # or _HostCopy) for live holders; `_died` gets each weakref as its holder dies.
+        self._watched: dict[int, tuple[weakref.ref, tuple | _HostCopy]] = {}
         self._died: list[weakref.ref] = []
         account.add_settler(self._settle)
         self._local = threading.local()  # .inputs: inside checkpoint_inputs()
+        self.pinned_inputs: PinnedInputs | None = None  # use_copy_streams (Note [pinned checkpoint inputs])
+
+    def use_copy_streams(self, streams, ledger, *, pin: bool) -> None:
+        """Checkpoint inputs go through the device layer's copy streams and a pinned
+        pool (Note [pinned checkpoint inputs]); only with cpu_checkpointing."""
+        if self.cpu_checkpointing and self.pinned_inputs is None:
+            self.pinned_inputs = PinnedInputs(streams, ledger, pin=pin)
+
+    def close(self) -> None:
+        """The pinned pool's buffers and their charge go (engine close). Idempotent."""
+        if self.pinned_inputs is not None:
+            self._settle()
+            self.pinned_inputs.close()
 
     # ---- the manager's hook point (Note [activation bytes]) ---------------
     def pack(self, t: torch.Tensor):
@@ -109,6 +280,10 @@ class ActivationSaver:
         return held
 
     def unpack(self, saved):
+        if isinstance(saved, _Staged):
+            back = self.pinned_inputs.to_device(saved)
+            self._acquire(back, Tier.DEVICE, back.untyped_storage())
+            return back
         if isinstance(saved, _OnHost):
             if saved.device.type == "cpu":
                 return saved.tensor
@@ -140,8 +315,15 @@ class ActivationSaver:
         with self._lock:
             return len(self._charges)
 
-    def _pack_to_host(self, t: torch.Tensor) -> _OnHost:
+    def _pack_to_host(self, t: torch.Tensor) -> _Saved:
         src = t.detach()
+        if self.pinned_inputs is not None and src.numel():
+            held = self.pinned_inputs.to_host(src)
+            if held.copy.buf is None:  # pageable; a pooled copy is the pool's charge
+                self._acquire(held.tensor, Tier.HOST, held)
+            else:
+                self._watch(held, held.copy)
+            return held
         if src.device.type == "cpu":
             held = _OnHost(src, src.device)
         else:
@@ -169,8 +351,14 @@ class ActivationSaver:
                 self.account.charge(tier, nbytes, f"saved activation ({tuple(t.shape)}, {t.dtype})")
                 charge = self._charges[key] = _Charge(tier, nbytes, 0)
             charge.refs += 1
+            self._watch(anchor, key)
+
+    def _watch(self, anchor, what) -> None:
+        """At `anchor`'s death, `_settle` releases `what`: a storage key's reference,
+        or a _HostCopy's pinned buffer (Note [pinned checkpoint inputs])."""
+        with self._lock:
             ref = weakref.ref(anchor, self._died.append)
-            self._watched[id(ref)] = (ref, key)
+            self._watched[id(ref)] = (ref, what)
 
     def _settle(self) -> None:
         """Credits the storages whose last holder died since the last call."""
@@ -180,8 +368,11 @@ class ActivationSaver:
             except IndexError:  # another thread settled it
                 return
             with self._lock:
-                _, key = self._watched.pop(id(ref))
-            self._release(key)
+                _, what = self._watched.pop(id(ref))
+            if isinstance(what, _HostCopy):
+                self.pinned_inputs.returned(what)
+            else:
+                self._release(what)
 
     def _release(self, key: tuple) -> None:
         with self._lock:

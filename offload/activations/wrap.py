@@ -58,8 +58,13 @@ class ActivationCheckpointing:
                 self._swapped.append((module, cls))
 
     def attach(self, manager) -> None:
-        """Puts the saver on the manager's saved-tensor hook point (Note [activation bytes])."""
+        """Puts the saver on the manager's saved-tensor hook point (Note [activation bytes]);
+        on a device with memory of its own, checkpoint inputs go through its copy
+        streams (Note [pinned checkpoint inputs])."""
         self.saver.manager = manager
+        ctx = manager.shards[0].ctx if manager.shards else None
+        if ctx is not None and ctx.streams is not None:
+            self.saver.use_copy_streams(ctx.streams, ctx.account.pinned, pin=ctx.layer.name == "cuda")
         manager.activations = self.saver
 
     @property
@@ -68,7 +73,9 @@ class ActivationCheckpointing:
         return len(self._swapped)
 
     def remove(self) -> None:
-        """Gives every swapped module its own class back. Idempotent."""
+        """Gives every swapped module its own class back, and the saver's pinned
+        buffers (before the device layer closes). Idempotent."""
+        self.saver.close()
         while self._swapped:
             module, cls = self._swapped.pop()
             module.__class__ = cls
