@@ -45,7 +45,9 @@ charged to `memory.pinned_budget`'s ledger), and back host->device on the
 `h2d` stream into a buffer of `layer.alloc` when backward recomputes from it.
 The inputs live from forward to backward, so the pool holds every
 checkpoint input of a step; its buffers are made in the first step and
-reused in every later one: no pinned allocation after the first step.
+reused in every later one (a buffer serves an input of up to its size and
+at least half of it): no pinned allocation after the first step, unless a
+later step's inputs are larger.
 Its bound: `memory.pinned_budget` when set (shared with the other pinned
 pools: what they hold is not left for this one), else a quarter of the
 host's physical memory (PINNED_INPUTS_SHARE). An input the pool cannot
@@ -99,6 +101,7 @@ import psutil
 import torch
 
 from offload.aio.buffer_pool import BufferPool
+from offload.aio.memory import round_up
 from offload.device import Event
 from offload.partition.accounting import MemoryAccount
 from offload.tiers import Tier
@@ -179,8 +182,8 @@ class PinnedInputs:
         """Starts the copy of `src`, which compute wrote, to host memory."""
         flat = src.reshape(-1)
         nbytes = flat.numel() * flat.element_size()
-        buf = self._acquire(nbytes)
         on_device = self.layer.adopt(flat, f"checkpoint input {tuple(src.shape)}")
+        buf = self._acquire(nbytes)
         if buf is None:
             host = torch.empty(flat.shape, dtype=flat.dtype)
         else:  # a view, no access: the layer finds the buffer by address (its copies may still run)
@@ -214,7 +217,7 @@ class PinnedInputs:
 
     def _acquire(self, nbytes: int) -> torch.Tensor | None:
         """A pinned buffer of at least nbytes, or None: the input goes to pageable memory."""
-        if nbytes > self.pool.budget_bytes:
+        if round_up(nbytes) > self.pool.budget_bytes:
             return None
         try:
             return self.pool.try_acquire(nbytes)

@@ -112,6 +112,12 @@ def test_inputs_the_pinned_budget_cannot_hold_go_to_pageable_memory(tmp_path, si
         copies = _input_copies(engine)
         assert engine.memory_report()["pinned"]["peak"] <= budget
         assert saver.pinned_inputs.pool.allocations == 1
+        # The pageable copy is on the host tier while it lives; the pooled one is the pool's charge.
+        x, y = batches(1, seed=4)[0][0]
+        loss = lm_loss(engine(x), y)
+        assert engine.memory_report()["host"]["now"] == host_now[-1] + 3 * 7 * 24 * 4
+        del loss
+        assert engine.memory_report()["host"]["now"] == host_now[-1]
     down = [s.dst for s in copies if s.stream == "d2h"]
     assert down == STEPS * ["pinned checkpoint input", "pageable host"]
     assert len(copies) == 2 * INPUTS_PER_STEP * STEPS
