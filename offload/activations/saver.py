@@ -226,7 +226,9 @@ class PinnedInputs:
 
     def close(self) -> None:
         """The pool closed: its cached buffers and their charge go now, those of
-        holders still alive when they die; no copy still uses them."""
+        holders still alive when they die; no copy still uses them. Idempotent."""
+        if self.pool.closed:
+            return
         self.streams.d2h.synchronize()
         self.streams.h2d.synchronize()
         self.pool.close()
