@@ -72,9 +72,12 @@ def shard_context(config: Config, device: torch.device, pg: ProcessGroupInfo, ac
     """The one way a ShardContext is made: gradients live where the config's
     optimizer tier puts them (`OffloadOptimizerConfig.grad_tier`)."""
     optimizer = config.zero_optimization.offload_optimizer
+    layer = layer or device_layer_for(device)
+    if streams is None and layer.separate_memory:
+        streams = CopyStreams(layer)
     return ShardContext(device=device, pg=pg, account=account, param_store=param_store,
                         grad_tier=optimizer.grad_tier, lazy_grads=optimizer.device is Tier.NVME,
-                        buffers=buffers, layer=layer or device_layer_for(device), streams=streams)
+                        buffers=buffers, layer=layer, streams=streams)
 
 
 def device_layer_for(device: torch.device) -> DeviceLayer:
@@ -356,8 +359,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
         buffers = BufferCache(3 * max(offloaded),
                               charge=lambda n: account.charge(Tier.HOST, n, "idle gathered buffers"),
                               credit=lambda n: account.credit(Tier.HOST, n))
-    ctx = shard_context(config, device, pg, account, param_store=param_store, buffers=buffers, layer=layer,
-                        streams=CopyStreams(layer) if layer.separate_memory else None)
+    ctx = shard_context(config, device, pg, account, param_store=param_store, buffers=buffers, layer=layer)
     shards = []
     for pl in planned:
         if pl.reuse:

@@ -160,7 +160,11 @@ class ParamStore:
         if self.staging is None:
             staging = aligned_tensor(shard.part_numel, shard.dtype)
             handle = self.store.swap_in(_key(shard), out=staging)
-            return _PendingRead(handle, lambda: self.pg.all_gather(full, staging), self.timeline, shard.name)
+            if streams is not None:  # pageable: the layer copies it synchronously
+                finish = lambda: streams.to_device(shard.own_slice(full), staging)  # noqa: E731
+            else:
+                finish = lambda: self.pg.all_gather(full, staging)  # noqa: E731
+            return _PendingRead(handle, finish, self.timeline, shard.name)
         nbytes = shard.part_numel * shard.dtype.itemsize
         self._reclaim(wait=False)
         buf = self.staging.try_acquire(nbytes, keep_free_bytes=self.staging.buffer_bytes)
@@ -190,7 +194,7 @@ class ParamStore:
             finish = lambda: self.pg.all_gather(full, staging)  # noqa: E731
         else:
             source = buf[:shard.part_numel * shard.dtype.itemsize].view(shard.dtype)
-            finish = lambda: streams.to_device(shard._own_slice(full), source)  # noqa: E731
+            finish = lambda: streams.to_device(shard.own_slice(full), source)  # noqa: E731
         return _PendingRead(handle, finish, self.timeline, shard.name,
                             release=lambda copy_in: self._release_after(copy_in, buf))
 

@@ -239,7 +239,7 @@ class Shard:
             if self.home is Tier.NVME:
                 self._fetch = self.ctx.param_store.read_full(self, self._full)
             else:
-                self._copy_in = self.ctx.streams.to_device(self._own_slice(self._full), self._host_copy_source())
+                self._copy_in = self.ctx.streams.to_device(self.own_slice(self._full), self._host_copy_source())
         except BaseException:
             self._drop_full()
             raise
@@ -292,7 +292,7 @@ class Shard:
             if self.ctx.pg.world_size > 1:
                 full = self.ctx.layer.lend(self._full, write=True)
                 # A copy of the own partition: gloo's all-gather takes no input inside its output.
-                self.ctx.pg.all_gather(full, self._own_slice(full).clone())
+                self.ctx.pg.all_gather(full, self.own_slice(full).clone())
         except BaseException:
             self._drop_full()
             raise
@@ -329,7 +329,8 @@ class Shard:
         full = self._full if self.ctx.streams is None else self.ctx.layer.lend(self._full, write=False)
         return full[:self.numel].view(self.shape)
 
-    def _own_slice(self, flat: torch.Tensor) -> torch.Tensor:
+    def own_slice(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's partition of a padded flat buffer (a view; my_slice pads a short one)."""
         start = self.ctx.pg.rank * self.part_numel
         return flat[start:start + self.part_numel]
 
@@ -337,7 +338,7 @@ class Shard:
         """A device home's new value (host; the padded full value, or this rank's
         partition, which the caller then all-gathers) starts its copy to the device;
         compute waits for it at the next gather (Note [copy streams])."""
-        dst = self._full if padded_or_part.numel() == self.padded_numel else self._own_slice(self._full)
+        dst = self._full if padded_or_part.numel() == self.padded_numel else self.own_slice(self._full)
         self._copy_in = self.ctx.streams.to_device(dst, padded_or_part)
 
     def release(self) -> None:
@@ -429,10 +430,10 @@ class Shard:
         """A copy of this rank's compute-dtype partition, from wherever it lives."""
         if self.home is Tier.DEVICE:
             if self.ctx.streams is None:
-                return self._own_slice(self._full).clone()
+                return self.own_slice(self._full).clone()
             self._await_copy_in()
             part = torch.empty(self.part_numel, dtype=self.dtype)
-            self.ctx.layer.copy(part, self._own_slice(self._full)).synchronize()  # pageable: synchronous
+            self.ctx.layer.copy(part, self.own_slice(self._full)).synchronize()  # pageable: synchronous
             return part
         if self.home is Tier.HOST:
             return self.host_part.clone()
@@ -453,7 +454,7 @@ class Shard:
         if self.ctx.pg.world_size > 1:
             self._await_copy_in()
             full = self.ctx.layer.lend(self._full, write=True)
-            self.ctx.pg.all_gather(full, self._own_slice(full).clone())
+            self.ctx.pg.all_gather(full, self.own_slice(full).clone())
             self.param.data = self._compute_view()
 
     # ---- gradients ------------------------------------------------------
