@@ -360,6 +360,10 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
                               charge=lambda n: account.charge(Tier.HOST, n, "idle gathered buffers"),
                               credit=lambda n: account.credit(Tier.HOST, n))
     ctx = shard_context(config, device, pg, account, param_store=param_store, buffers=buffers, layer=layer)
+    device_homes = [pl.padded_numel * dtype.itemsize for pl in planned if pl.home is Tier.DEVICE]
+    if ctx.streams is not None and device_homes and pin:
+        # Device homes' new values go up through pinned buffers (Note [copy streams]).
+        ctx.streams.make_upload_pool(max(device_homes), ledger=pinned, pin=layer.name == "cuda")
     shards = []
     for pl in planned:
         if pl.reuse:

@@ -476,7 +476,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
             self.activation_checkpointing.remove()
             self._remove_swap_files()
             self.pg.release()  # Note [releasing the process group] in partition/collectives.py
-            self.device_layer.close()
+            self._close_device()
             self.account.drop_callbacks()
             reason = ("the model's parameters hold their values (engine.module)" if given_back else
                       "the parameters did not fit in memory and were not given back: save before closing "
@@ -539,6 +539,13 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
             self.activation_checkpointing.remove()
         self._remove_swap_files()
         self.pg.release()  # Note [releasing the process group] in partition/collectives.py
+        self._close_device()
+
+    def _close_device(self) -> None:
+        """The copy streams' pinned pool, then the layer (the sim's stream threads)."""
+        streams = self.shard_context and self.shard_context.streams
+        if streams is not None:
+            streams.close()
         self.device_layer.close()
 
     def _check_open(self) -> None:

@@ -27,7 +27,10 @@ them ahead (Note [prefetch order]) or, at the latest, when the step takes
 them into use; gradients go device->host on the `d2h` stream as backward
 produces them, into pinned buffers of a small pool, and are added into the
 fp32 gradient partitions when the pool needs a buffer back and at the end of
-backward. A device buffer or gradient is freed only once no copy uses it
+backward. A device home's new value (the optimizer writes it in pageable
+memory) goes up through a pinned upload buffer (`to_device_staged`), so every
+copy after the first step is asynchronous; a buffer is written again only
+after the copy that read it completed. A device buffer or gradient is freed only once no copy uses it
 (`DeviceLayer.free`; on cuda, record_stream). On the cpu layer none of this
 runs: the device is the host, and the engine keeps its direct path (Note
 [zero-copy gather] in shard.py).
@@ -42,6 +45,7 @@ from offload.aio.buffer_pool import BufferPool
 from offload.device import DeviceLayer, Event
 
 GRADIENT_BUFFERS = 4  # in flight device->host at once; more hides no more on one d2h stream
+UPLOAD_BUFFERS = 4  # device homes' new values in flight host->device at once
 
 # The waits of Note [copy streams], by name. Tests remove one at a time to show
 # the simulator catches its absence (tests/engine/test_sim_engine.py); nothing else may.
@@ -62,6 +66,47 @@ class CopyStreams:
         self.compute = layer.current_stream()
         self.h2d = layer.stream("h2d")
         self.d2h = layer.stream("d2h")
+        self.uploads: BufferPool | None = None  # pinned buffers for to_device_staged
+        self._uploading: deque = deque()  # (event, buffer) of staged copies not known to be done
+
+    def make_upload_pool(self, largest_bytes: int, *, ledger=None, pin: bool = False) -> None:
+        """Pinned buffers for copies of pageable values (device homes' new values): made
+        now, at initialize, so a pinned_budget too small for them fails here."""
+        self.uploads = BufferPool(UPLOAD_BUFFERS * max(largest_bytes, 4096), pin=pin, ledger=ledger,
+                                  buffer_bytes=max(largest_bytes, 1), what="upload staging buffer",
+                                  register=self.layer.register_pinned)
+        self.uploads.fill()
+
+    def to_device_staged(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        """dst (device) <- src (pageable host, free to change once this returns): through a
+        pinned buffer, so the copy itself is asynchronous. Without an upload pool, the
+        layer copies the pageable value synchronously."""
+        if self.uploads is None:
+            return self.to_device(dst, src)
+        nbytes = src.numel() * src.element_size()
+        buf = self.uploads.try_acquire(nbytes)
+        while buf is None:  # every buffer still feeds a copy: the oldest's turn
+            self._reclaim_upload(wait=True)
+            buf = self.uploads.try_acquire(nbytes)
+        staged = self.layer.lend(buf, write=True)[:nbytes].view(src.dtype)
+        staged.copy_(src.reshape(-1))
+        event = self.to_device(dst, buf[:nbytes].view(src.dtype))
+        self._uploading.append((event, buf))
+        while self._uploading and self._uploading[0][0].query():
+            self._reclaim_upload(wait=False)
+        return event
+
+    def _reclaim_upload(self, *, wait: bool) -> None:
+        event, buf = self._uploading.popleft()
+        if wait:
+            event.synchronize()  # a staged buffer is written again only after its copy read it
+        self.uploads.release(buf)
+
+    def close(self) -> None:
+        while self._uploading:
+            self._reclaim_upload(wait=True)
+        if self.uploads is not None:
+            self.uploads.close()
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         """Starts dst (device) <- src (host) on the h2d stream."""

@@ -339,7 +339,7 @@ class Shard:
         partition, which the caller then all-gathers) starts its copy to the device;
         compute waits for it at the next gather (Note [copy streams])."""
         dst = self._full if padded_or_part.numel() == self.padded_numel else self.own_slice(self._full)
-        self._copy_in = self.ctx.streams.to_device(dst, padded_or_part)
+        self._copy_in = self.ctx.streams.to_device_staged(dst, padded_or_part)
 
     def release(self) -> None:
         """Drops one hold; the last one frees the device copy (home copy stays authoritative)."""

@@ -157,3 +157,23 @@ def test_homes_built_by_offload_init_are_pinned_and_train_like_plain_pytorch(tmp
     torch.testing.assert_close(losses, ref_losses[:, 0])
     for name, p in ref_model.named_parameters():
         torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("param,optim,persistence", [("cpu", "cpu", 200), ("nvme", "cpu", 200),
+                                                     ("none", "cpu", 0), ("nvme", "nvme", 0)])
+def test_after_the_first_step_every_copy_is_asynchronous(tmp_path, sim, param, optim, persistence):
+    """No copy from or to pageable memory (which the layer must copy synchronously):
+    host homes, NVMe staging, gradients and device homes' new values all go
+    through pinned buffers."""
+    sim(0)
+    cfg = make_config(param, optim, tmp_path, persistence=persistence)
+    with offload.initialize(build("tiny_gpt"), cfg) as engine:
+        layer, data = engine.device_layer, batches(3)
+        train_engine(engine, data[:1])
+        first = len(layer.schedule)
+        train_engine(engine, data[1:])
+        later = layer.schedule[first:]
+        assert later, "no copies after the first step"
+        pageable = [(c.stream, c.src, c.dst) for c in later if "pageable host" in (c.src, c.dst)]
+        assert not pageable, pageable
+        assert {c.stream for c in later} >= ({"h2d", "d2h"} if optim != "none" else {"h2d"})
