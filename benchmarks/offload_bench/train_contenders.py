@@ -55,6 +55,17 @@ def _rank0_env(spec: dict) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
 
 
+def _torch_step(model, opt, lm_loss):
+    """One training step of a model a torch optimizer steps (the torch and FSDP2 contenders)."""
+    def step(tokens):
+        loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
 def _setup(name: str, model, spec: dict, device):
     """(step function, engine or None, where the batches go) for one contender."""
     import torch
@@ -67,14 +78,7 @@ def _setup(name: str, model, spec: dict, device):
         model.to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, 0.999), eps=1e-8,
                                 weight_decay=0.0, fused=True)
-
-        def step(tokens):
-            loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-        return step, None, device
+        return _torch_step(model, opt, lm_loss), None, device
     if name == "fsdp2-cpu":
         import torch.distributed as dist
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -89,14 +93,7 @@ def _setup(name: str, model, spec: dict, device):
         fully_shard(model, offload_policy=policy)
         opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, 0.999), eps=1e-8,
                                 weight_decay=0.0)
-
-        def step(tokens):
-            loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-        return step, None, device
+        return _torch_step(model, opt, lm_loss), None, device
     if name.startswith("offload-"):
         import offload
 
@@ -272,3 +269,4 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
