@@ -151,3 +151,13 @@ def assert_weights(engine, ref_model, **tolerance):
 def build(name, seed=0):
     torch.manual_seed(seed)
     return MODELS[name]()
+
+
+def first_race(exc: BaseException) -> BaseException:
+    """The sim's first StreamOrderError in a chain: the race itself, before any error
+    the cleanup after it raised (freeing a buffer its unwaited copy still used)."""
+    from offload.device.sim_memory import StreamOrderError
+
+    while isinstance(exc.__context__, StreamOrderError):
+        exc = exc.__context__
+    return exc

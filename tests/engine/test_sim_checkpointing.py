@@ -15,8 +15,8 @@ import offload
 from offload.activations import saver as saver_module
 from offload.device.sim_memory import StreamOrderError
 
-from tests.engine.harness import (batches, build, engine_weights, lm_loss, make_config, run_reference,
-                                  run_reference_mixed, train_engine)
+from tests.engine.harness import (batches, build, engine_weights, first_race, lm_loss, make_config,
+                                  run_reference, run_reference_mixed, train_engine)
 
 SEEDS = [0, 1, 2]
 STEPS = 4
@@ -156,8 +156,6 @@ def test_each_wait_removed_makes_the_simulator_raise(tmp_path, sim, monkeypatch,
     with pytest.raises(StreamOrderError) as raised:
         with offload.initialize(build("tiny_gpt"), make_config("cpu", "cpu", tmp_path, extra=CKPT_HOST)) as engine:
             train_engine(engine, batches(3))
-    first = raised.value
-    while isinstance(first.__context__, StreamOrderError):  # the race itself, before any cleanup's error
-        first = first.__context__
+    first = first_race(raised.value)
     assert FIRST_ERROR[wait] in str(first), str(first)
     assert "checkpoint input" in str(first), str(first)

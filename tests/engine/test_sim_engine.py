@@ -13,8 +13,8 @@ import offload
 from offload.device.sim_memory import StreamOrderError
 from offload.partition import device_copies
 
-from tests.engine.harness import (batches, build, engine_weights, make_config, run_engine, run_reference,
-                                  run_reference_mixed, train_engine)
+from tests.engine.harness import (batches, build, engine_weights, first_race, make_config, run_engine,
+                                  run_reference, run_reference_mixed, train_engine)
 
 SEEDS = [0, 1, 2]
 STEPS = 4
@@ -102,10 +102,7 @@ def test_each_wait_removed_makes_the_simulator_raise(tmp_path, sim, monkeypatch,
     param = "nvme" if wait == "staging-after-h2d" else "cpu"
     with pytest.raises(StreamOrderError) as raised:
         run_engine(build("tiny_gpt"), batches(3), make_config(param, "cpu", tmp_path))
-    first = raised.value.__context__ or raised.value  # the race itself, before any cleanup's error
-    while isinstance(first.__context__, StreamOrderError):
-        first = first.__context__
-    assert isinstance(first, StreamOrderError)
+    first = first_race(raised.value)
     assert FIRST_ERROR[wait] in str(first), str(first)
 
 
