@@ -287,14 +287,18 @@ class SchedulerConfig(_Section):
 # Note [pin_memory]
 # Page-locked (pinned) host memory is what a GPU copies from asynchronously
 # and at full speed, and memory the OS can never page out. On a CPU-only host
-# nothing is pinned whatever the keys say (offload.aio.memory.pins).
+# nothing is pinned whatever the keys say (offload.aio.memory.pins); the
+# simulated device (OFFLOAD_DEVICE=sim) tracks as pinned what CUDA would pin.
 # offload_param.pin_memory (default true: pinned when CUDA exists; DeepSpeed's
 # default is false) decides for the parameter side: the staging pool between
-# NVMe and the device (Note [staging pool] in offload/aio/buffer_pool.py) and
-# host homes of offload_param cpu (offload.aio.memory.pin_host_home). false:
-# nothing of it is pinned. memory.pinned_budget bounds all of it: the pool is
-# made within it (refused at initialize when it cannot hold MIN_STAGING_DEPTH
-# of the largest partition) and a host home is pinned only while it fits.
+# NVMe and the device (Note [staging pool] in offload/aio/buffer_pool.py),
+# host homes of offload_param cpu (offload.aio.memory.pin_host_home) and the
+# upload buffers of device homes' new values (Note [copy streams]). false:
+# nothing of it is pinned. memory.pinned_budget bounds all of it, and the
+# gradient pool and checkpoint inputs' pool too: the pools are made within it
+# (refused at initialize when one cannot be; the staging pool needs
+# MIN_STAGING_DEPTH of the largest partition) and a host home is pinned only
+# while it fits.
 # Not yet chosen by a key: the optimizer's own host buffers (the swap stores'
 # staging, gathered buffers), pinned whenever CUDA is present; so
 # offload_optimizer.pin_memory and cpu_offload_use_pin_memory change nothing.
