@@ -172,6 +172,7 @@ class SimDevice(DeviceLayer):
         self.schedule: list[CopySpan] = []
         self.worker_errors: list[BaseException] = []
         self._by_storage: dict[int, list] = {}  # storage address -> [(start, end, wrapper ref, record)]
+        self._tracked = 0
         # (start, end, thread name) of each wait that blocked a host thread: the default
         # stream's wait_event, Event/Stream/layer synchronize (Note [hidden transfer time]).
         self.blocked: list[tuple[float, float, str]] = []
@@ -325,9 +326,14 @@ class SimDevice(DeviceLayer):
             base = buf.untyped_storage().data_ptr()
             start = buf.data_ptr()
             end = start + buf.numel() * buf.element_size()
-        spans = self._by_storage.setdefault(base, [])
-        spans[:] = [sp for sp in spans if sp[2]() is not None]  # wrappers gone: their memory may be reused
-        spans.append((start, end, weakref.ref(buf), record_of(buf)))
+        with self.lock:
+            self._tracked += 1
+            if self._tracked % 1024 == 0:  # forget storages whose buffers are all gone
+                self._by_storage = {k: v for k, v in self._by_storage.items()
+                                    if any(sp[2]() is not None for sp in v)}
+            spans = self._by_storage.setdefault(base, [])
+            spans[:] = [sp for sp in spans if sp[2]() is not None]  # gone: their memory may be reused
+            spans.append((start, end, weakref.ref(buf), record_of(buf)))
         return buf
 
     def record_of(self, t: torch.Tensor) -> SimRecord | None:
@@ -337,7 +343,7 @@ class SimDevice(DeviceLayer):
             return record
         with torch._C.DisableTorchFunctionSubclass():
             base, ptr = t.untyped_storage().data_ptr(), t.data_ptr()
-        for start, end, alive, rec in self._by_storage.get(base, ()):
+        for start, end, alive, rec in list(self._by_storage.get(base, ())):
             if start <= ptr < end and alive() is not None:
                 return rec
         return None
