@@ -321,9 +321,10 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
         configs["writer"] = dataclasses.replace(writer, capacity_bytes=0)
     staging = _staging_plan(planned, config, dtype, layer, pg.world_size)
     notes = _preflight_budgets(planned, config, dtype, sum(c.buffer_bytes for c in configs.values()),
-                               device=device, world_size=pg.world_size,
+                               separate_memory=layer.separate_memory, world_size=pg.world_size,
                                param_staging_bytes=staging[0] * staging[1] if staging else 0,
-                               on_demand=_largest_module_group(model, named, planned, device, pg.world_size))
+                               on_demand=_largest_module_group(model, named, planned, layer.separate_memory,
+                                                               pg.world_size))
     account.budget_notes.update(notes)
     check_free_space(configs)  # before anything is written or moved
     if builder is not None:
@@ -441,16 +442,16 @@ def _set_buffers(model: torch.nn.Module, plan, dtype: torch.dtype, device: torch
             buf.data = buf.data.to(device, target)
 
 
-def _gathers_to_a_buffer(pl: _Planned, device: torch.device, world_size: int) -> bool:
+def _gathers_to_a_buffer(pl: _Planned, separate_memory: bool, world_size: int) -> bool:
     """Whether gathering this parameter allocates a device-tier buffer: every
     offloaded home but a host one on a CPU-only single rank (Note [zero-copy
-    gather] in offload/partition/shard.py)."""
+    gather] in offload/partition/shard.py). separate_memory: the device layer's."""
     if pl.home is Tier.DEVICE:
         return False
-    return not (pl.home is Tier.HOST and world_size == 1 and device.type == "cpu")
+    return not (pl.home is Tier.HOST and world_size == 1 and not separate_memory)
 
 
-def _largest_module_group(model: torch.nn.Module, named, planned: list[_Planned], device: torch.device,
+def _largest_module_group(model: torch.nn.Module, named, planned: list[_Planned], separate_memory: bool,
                           world_size: int) -> int:
     """Elements of the largest set of parameters one module gathers at once (its
     own, held together by its forward pre-hook: Note [when parameters are
@@ -460,12 +461,12 @@ def _largest_module_group(model: torch.nn.Module, named, planned: list[_Planned]
     for mod in model.modules():
         own = {id(p) for p in mod._parameters.values() if p is not None}
         largest = max(largest, sum(by_id[i].padded_numel for i in own
-                                   if i in by_id and _gathers_to_a_buffer(by_id[i], device, world_size)))
+                                   if i in by_id and _gathers_to_a_buffer(by_id[i], separate_memory, world_size)))
     return largest
 
 
 def _preflight_budgets(planned: list[_Planned], config: Config, dtype: torch.dtype,
-                       staging_bytes: int = 0, *, device: torch.device = torch.device("cpu"),
+                       staging_bytes: int = 0, *, separate_memory: bool = False,
                        world_size: int = 1, on_demand: int = 0, param_staging_bytes: int = 0) -> dict[Tier, str]:
     """Refuses, before any parameter moves, a configuration whose budgets cannot hold
     what the engine itself will hold at once; returns, per budgeted tier, a line
@@ -500,14 +501,15 @@ def _preflight_budgets(planned: list[_Planned], config: Config, dtype: torch.dty
         add(s.home, "parameters", home_bytes)
         add(optimizer.grad_tier, "fp32 gradients", s.part_numel * 4)
         add(optimizer.device, "optimizer state", 3 * s.part_numel * 4)
-    gathered = [s.padded_numel for s in planned if _gathers_to_a_buffer(s, device, world_size)]
+    gathered = [s.padded_numel for s in planned if _gathers_to_a_buffer(s, separate_memory, world_size)]
     if gathered:
         largest = max(gathered)
-        working = working_set_elems(zero, gathered, any(s.home is Tier.NVME for s in planned),
-                                    max(on_demand, largest))
+        # Prefetching is on where a transfer is read ahead (Shard.reads_ahead).
+        reads_ahead = any(s.home is Tier.NVME or (separate_memory and s.home is Tier.HOST) for s in planned)
+        working = working_set_elems(zero, gathered, reads_ahead, max(on_demand, largest))
         add(Tier.DEVICE, "offloaded parameters gathered at once (working set)", working * dtype.itemsize)
     offloaded = [s.padded_numel for s in planned if s.home is not Tier.DEVICE]
-    if offloaded and device.type == "cpu":
+    if offloaded and not separate_memory:
         add(Tier.HOST, "idle gathered buffers kept for reuse", 3 * max(offloaded) * dtype.itemsize)
     if optimizer.device is Tier.NVME and planned:
         part = max(s.part_numel for s in planned)

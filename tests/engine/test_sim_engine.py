@@ -174,3 +174,12 @@ def test_after_the_first_step_every_copy_is_asynchronous(tmp_path, sim, param, o
         pageable = [(c.stream, c.src, c.dst) for c in later if "pageable host" in (c.src, c.dst)]
         assert not pageable, pageable
         assert {c.stream for c in later} >= ({"h2d", "d2h"} if optim != "none" else {"h2d"})
+
+
+def test_a_device_budget_too_small_for_host_homes_gathered_is_refused_at_initialize(tmp_path, sim):
+    """On a device with memory of its own a host home costs device bytes when gathered
+    (no zero-copy gather): initialize counts them, as it does for NVMe homes."""
+    cfg = make_config("cpu", "cpu", tmp_path, extra={"memory": {"device_budget": 10_000}})
+    with pytest.raises(MemoryError, match=r"needs at least \d+ bytes on the device tier \(offloaded "
+                                          r"parameters gathered at once \(working set\)"):
+        offload.initialize(build("tiny_gpt"), cfg)
