@@ -107,7 +107,8 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
         self._placed = built.placed  # filled as built.place() moves them (Note [an interrupted initialize])
         # Weak: no cycle through the engine (Note [a closed engine] in engine/closed.py).
         self.manager = ParameterManager(model, self.shards, on_grad=weak_callback(self._take_grad),
-                                        prefetch=prefetch_scheduler(config.zero_optimization, self.shards),
+                                        prefetch=prefetch_scheduler(config.zero_optimization, self.shards,
+                                                                            device_budget=config.memory.device_budget),
                                         timeline=self._timeline,
                                         reduce_bucket_elems=config.zero_optimization.reduce_bucket_size)
         self.activation_checkpointing.attach(self.manager)

@@ -150,6 +150,13 @@ class ProcessGroupInfo:
         dist.all_gather_into_tensor(out_flat, part.to(out_flat.device), group=self.group)
         self._count("all_gather", part, out_flat)
 
+    def all_gather_async(self, out_flat: torch.Tensor, part: torch.Tensor):
+        """all_gather started, not waited: returns what to wait() on before out_flat is
+        read; `part` must stay unchanged until then (Note [all-gathers ahead])."""
+        work = dist.all_gather_into_tensor(out_flat, part, group=self.group, async_op=True)
+        self._count("all_gather", part, out_flat)
+        return work
+
     def reduce_scatter_mean(self, mine: torch.Tensor, stacked: torch.Tensor) -> None:
         """mine (n) <- the mean over ranks of row `rank` of every rank's stacked (world, n).
         Summed, then divided by the world size, as an all_reduce average is (SUM and

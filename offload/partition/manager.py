@@ -181,6 +181,8 @@ class ParameterManager:
                 handed_over = self.prefetch.on_use(shard)
                 if shard.ctx.streams is not None:
                     self.prefetch.advance()
+                    for ahead in self.prefetch.gathers_ahead():  # Note [all-gathers ahead]
+                        ahead.gather_ahead()
             if shard.residency is Residency.GATHERED:
                 data = shard.gather()
             else:

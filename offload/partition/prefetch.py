@@ -39,6 +39,30 @@ device with memory of its own the copy-in of a host home (Note [copy streams]
 in device_copies.py); a host home on a CPU-only machine is already the device
 copy (Note [zero-copy gather]). Gathers that need collectives run in use
 order on the compute thread, the same on every rank.
+
+Note [all-gathers ahead]
+With several ranks on a device with memory of its own (ShardContext.streams),
+a parameter's all-gather also starts ahead of its use: each time a parameter
+is taken into use at the expected position, `gathers_ahead` names the next
+ones in the learned order, within half the prefetch bucket (at least the
+next one), and each starts its all-gather asynchronously (`Shard.gather_ahead`:
+its partition copied in, then `all_gather_async`); its use waits the
+collective (compute-after-all-gather) instead of running it. With NCCL an
+async collective runs on the communication stream NCCL keeps, and `wait()`
+makes the compute stream wait it (the host does not block); on gloo it runs
+on gloo's threads and `wait()` blocks the host. Every rank must
+issue the same collectives in the same order, or they hang or mix values, so
+what is gathered ahead depends only on what every rank has alike: the learned
+order, the sizes, the position, and residency, which the same program gives
+every rank alike. Not the device budget: a read ahead the budget refuses on
+one rank could not take part, so all-gathers ahead run only without
+memory.device_budget. Half the bucket: the prefetcher started those reads
+one use earlier, so an all-gather ahead rarely waits for the disk. On the cpu
+layer, and with one rank, nothing changes. The all-gather's write is not one
+the sim can see (it runs on gloo's threads), so compute-after-all-gather is
+the one wait no sim test removes; tests/engine/test_collective_bytes.py
+counts that every gather but a pass's first was started ahead, and the
+two-rank parity tests on the sim (test_distributed.py) check the values.
 """
 from __future__ import annotations
 
@@ -74,11 +98,14 @@ class _Order:
 
 class PrefetchScheduler:
     def __init__(self, *, bucket_elems: int, max_live_elems: int, reuse_distance: int,
-                 enabled: bool = True):
+                 enabled: bool = True, gather_ahead: bool = False):
+        """gather_ahead: all-gather parameters ahead of use (Note [all-gathers ahead])."""
         self.bucket_elems = bucket_elems
         self.max_live_elems = max_live_elems
         self.reuse_distance = reuse_distance
         self.enabled = enabled
+        self.gather_ahead = gather_ahead and enabled
+        self._gathered_to = 0  # all-gathers ahead issued for positions < _gathered_to
         self._orders: dict[tuple, _Order] = {}
         self._order: _Order | None = None
         self._key: tuple | None = None
@@ -97,7 +124,7 @@ class PrefetchScheduler:
         self.end_pass()
         self._key = key
         self._order = self._orders.get(key) if self.enabled else None
-        self._pos = self._issued = 0
+        self._pos = self._issued = self._gathered_to = 0
         self._seen = []
         self._diverged = self._order is None
 
@@ -154,6 +181,25 @@ class PrefetchScheduler:
                 log.debug("prefetch: pass %s departed from the learned order at position %d "
                           "(%s); on-demand reads until the next pass", self._key, self._pos, shard.name)
         return was_retained
+
+    def gathers_ahead(self) -> list[Shard]:
+        """After on_use: the parameters whose all-gather starts now (Note [all-gathers
+        ahead]), in order; each is this scheduler's until used, as a read ahead is."""
+        if not self.gather_ahead or self._diverged or self._order is None:
+            return []
+        order, prefix = self._order.shards, self._order.prefix
+        limit = prefix[self._pos] + max(1, self.bucket_elems // 2)
+        out = []
+        self._gathered_to = max(self._gathered_to, self._pos)
+        while self._gathered_to < len(order) and prefix[self._gathered_to] < limit:
+            s = order[self._gathered_to]
+            self._gathered_to += 1
+            if s.home is Tier.DEVICE or s in out:
+                continue
+            if s.residency is Residency.RELEASED:
+                self._unused[s] = self._live[s] = s.padded_numel
+            out.append(s)
+        return out
 
     def advance(self) -> None:
         """Reads ahead whose bytes are in start their copy-in (Shard.advance)."""
@@ -240,10 +286,14 @@ def working_set_elems(zero, padded_numels: list[int], any_nvme: bool, on_demand:
     return min(sum(padded_numels), max(on_demand, max_live) + largest)
 
 
-def prefetch_scheduler(zero, shards: list[Shard]) -> PrefetchScheduler:
-    """The scheduler for a zero_optimization config (limits: `prefetch_limits`)."""
+def prefetch_scheduler(zero, shards: list[Shard], *, device_budget: int | None = None) -> PrefetchScheduler:
+    """The scheduler for a zero_optimization config (limits: `prefetch_limits`);
+    device_budget: memory.device_budget (all-gathers ahead only without one)."""
     largest = max((s.padded_numel for s in shards if s.home is not Tier.DEVICE), default=0)
     bucket, max_live, reuse = prefetch_limits(zero, largest)
+    ctx = shards[0].ctx if shards else None
     return PrefetchScheduler(
         bucket_elems=bucket, max_live_elems=max_live, reuse_distance=reuse,
-        enabled=bucket > 0 and any(s.reads_ahead for s in shards))
+        enabled=bucket > 0 and any(s.reads_ahead for s in shards),
+        gather_ahead=(ctx is not None and ctx.streams is not None and ctx.pg.world_size > 1
+                      and device_budget is None))

@@ -51,23 +51,30 @@ FP32 = 4
 
 class _Gathers:
     """Wraps Shard.gather: (name, padded numel) of each gather that materialises
-    the parameter (it was not already gathered)."""
+    the parameter (it was not already gathered); and Shard.gather_ahead: the
+    all-gathers started ahead of use (Note [all-gathers ahead])."""
 
     def __init__(self):
         self.taken = []
+        self.ahead = 0
 
     def __enter__(self):
-        self._real = real = Shard.gather
+        self._real, self._real_ahead = real, real_ahead = Shard.gather, Shard.gather_ahead
 
         def gather(shard):
             if shard.residency is not Residency.GATHERED:
                 self.taken.append((shard.name, shard.padded_numel))
             return real(shard)
-        Shard.gather = gather
+
+        def gather_ahead(shard):
+            started = shard._all_gather is None and shard.residency is not Residency.GATHERED
+            real_ahead(shard)
+            self.ahead += started
+        Shard.gather, Shard.gather_ahead = gather, gather_ahead
         return self
 
     def __exit__(self, *exc):
-        Shard.gather = self._real
+        Shard.gather, Shard.gather_ahead = self._real, self._real_ahead
 
 
 def _saved_for_backward(model, x, y) -> set[str]:
@@ -157,6 +164,9 @@ def _count_steps(rank, world, param, nvme_path) -> list[dict]:
             assert gather["calls"] == len(gathers.taken), where
             assert gather["bytes_received"] == gathered_bytes, where
             assert gather["bytes_sent"] == gathered_bytes // world, where
+            # On a separate device every gather but the pass's first was started ahead of use.
+            on_sim = os.environ.get("OFFLOAD_DEVICE") == "sim"
+            assert gathers.ahead == (len(gathers.taken) - 1 if on_sim else 0), (where, gathers.ahead)
 
             assert counts["all_reduce"]["bytes_sent"] < 64, where  # scalars, never a gradient
             assert counts["broadcast"]["calls"] == 0, where
