@@ -153,6 +153,8 @@ class ProcessGroupInfo:
     def all_gather_async(self, out_flat: torch.Tensor, part: torch.Tensor):
         """all_gather started, not waited: returns what to wait() on before out_flat is
         read; `part` must stay unchanged until then (Note [all-gathers ahead])."""
+        if self.world_size == 1:
+            raise ValueError("all_gather_async is for several ranks")
         work = dist.all_gather_into_tensor(out_flat, part, group=self.group, async_op=True)
         self._count("all_gather", part, out_flat)
         return work

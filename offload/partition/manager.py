@@ -57,6 +57,7 @@ from torch.utils._pytree import tree_leaves  # no public torch.utils.pytree in t
 
 from offload.timeline import Timeline
 from offload.partition.device_copies import GradientsToHost
+from offload.partition.gather_ahead import start_all_gather_ahead
 from offload.partition.grad_buckets import GradientBuckets
 from offload.partition.prefetch import PrefetchScheduler
 from offload.partition.shard import Residency, Shard
@@ -181,8 +182,9 @@ class ParameterManager:
                 handed_over = self.prefetch.on_use(shard)
                 if shard.ctx.streams is not None:
                     self.prefetch.advance()
-                    for ahead in self.prefetch.gathers_ahead():  # Note [all-gathers ahead]
-                        ahead.gather_ahead()
+                    ahead = [s for s in self.prefetch.gathers_ahead() if s.ready_to_gather_ahead()]
+                    if ahead:  # Note [all-gathers ahead]
+                        start_all_gather_ahead(ahead)
             if shard.residency is Residency.GATHERED:
                 data = shard.gather()
             else:

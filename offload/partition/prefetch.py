@@ -45,9 +45,10 @@ With several ranks on a device with memory of its own (ShardContext.streams),
 a parameter's all-gather also starts ahead of its use: each time a parameter
 is taken into use at the expected position, `gathers_ahead` names the next
 ones in the learned order, within half the prefetch bucket (at least the
-next one), and each starts its all-gather asynchronously (`Shard.gather_ahead`:
-its partition copied in, then `all_gather_async`); its use waits the
-collective (compute-after-all-gather) instead of running it. With NCCL an
+next one); each has its partition copied in (`Shard.ready_to_gather_ahead`)
+and together they start one packed all-gather, asynchronously
+(offload/partition/gather_ahead.py); the first use among them waits the
+collective (compute-after-all-gather) and copies every value out. With NCCL an
 async collective runs on the communication stream NCCL keeps, and `wait()`
 makes the compute stream wait it (the host does not block); on gloo it runs
 on gloo's threads and `wait()` blocks the host. Every rank must

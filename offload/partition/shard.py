@@ -159,7 +159,7 @@ class Shard:
                            and not ctx.layer.separate_memory)
         self._fetch = None  # pending NVMe read while FETCHING
         self._copy_in = None  # the copy into _full compute waits before using it (Note [copy streams])
-        self._all_gather = None  # (work, its input) of an all-gather ahead (Note [all-gathers ahead])
+        self.all_gather_ahead = None  # its PackedAllGather while one is under way (Note [all-gathers ahead])
         self.host_part: torch.Tensor | None = None  # HOST home only
         self.pinned_home = False  # host_part is pinned memory (engine/build.py _home_pinner)
         self._host_alias: torch.Tensor | None = None  # host_part as the layer's pinned buffer
@@ -284,7 +284,7 @@ class Shard:
 
     def _materialize_separate(self) -> None:
         """_materialize on a device with memory of its own (Note [copy streams])."""
-        if self._all_gather is not None:  # started ahead: the whole value is on its way
+        if self.all_gather_ahead is not None:  # started ahead: the whole value is on its way
             self._finish_all_gather()
             self.param.data = self._compute_view()
             self.residency = Residency.GATHERED
@@ -305,12 +305,12 @@ class Shard:
         self.param.data = self._compute_view()
         self.residency = Residency.GATHERED
 
-    def gather_ahead(self) -> None:
-        """Starts the all-gather of the whole value before its use (several ranks, a
-        separate device; Note [all-gathers ahead]): this rank's partition copied in
-        first. Nothing when the value is gathered or being gathered already."""
-        if self.residency is Residency.GATHERED or self._all_gather is not None:
-            return
+    def ready_to_gather_ahead(self) -> bool:
+        """Whether this parameter joins an all-gather ahead of its use (Note [all-gathers
+        ahead]): not when its value is gathered or being gathered already; else its
+        partition is copied in now, for the collective to read."""
+        if self.residency is Residency.GATHERED or self.all_gather_ahead is not None:
+            return False
         self.prefetch()
         try:
             if self._fetch is not None:
@@ -321,17 +321,18 @@ class Shard:
                 # NCCL would wait the event on its stream): the copy-in must be done.
                 self._copy_in.synchronize()
                 self._await_copy_in()
-            full = self.ctx.layer.lend(self._full, write=True)
-            part = self.own_slice(full).clone()
-            self._all_gather = (self.ctx.pg.all_gather_async(full, part), part)
         except BaseException:
             self._drop_full()
             raise
+        return True
+
+    def full_buffer(self) -> torch.Tensor:
+        """The padded flat device buffer while the shard holds one."""
+        return self._full
 
     def _finish_all_gather(self) -> None:
-        work, _ = self._all_gather
-        self._all_gather = None
-        work.wait()  # compute-after-all-gather
+        packed, self.all_gather_ahead = self.all_gather_ahead, None
+        packed.finish()
 
     def _host_copy_source(self) -> torch.Tensor:
         """host_part as a copy-in reads it: the layer's pinned buffer when the home is
@@ -393,7 +394,7 @@ class Shard:
             if self._copy_in is not None:  # a copy-in nobody used: done before its buffer is freed
                 self._copy_in.synchronize()
                 self._copy_in = None
-            if self._all_gather is not None:  # every rank started it: it completes
+            if self.all_gather_ahead is not None:  # every rank started it: it completes
                 self._finish_all_gather()
             self._drop_full()
 
