@@ -1,6 +1,71 @@
+"""What every test shares: the device layer it runs on, the SIMD levels.
+
+# Note [the device a test runs on]
+The suite says which device it tests, never the machine: an autouse fixture
+sets OFFLOAD_DEVICE for every test (and so for the ranks and scripts it
+spawns, which inherit the environment), so a machine with a GPU, or a user's
+OFFLOAD_DEVICE, changes nothing.
+- By default every test runs on the `cpu` layer.
+- Tests marked `any_device` (the engine's parity matrix, Hugging Face models,
+  activation checkpointing, save and exact resume, Trainer) run on the layer
+  OFFLOAD_TEST_DEVICE names (cpu, the default; sim; cuda), with their inputs,
+  models and references on `test_device()`. Run them on the sim:
+      OFFLOAD_TEST_DEVICE=sim python -m pytest -m any_device
+  and on a GPU, under PyTorch's stream sanitizer:
+      OFFLOAD_TEST_DEVICE=cuda TORCH_CUDA_SANITIZER=1 python -m pytest -m "any_device or cuda"
+- A test that sets OFFLOAD_DEVICE itself (monkeypatch.setenv) wins over both.
+Every engine a test builds is checked at teardown to be on the layer that
+test asked for, with every shard on that same layer (`_engines_on_the_layer_asked_for`).
+"""
+import os
+import weakref
+
 import pytest
+import torch
 
 from offload import simd
+import offload.device
+from tests.layer_under_test import TEST_DEVICE_ENV, test_layer
+
+def pytest_configure(config):
+    layer = test_layer()
+    if layer == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"{TEST_DEVICE_ENV}=cuda: torch {torch.__version__} finds no GPU here; "
+                                f"use {TEST_DEVICE_ENV}=sim for the simulated device")
+
+
+def pytest_report_header(config):
+    return (f"device layer: cpu for every test; {test_layer()} for the any_device ones "
+            f"({TEST_DEVICE_ENV}); torch {torch.__version__}")
+
+
+@pytest.fixture(autouse=True)
+def _device_layer(request, monkeypatch):
+    """Note [the device a test runs on]: pins OFFLOAD_DEVICE, then checks each engine built."""
+    layer = test_layer() if request.node.get_closest_marker("any_device") else "cpu"
+    monkeypatch.setenv(offload.device.ENV_DEVICE, layer)
+    from offload.engine.engine import Engine
+
+    built = []
+    original = Engine.__init__
+
+    def recording_init(self, *args, **kwargs):
+        asked = os.environ.get(offload.device.ENV_DEVICE)
+        original(self, *args, **kwargs)
+        built.append((weakref.ref(self), asked, self.device_layer.name, self.device,
+                      {id(s.ctx.layer) for s in self.shards}, id(self.device_layer)))
+
+    monkeypatch.setattr(Engine, "__init__", recording_init)
+    yield layer
+    _engines_on_the_layer_asked_for(built)
+
+
+def _engines_on_the_layer_asked_for(built) -> None:
+    for _, asked, got, device, shard_layers, layer_id in built:
+        assert got == asked, f"an engine asked for layer {asked!r} (OFFLOAD_DEVICE) and runs on {got!r}"
+        expected = torch.device("cuda") if got == "cuda" else torch.device("cpu")
+        assert device.type == expected.type, f"layer {got} computes on {device}"
+        assert shard_layers <= {layer_id}, "a shard is on another device layer than its engine's"
 
 
 @pytest.fixture(params=simd.available_levels())
@@ -9,8 +74,6 @@ def simd_level(request, monkeypatch):
     monkeypatch.setenv(simd.ENV_VAR, request.param)
     return request.param
 
-
-import torch  # noqa: E402
 
 # The tests run tiny tensors; one intra-op thread keeps them fast and keeps
 # OpenMP's spin-waiting from stalling when another process (a spawned rank,

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import offload
+from tests.layer_under_test import exact, test_device
 
+pytestmark = pytest.mark.any_device  # Note [the device a test runs on] (tests/conftest.py)
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
@@ -66,7 +68,7 @@ def _args(out, **kw):
     return transformers.TrainingArguments(
         str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=8, learning_rate=2e-3,
         weight_decay=0.01, max_grad_norm=0.5, optim="adamw_torch", logging_steps=1, save_strategy="steps", save_steps=4,
-        report_to=[], use_cpu=True, seed=0, data_seed=0, disable_tqdm=True, dataloader_drop_last=True, **kw)
+        report_to=[], use_cpu=test_device().type == "cpu", seed=0, data_seed=0, disable_tqdm=True, dataloader_drop_last=True, **kw)
 
 
 def _train(tmp_path, name, resume=None, stop_after=None):
@@ -102,7 +104,7 @@ def test_trainer_checkpoints_resume_exactly_and_clipping_matches_plain_trainer(t
     plain_losses = {e["step"]: e["loss"] for e in plain.state.log_history if "loss" in e}
     full_weights, full_losses = _train(tmp_path, "full")
     assert full_losses.keys() == plain_losses.keys()
-    assert list(full_losses.values()) == list(plain_losses.values())  # bit for bit
+    torch.testing.assert_close(list(full_losses.values()), list(plain_losses.values()), **exact())
     # Stopped after Trainer's checkpoint at step 4, then resumed from it in a new engine.
     _train(tmp_path, "first", stop_after=4)
     assert (tmp_path / "run" / "checkpoint-4" / "optimizer.pt").exists()
@@ -111,13 +113,13 @@ def test_trainer_checkpoints_resume_exactly_and_clipping_matches_plain_trainer(t
     for step in (5, 6, 7, 8):  # trained after the resume
         assert resumed_losses[step] == full_losses[step]
     for name, value in full_weights.items():
-        torch.testing.assert_close(resumed_weights[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(resumed_weights[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")  # same recipe
 
 
 def _accelerate_loop(model, optimizer, scheduler, data, accumulation=2):
     import accelerate
 
-    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    accelerator = accelerate.Accelerator(cpu=test_device().type == "cpu", gradient_accumulation_steps=accumulation)
     loader = torch.utils.data.DataLoader(data, batch_size=2, shuffle=False)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     losses, norms = [], []
@@ -132,7 +134,7 @@ def _accelerate_loop(model, optimizer, scheduler, data, accumulation=2):
             optimizer.zero_grad()
         losses.append(loss.detach())
     accelerator.free_memory()
-    return torch.stack(losses), norms
+    return torch.stack(losses).cpu(), norms
 
 
 @pytest.mark.slow
@@ -147,10 +149,10 @@ def test_an_accelerate_loop_matches_the_same_loop_on_plain_pytorch(tmp_path):
         sched = torch.optim.lr_scheduler.LinearLR(engine.optimizer, 1.0, 0.1, 8)
         losses, norms = _accelerate_loop(model, engine.optimizer, sched, data)
         weights = engine.full_state_dict(master=True)
-    torch.testing.assert_close(losses, ref_losses, rtol=0, atol=0)
-    assert norms == ref_norms
+    torch.testing.assert_close(losses, ref_losses, **exact())
+    torch.testing.assert_close(norms, ref_norms, **exact())
     for name, p in plain.named_parameters():
-        torch.testing.assert_close(weights[name], p.detach(), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(weights[name].cpu(), p.detach().cpu(), **exact(), msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
@@ -162,11 +164,11 @@ def test_hugging_face_gradient_checkpointing_gives_pytorchs_weights(tmp_path, re
         model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
         model.train()
         for i in range(0, len(data), 2):
-            batch = {k: torch.stack([d[k] for d in data[i:i + 2]]) for k in data[0]}
+            batch = {k: torch.stack([d[k] for d in data[i:i + 2]]).to(test_device()) for k in data[0]}
             model(**batch).loss.backward()
             step()
 
-    plain = _model()
+    plain = _model().to(test_device())
     opt = torch.optim.AdamW(plain.parameters(), lr=2e-3, weight_decay=0.01)
     steps(plain, lambda: (opt.step(), opt.zero_grad()))
     model = _model()
@@ -175,4 +177,4 @@ def test_hugging_face_gradient_checkpointing_gives_pytorchs_weights(tmp_path, re
         steps(model, engine.step)
         weights = engine.full_state_dict(master=True)
     for name, p in plain.named_parameters():
-        torch.testing.assert_close(weights[name], p.detach(), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(weights[name].cpu(), p.detach().cpu(), **exact(), msg=lambda m: f"{name}: {m}")

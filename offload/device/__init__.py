@@ -1,6 +1,8 @@
 """The device layer: every device allocation, host<->device copy, stream, event
 and pinned buffer goes through one `DeviceLayer` (Note [device layer] in
-device/layer.py). Not yet wired into the engine.
+device/layer.py). The engine and `offload.init` each take theirs from
+`from_env()`, and nothing else decides where compute runs (Note [one device
+choice]).
 
 `from_env()` picks the implementation: `OFFLOAD_DEVICE=cuda|sim|cpu`; unset is
 cuda where CUDA exists, else cpu; the simulator only when asked for, with
@@ -20,7 +22,20 @@ ENV_SIM_SEED = "OFFLOAD_SIM_SEED"
 ENV_SIM_GBPS = "OFFLOAD_SIM_GBPS"
 LAYERS = ("cuda", "sim", "cpu")
 
-__all__ = ["DeviceCounters", "DeviceLayer", "Event", "Stream", "from_env", "selected_name", "make"]
+__all__ = ["DeviceCounters", "DeviceLayer", "Event", "Stream", "from_env", "selected_name", "make",
+           "collective_backend"]
+
+# Note [one device choice]
+# Where a rank computes is decided once, here: `selected_name()` reads
+# OFFLOAD_DEVICE (unset: cuda where CUDA exists, else cpu) and `from_env()`
+# builds that layer; its `device` is the compute device. The engine, offload.init
+# (whose shards the engine adopts, with the builder's layer: one layer per run)
+# and init_distributed's default backend all follow it, so OFFLOAD_DEVICE=cpu or
+# sim on a machine with a GPU runs entirely on that layer. Code past this point
+# asks the layer what it can do (`separate_memory`, `page_locks`, its streams),
+# never its name or a tensor's device type, so the sim takes every path cuda
+# takes; the one exception is where the bytes physically are (the native Adam
+# reads host memory only: sharded_adam.py).
 
 
 def selected_name() -> str:
@@ -47,10 +62,21 @@ def _env_number(var: str, kind: type, default, expected: str):
     return value
 
 
+def local_rank_gpu() -> int | None:
+    """This rank's GPU: torchrun's LOCAL_RANK where set, else None (the current device)."""
+    raw = os.environ.get("LOCAL_RANK", "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK={raw!r}: expected an integer (torchrun sets it)") from None
+
+
 def make(name: str) -> DeviceLayer:
     if name == "cuda":
         from offload.device.cuda import CudaDevice
-        return CudaDevice()
+        return CudaDevice(index=local_rank_gpu())
     if name == "sim":
         from offload.device.sim import DEFAULT_GBPS, SimDevice
         return SimDevice(seed=_env_number(ENV_SIM_SEED, int, 0, "an integer"),
@@ -62,8 +88,13 @@ def make(name: str) -> DeviceLayer:
 
 
 def from_env() -> DeviceLayer:
-    """The layer this process uses (see the module docstring)."""
+    """The layer this process uses (see the module docstring); cuda on this rank's GPU."""
     return make(selected_name())
+
+
+def collective_backend() -> str:
+    """torch.distributed's backend for the selected layer: nccl between GPUs, else gloo."""
+    return "nccl" if selected_name() == "cuda" else "gloo"
 
 
 def describe_selection() -> str:

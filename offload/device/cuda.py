@@ -61,6 +61,7 @@ class CudaStream(Stream):
 
 class CudaDevice(DeviceLayer):
     name = "cuda"
+    page_locks = True
 
     def __init__(self, index: int | None = None) -> None:
         require_cuda()

@@ -151,8 +151,14 @@ class DeviceLayer(abc.ABC):
     def synchronize(self) -> None:
         """Block until every stream's queued work has completed."""
 
-    # Compute the layer does not run itself (Note [compute the layer cannot see]).
+    # What the layer can do, asked instead of its name (Note [one device choice]).
     separate_memory = True  # False only where the device is the host (cpu)
+    # Whether host buffers that feed the device are page-locked (pin_memory):
+    # only cuda. The sim tracks the same buffers as pinned without locking them
+    # (there is no CUDA to lock them with), so it takes cuda's paths all the same.
+    page_locks = False
+
+    # Compute the layer does not run itself (Note [compute the layer cannot see]).
 
     def lend(self, buf: torch.Tensor, *, write: bool) -> torch.Tensor:
         """A plain alias of `buf` for compute the layer cannot see: on a device buffer,

@@ -31,7 +31,6 @@ import torch
 from offload.aio.buffer_pool import BufferPool, PinnedLedger
 from offload.aio.memory import BufferCache, pin_host_home, pins
 from offload.aio.run_dir import RunDirectories
-import offload.device
 from offload.config import Config
 from offload.device import DeviceLayer
 from offload.partition.accounting import MemoryAccount
@@ -66,35 +65,18 @@ class HomePolicy:
         return Tier.NVME
 
 
-def shard_context(config: Config, device: torch.device, pg: ProcessGroupInfo, account: MemoryAccount, *,
+def shard_context(config: Config, layer: DeviceLayer, pg: ProcessGroupInfo, account: MemoryAccount, *,
                   param_store: PartitionStore | None = None, buffers: BufferCache | None = None,
-                  layer: DeviceLayer | None = None, streams: CopyStreams | None = None) -> ShardContext:
-    """The one way a ShardContext is made: gradients live where the config's
-    optimizer tier puts them (`OffloadOptimizerConfig.grad_tier`)."""
+                  streams: CopyStreams | None = None) -> ShardContext:
+    """The one way a ShardContext is made: compute on the layer's device (Note [one
+    device choice] in offload/device/__init__.py); gradients live where the
+    config's optimizer tier puts them (`OffloadOptimizerConfig.grad_tier`)."""
     optimizer = config.zero_optimization.offload_optimizer
-    layer = layer or device_layer_for(device)
     if streams is None and layer.separate_memory:
         streams = CopyStreams(layer)
-    return ShardContext(device=device, pg=pg, account=account, param_store=param_store,
+    return ShardContext(device=layer.device, pg=pg, account=account, param_store=param_store,
                         grad_tier=optimizer.grad_tier, lazy_grads=optimizer.device is Tier.NVME,
                         buffers=buffers, layer=layer, streams=streams)
-
-
-def device_layer_for(device: torch.device) -> DeviceLayer:
-    """The device layer OFFLOAD_DEVICE picks (Note [device layer] in offload/device/layer.py);
-    cuda on this rank's GPU (`device`)."""
-    name = offload.device.selected_name()
-    if name == "cuda":
-        from offload.device.cuda import CudaDevice
-        return CudaDevice(index=device.index if device.type == "cuda" else None)
-    return offload.device.make(name)
-
-
-def default_device() -> torch.device:
-    """The device this rank computes on: its LOCAL_RANK's GPU, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
 
 
 @dataclass
@@ -230,16 +212,16 @@ def _owners(model: torch.nn.Module, attr: str) -> dict[int, list[tuple[torch.nn.
     return out
 
 
-def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device, pg: ProcessGroupInfo,
+def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, pg: ProcessGroupInfo,
                  account: MemoryAccount, timeline, run_dirs: RunDirectories, builder=None,
-                 weights=None, layer: DeviceLayer | None = None) -> Built:
+                 weights=None) -> Built:
     """Every parameter's shard, its home decided and nothing moved yet (`Built.place` moves them).
 
     timeline: an offload.timeline.Timeline the parameter reads are recorded on;
     builder: an offload.init ModelBuilder whose homed shards are adopted;
     weights: anything offload.engine.weights.open_weights takes;
-    layer: the engine's device layer (None: the one OFFLOAD_DEVICE picks)."""
-    layer = layer or device_layer_for(device)
+    layer: the engine's device layer; its device is where compute runs."""
+    device = layer.device
     zero = config.zero_optimization
     dtype = config.precision.dtype
     plan = None
@@ -344,7 +326,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
     param_store = param_writer = staging_pool = None
     if staging:
         buffer_bytes, depth = staging
-        staging_pool = BufferPool(buffer_bytes * depth, pin=pin and layer.name == "cuda", buffer_bytes=buffer_bytes,
+        staging_pool = BufferPool(buffer_bytes * depth, pin=pin and layer.page_locks, buffer_bytes=buffer_bytes,
                                   ledger=pinned if pin else _host_ledger(account),
                                   what="parameter staging buffer" + (" (pinned)" if pin else ""),
                                   register=layer.register_pinned if pin else None)
@@ -360,11 +342,11 @@ def build_shards(model: torch.nn.Module, config: Config, *, device: torch.device
         buffers = BufferCache(3 * max(offloaded),
                               charge=lambda n: account.charge(Tier.HOST, n, "idle gathered buffers"),
                               credit=lambda n: account.credit(Tier.HOST, n))
-    ctx = shard_context(config, device, pg, account, param_store=param_store, buffers=buffers, layer=layer)
+    ctx = shard_context(config, layer, pg, account, param_store=param_store, buffers=buffers)
     device_homes = [pl.padded_numel * dtype.itemsize for pl in planned if pl.home is Tier.DEVICE]
     if ctx.streams is not None and device_homes and pin:
         # Device homes' new values go up through pinned buffers (Note [copy streams]).
-        ctx.streams.make_upload_pool(max(device_homes), ledger=pinned, pin=layer.name == "cuda")
+        ctx.streams.make_upload_pool(max(device_homes), ledger=pinned, pin=layer.page_locks)
     shards = []
     for pl in planned:
         if pl.reuse:
@@ -385,7 +367,7 @@ def _home_pinner(pinned: PinnedLedger, layer: DeviceLayer) -> Callable[[Shard], 
         if pin_host_home(nbytes, cuda=True, pin_memory=True, pinned_committed=pinned.now,
                          pinned_budget=pinned.budget):
             pinned.charge(nbytes, f"pinned host home of {shard.name}", host_charged=True)
-            if layer.name == "cuda":
+            if layer.page_locks:
                 shard.host_part = shard.host_part.pin_memory()
             shard.pinned_home = True  # its copy-in is asynchronous (Shard._host_copy_source)
     return pin_home

@@ -37,6 +37,8 @@ import os
 
 import torch
 
+import offload.device
+
 log = logging.getLogger("offload")
 
 # DeepSpeed's initialize(), in its positional order (deepspeed/__init__.py, 0.19.8).
@@ -204,7 +206,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
         rank, world_size = 0, 1
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = dist_backend or offload.device.collective_backend()  # Note [one device choice]
     kwargs = {"backend": backend, "init_method": init_method}
     if timeout is not None:
         kwargs["timeout"] = timeout

@@ -20,9 +20,10 @@ import math
 import psutil
 import torch
 
+import offload.device
 from offload.aio.run_dir import RunDirectories
 from offload.config import Config, Precision
-from offload.engine.build import build_shards, default_device, device_layer_for
+from offload.engine.build import build_shards
 from offload.engine.checkpoint_methods import CheckpointMethods
 from offload.engine.closed import EngineClosedError, close_off, weak_callback
 from offload.engine.deepspeed_api import DeepSpeedMethods
@@ -59,8 +60,10 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
         self.module = model
         self.pg = ProcessGroupInfo.current()
         # Every copy between host and a separate device goes through this layer
-        # (Note [device layer] in offload/device/layer.py): OFFLOAD_DEVICE picks it.
-        self.device_layer = device_layer_for(default_device())
+        # (Note [device layer] in offload/device/layer.py): OFFLOAD_DEVICE picks it,
+        # once per run: a model built under offload.init brings the builder's
+        # (Note [one device choice] in offload/device/__init__.py).
+        self.device_layer = builder.ctx.layer if builder is not None else offload.device.from_env()
         self.device = self.device_layer.device
         self.compute_dtype = config.precision.dtype
         zero = config.zero_optimization
@@ -97,9 +100,9 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
 
         self.activation_checkpointing = ActivationCheckpointing(
             model, config.activation_checkpointing, self.account, self.device)
-        built = build_shards(model, config, device=self.device, pg=self.pg, account=self.account,
+        built = build_shards(model, config, layer=self.device_layer, pg=self.pg, account=self.account,
                              timeline=self._timeline, run_dirs=self._run_dirs,
-                             builder=self._builder, weights=self._weights, layer=self.device_layer)
+                             builder=self._builder, weights=self._weights)
         self._builder = self._weights = None
         self.shard_context = built.ctx
         self.shards = built.shards
@@ -219,10 +222,11 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
         """Note [optimizer overlap]: updates may start during this backward when it
         ends an accumulation window, no step-wide check needs every gradient
         first, and there is something to hide: NVMe transfers, or host Adam
-        beside a GPU's backward. Host Adam beside a CPU backward only takes
-        cores from it (measured: backward 0.79 s -> 1.06 s, GPT 67M, 2 cores)."""
+        beside a separate device's backward (a GPU, or the sim standing in for
+        one). Host Adam beside a CPU backward only takes cores from it
+        (measured: backward 0.79 s -> 1.06 s, GPT 67M, 2 cores)."""
         worth_it = self.optim_tier is Tier.NVME or (self.optim_tier is Tier.HOST
-                                                    and self.device.type == "cuda")
+                                                    and self.device_layer.separate_memory)
         return (worth_it and self.config.zero_optimization.overlap_comm
                 and self.is_gradient_accumulation_boundary()
                 and self.loss_scaler is None and not self.config.gradient_clipping > 0)

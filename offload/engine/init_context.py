@@ -65,9 +65,10 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
 from torch.overrides import TorchFunctionMode
 
+import offload.device
 from offload.aio.run_dir import RunDirectories
 from offload.config import Config
-from offload.engine.build import HomePolicy, default_device, discard_home, open_swap_store, shard_context
+from offload.engine.build import HomePolicy, discard_home, open_swap_store, shard_context
 from offload.engine.memory import release_free_host_memory
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
@@ -179,7 +180,8 @@ class ModelBuilder:
         self.account = MemoryAccount({Tier.DEVICE: mem.device_budget, Tier.HOST: mem.host_budget})
         # Build-time context: no parameter store until the first NVMe home (_ensure_store);
         # initialize moves the shards it adopts into the engine's context.
-        self.ctx = shard_context(config, default_device(), ProcessGroupInfo.current(), self.account)
+        # The run's one device layer (Note [one device choice]): initialize takes it over.
+        self.ctx = shard_context(config, offload.device.from_env(), ProcessGroupInfo.current(), self.account)
         self.policy = HomePolicy(config)
         self.shards: list[Shard] = []
         self.shard_of: dict[int, Shard] = {}

@@ -518,7 +518,9 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         step = self.shard_steps[shard.index]
         grad = shard.grad_part.to(master.device, non_blocking=True)
         home_out = self._home_out(shard)
-        if master.device.type == "cuda":
+        # Where the bytes are, not which layer (Note [one device choice]): the
+        # native kernel reads host memory; masters in a GPU's memory take torch's.
+        if master.device.type != "cpu":
             _fused_torch_adam(master, grad, m, v, step, group)
             if home_out is not None:
                 home_out.copy_(master)

@@ -125,7 +125,7 @@ class ParameterManager:
         ctx = shards[0].ctx if shards else None
         if ctx is not None and ctx.streams is not None and ctx.grad_tier is not Tier.DEVICE:
             self.to_host = GradientsToHost(ctx.streams, max(s.part_numel for s in shards) * 4, on_grad,
-                                           ledger=ctx.account.pinned, pin=ctx.layer.name == "cuda")
+                                           ledger=ctx.account.pinned, pin=ctx.layer.page_locks)
             on_grad = self.to_host.put
         self._deliver_grad = on_grad
         self.grad_buckets: GradientBuckets | None = None  # one rank: gradients go straight to on_grad

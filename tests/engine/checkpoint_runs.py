@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import offload
-from tests.engine.harness import build, lm_loss, make_config
+from tests.engine.harness import build, lm_loss, make_config, on_test_device
 from tests.engine.models import VOCAB
 
 WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02,
@@ -45,18 +45,18 @@ def train(engine, micro_steps):
     losses = []
     for _ in range(micro_steps):
         seq = random.randint(2, 9)
-        x = torch.randint(0, VOCAB, (3, seq))
-        y = torch.randint(0, VOCAB, (3, seq))
+        x, y = on_test_device(torch.randint(0, VOCAB, (3, seq)), torch.randint(0, VOCAB, (3, seq)))
         loss = lm_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach().float())
-    return torch.stack(losses)
+    return torch.stack(losses).cpu()
 
 
 def snapshot(engine):
     """Full fp32 masters and compute-dtype copies (a collective with several ranks)."""
-    return {"master": engine.full_state_dict(master=True), "home": engine.full_state_dict()}
+    return {kind: {name: t.cpu() for name, t in engine.full_state_dict(master=master).items()}
+            for kind, master in (("master", True), ("home", False))}
 
 
 def straight_and_first_half(case, root, rank=0):
@@ -70,7 +70,7 @@ def straight_and_first_half(case, root, rank=0):
     with offload.initialize(model_b, case_config(case, os.path.join(root, "b"), str(rank))) as e:
         train(e, MICRO_STEPS // 2)
         with torch.no_grad():  # for tests/test_consolidate.py: the engine's output at the save
-            straight["output_at_save"] = e(PROBE_INPUT).float()
+            straight["output_at_save"] = e(*on_test_device(PROBE_INPUT)).float().cpu()
         straight["at_save"] = snapshot(e)
         # Another tag beside it, saved asynchronously: the next save commits it (with
         # several ranks, after all of them report their files).
@@ -90,8 +90,10 @@ def second_half(case, root, rank=0):
         return snapshot(e) | {"losses": losses, "client": client, "counters": counters}
 
 
-def resume_all(cases, root, out_path):
-    """Child process entry: the second halves of every case, results to out_path."""
+def resume_all(cases, root, out_path, layer="cpu"):
+    """Child process entry: the second halves of every case, results to out_path; on
+    `layer` (a forkserver's children have the server's environment, not the test's)."""
+    os.environ["OFFLOAD_DEVICE"] = layer
     torch.set_num_threads(1)
     results = {i: second_half(case, os.path.join(root, f"case{i}")) for i, case in enumerate(cases)}
     torch.save(results, out_path)

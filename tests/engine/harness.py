@@ -6,6 +6,7 @@ from torch.nn import functional as F
 
 import offload
 from tests.engine.models import MODELS, VOCAB
+from tests.layer_under_test import test_device
 
 
 def make_config(param: str, optim: str, nvme_path, *, precision="fp32", gas=1, clip=0.0,
@@ -42,13 +43,21 @@ def batches(steps, *, world=1, seed=0, seq=7):
             for _ in range(steps)]
 
 
+def on_test_device(*tensors):
+    """The tensors on the device the test runs on (Note [the device a test runs on]
+    in tests/conftest.py): a GPU's for OFFLOAD_TEST_DEVICE=cuda, else the host."""
+    device = test_device()
+    return tuple(t.to(device) for t in tensors)
+
+
 def lm_loss(logits, target):
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), target.reshape(-1))
 
 
 def run_reference(model, data, *, gas, clip, lr, weight_decay, world=1, scheduler_fn=None):
-    """Plain PyTorch: AdamW, loss / gas per micro-step (averaged over the ranks' batches)."""
-    model = copy.deepcopy(model)
+    """Plain PyTorch: AdamW, loss / gas per micro-step (averaged over the ranks' batches),
+    on the device the test runs on; the model and losses come back on the host."""
+    model = copy.deepcopy(model).to(test_device())
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
                             weight_decay=weight_decay, foreach=False)
     sched = scheduler_fn(opt) if scheduler_fn else None
@@ -56,6 +65,7 @@ def run_reference(model, data, *, gas, clip, lr, weight_decay, world=1, schedule
     for i, per_rank in enumerate(data):
         step_losses = []
         for x, y in per_rank:
+            x, y = on_test_device(x, y)
             loss = lm_loss(model(x), y)
             (loss / (gas * world)).backward()
             step_losses.append(loss.detach())
@@ -67,7 +77,7 @@ def run_reference(model, data, *, gas, clip, lr, weight_decay, world=1, schedule
             opt.zero_grad()
             if sched is not None:
                 sched.step()
-    return model, torch.stack(losses)
+    return model.cpu(), torch.stack(losses).cpu()
 
 
 def run_reference_mixed(model, data, *, dtype, gas, lr, weight_decay, world=1):
@@ -82,16 +92,17 @@ def run_reference_mixed(model, data, *, dtype, gas, lr, weight_decay, world=1):
     from offload.optim import CPUAdam
 
     master = copy.deepcopy(model)
-    compute = copy.deepcopy(model).to(dtype)
+    compute = copy.deepcopy(model).to(test_device(), dtype)
     opt = CPUAdam(master.parameters(), lr=lr, weight_decay=weight_decay)
     pairs = list(zip(master.parameters(), compute.parameters()))
     losses = []
     for i, per_rank in enumerate(data):
         step_losses, rank_grads = [], []
         for x, y in per_rank:  # each rank's micro-batch; gradients averaged in fp32
+            x, y = on_test_device(x, y)
             loss = lm_loss(compute(x), y)
             (loss / gas).backward()
-            rank_grads.append([None if p16.grad is None else p16.grad.float() for _, p16 in pairs])
+            rank_grads.append([None if p16.grad is None else p16.grad.float().cpu() for _, p16 in pairs])
             compute.zero_grad(set_to_none=True)
             step_losses.append(loss.detach())
         for j, (p32, _) in enumerate(pairs):
@@ -106,7 +117,7 @@ def run_reference_mixed(model, data, *, dtype, gas, lr, weight_decay, world=1):
             with torch.no_grad():
                 for p32, p16 in pairs:
                     p16.copy_(p32)
-    return master, torch.stack(losses)
+    return master, torch.stack(losses).cpu()
 
 
 def train_engine(engine, data, *, rank=0, before_step=None):
@@ -115,14 +126,14 @@ def train_engine(engine, data, *, rank=0, before_step=None):
     before_step(engine, i): called before micro-step i (to disturb the engine mid-run)."""
     losses = []
     for i, per_rank in enumerate(data):
-        x, y = per_rank[rank]
+        x, y = on_test_device(*per_rank[rank])
         if before_step is not None:
             before_step(engine, i)
         loss = lm_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach().float())
-    return torch.stack(losses)
+    return torch.stack(losses).cpu()
 
 
 def run_engine(model, data, config, *, rank=0):
@@ -136,7 +147,7 @@ def run_engine(model, data, config, *, rank=0):
 
 def engine_weights(engine):
     """Every parameter's current full value (fp32 masters where the engine keeps them)."""
-    return {name: value.clone() for name, value in engine.full_state_dict(master=True).items()}
+    return {name: value.detach().cpu().clone() for name, value in engine.full_state_dict(master=True).items()}
 
 
 def assert_weights(engine, ref_model, **tolerance):

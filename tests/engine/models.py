@@ -42,7 +42,7 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
-        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
         y = (att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, c)
         x = x + self.proj(y)
         return x + self.out(F.gelu(self.fc(self.ln2(x))))

@@ -10,7 +10,8 @@ import torch
 import offload
 from offload.aio.run_dir import RunDirectories
 from offload.config import Config
-from offload.engine.build import build_shards, default_device
+import offload.device
+from offload.engine.build import build_shards
 from offload.optim.sharded_adam import ShardedAdam
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
@@ -24,12 +25,13 @@ def test_the_optimizer_places_nothing_and_place_moves_each_parameter_once(tmp_pa
     original = {name: p.detach().clone() for name, p in model.named_parameters()}
     config = Config.load(make_config("nvme", "nvme", tmp_path))
     account, run_dirs = MemoryAccount(), RunDirectories()
-    built = build_shards(model, config, device=default_device(), pg=ProcessGroupInfo.current(),
+    layer = offload.device.from_env()
+    built = build_shards(model, config, layer=layer, pg=ProcessGroupInfo.current(),
                          account=account, timeline=Timeline(enabled=False), run_dirs=run_dirs)
     opt = config.optimizer
     optimizer = ShardedAdam(built.shards, lr=opt.lr, betas=opt.betas, eps=opt.eps,
                             weight_decay=opt.weight_decay, adamw_mode=True, tier=Tier.NVME,
-                            device=default_device(), account=account, state_store=built.state_store,
+                            device=layer.device, account=account, state_store=built.state_store,
                             param_store=built.param_writer)
     try:
         assert all(s.ctx is built.ctx for s in built.shards) and built.ctx.param_store is not None

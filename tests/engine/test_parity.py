@@ -1,10 +1,13 @@
 """The engine trains exactly like plain PyTorch, for every placement of the
-parameters and the optimizer state, on models built to break managers."""
+parameters and the optimizer state, on models built to break managers; on
+the layer OFFLOAD_TEST_DEVICE names (Note [the device a test runs on])."""
 import pytest
 import torch
 
-from tests.engine.harness import (batches, build, make_config, run_engine, run_reference,
+from tests.engine.harness import (batches, build, make_config, on_test_device, run_engine, run_reference,
                                   run_reference_mixed)
+
+pytestmark = pytest.mark.any_device
 
 PLACEMENTS = [("none", "none"), ("cpu", "cpu"), ("nvme", "nvme"), ("none", "cpu"),
               ("cpu", "nvme"), ("nvme", "cpu"), ("none", "nvme")]
@@ -102,7 +105,7 @@ def test_bf16_compute_copy_is_the_rounded_master(tmp_path):
 
     with offload.initialize(model, cfg) as engine:
         for per_rank in data:
-            x, y = per_rank[0]
+            x, y = on_test_device(*per_rank[0])
             engine.backward(lm_loss(engine(x), y))
             engine.step()
         masters = engine.full_state_dict(master=True)
