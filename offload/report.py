@@ -91,6 +91,9 @@ def collect() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
+        # None where supported and tested; else why not (offload/torch_release.py)
+        "torch_release": (importlib.import_module("offload.torch_release").torch_release_problem()
+                          or importlib.import_module("offload.torch_release").torch_release_untested()),
         "torch_cuda_build": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
@@ -102,6 +105,7 @@ def collect() -> dict:
         "simd_detected": simd.detected_level(),
         "simd_used": simd_used,
         "simd_override": os.environ.get(simd.ENV_VAR, "(unset)"),
+        "adam_sqrt": importlib.import_module("offload.ops.adam").describe_sqrt_source(),  # Note [bitwise torch order]
         "threads": simd.num_threads(),
         "cpu_count": os.cpu_count(),
         "io_backends": _io_backends(),

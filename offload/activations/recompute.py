@@ -23,12 +23,45 @@ on use, activations are charged (Note [activation bytes] in saver.py).
 Outside an engine's forward, offload.checkpoint is torch.utils.checkpoint
 (use_reentrant=False).
 
-The checkpoint's inputs are saved by a no-op autograd function under the
-hooks of the enclosing forward (so they are charged, or moved to the host
-with cpu_checkpointing). A frame lives as long as any of its placeholders or
-its input node: when backward has used them all, the inputs and the
+The checkpoint's inputs are packed by the manager's pack hook itself, inside
+the saver's `checkpoint_inputs()` (so they are charged, or moved to the host
+with cpu_checkpointing), and kept by the frame as packed records; each
+recomputation unpacks them through the manager (Note [recompute across torch
+releases]). A frame lives as long as any of its placeholders: when backward
+has used them all (or the graph is dropped unrun), the inputs and the
 recomputed tensors go with it. Recomputation runs once per backward pass
 (keyed by autograd's graph task), with the forward's RNG and autocast state.
+
+Note [recompute across torch releases]
+The frame once kept its inputs as the saved tensors of a no-op
+autograd.Function whose output fed nothing, holding only that node's
+`grad_fn` and reading `grad_fn.saved_tensors` in backward. That works on
+torch 2.13 and 2.14 and fails on 2.11 ("Trying to backward through the graph
+a second time (or directly access saved tensors after they have already
+been freed)"). The cause is who owns a custom Function's node. On 2.11,
+the Python `grad_fn` of an autograd.Function (its ctx, a THPFunction) holds
+only a weak pointer to the C++ PyNode; the node is owned by the graph (its
+outputs' autograd metadata, the edges of later nodes). An output that feeds
+nothing dies at once, so does the node, and the node's death frees the
+ctx's saved variables (the packed records with them, credited at once)
+while the Python `grad_fn` lives on with `saved_tensors` unreadable.
+PyTorch's change to Node wrapping (pytorch/pytorch#181390, from #179924:
+"THPFunction holds an owning intrusive_ptr<Node>", as a C++ node's Python
+wrapper always did) made the Python object own its node, so on 2.13 and 2.14 a
+held `grad_fn` keeps its saved tensors.
+The inputs now need no autograd node at all: the frame packs them with the
+manager's own pack hook (`manager._pack`, the pair an engine's forward
+installs; this path runs only inside an engine's forward context) and
+unpacks them with `manager._unpack` at each recomputation, as it already did
+for the recomputed tensors; so they reach the manager even where another
+checkpoint function's hooks are innermost (a recomputation by torch's or
+Hugging Face's checkpointing, Note [the model is the interface] in
+partition/manager.py). Nothing depends on how a release ties a node to its
+Python object; the records are the ones autograd would have kept, held as
+long as the frame, so values, bytes and their timing are the same on every
+release, and only public autograd API (`saved_tensors_hooks`) is used.
+Nothing autograd's saving did is lost: with saved-tensor hooks installed,
+autograd makes no version-counter check on a saved tensor anyway.
 """
 from __future__ import annotations
 
@@ -39,19 +72,6 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from offload.activations.saver import ACTIVE, ActivationSaver
-
-
-class _SaveInputs(torch.autograd.Function):
-    """Saves the checkpoint's tensor inputs; its backward never runs (its output is unused)."""
-
-    @staticmethod
-    def forward(ctx, anchor, *tensors):
-        ctx.save_for_backward(*tensors)
-        return anchor.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, grad):  # pragma: no cover - the output feeds nothing
-        return (None,) * (1 + len(ctx.saved_tensors))
 
 
 class _Placeholder:
@@ -83,9 +103,9 @@ class _Frame:
         self.device_ids, self.device_rng = torch_checkpoint.get_device_states(*tensors)
         self.autocast = [(dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
                          for dev in sorted({"cpu", saver.device.type})]
-        anchor = torch.empty(0, requires_grad=True)
+        # Packed as the forward's hooks would pack a saved tensor (Note [recompute across torch releases]).
         with saver.checkpoint_inputs():
-            self.input_node = _SaveInputs.apply(anchor, *tensors).grad_fn
+            self.inputs = [self.manager._pack(t) for t in tensors]
 
     # ---- forward ---------------------------------------------------------
     def run(self, args: tuple, kwargs: dict):
@@ -113,7 +133,7 @@ class _Frame:
         return self.manager._unpack(packed)
 
     def _recompute(self) -> dict[int, object]:
-        inputs = iter(self.input_node.saved_tensors)  # through the outer hooks' unpack
+        inputs = iter([self.manager._unpack(packed) for packed in self.inputs])
         args, kwargs = list(self.args), dict(self.kwargs)
         for (where, key), needs_grad in zip(self.tensor_slots, self.requires_grad):
             t = next(inputs).detach().requires_grad_(needs_grad)
@@ -186,9 +206,10 @@ def checkpoint(fn, *args, **kwargs):
 
 
 def _sync(saver: ActivationSaver) -> None:
-    # synchronize_checkpoint_boundary (and profiling on CUDA): wait for the device at each boundary.
-    if saver.synchronize or (saver.profile and saver.device.type == "cuda"):
-        torch.cuda.synchronize(saver.device)
+    # synchronize_checkpoint_boundary (and profiling, on a device apart from the host):
+    # wait for the device at each boundary.
+    if saver.wait_for_device is not None and (saver.synchronize or saver.profile):
+        saver.wait_for_device()
 
 
 class _autocast:

@@ -248,7 +248,10 @@ class ActivationSaver:
         self.manager = None  # the engine's ParameterManager, set by ActivationCheckpointing.attach
         self.device = device
         self.cpu_checkpointing = cpu_checkpointing
-        self.synchronize = synchronize and device.type == "cuda"
+        self.synchronize = synchronize
+        # The device layer's synchronize where the device runs apart from the host
+        # (set by ActivationCheckpointing.attach); None: nothing to wait for.
+        self.wait_for_device = None
         self.profile = profile
         self.timings = {"checkpointed_forward_s": 0.0, "recompute_s": 0.0,
                         "checkpointed_calls": 0, "recomputations": 0}

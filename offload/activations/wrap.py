@@ -63,8 +63,10 @@ class ActivationCheckpointing:
         streams (Note [pinned checkpoint inputs])."""
         self.saver.manager = manager
         ctx = manager.shards[0].ctx if manager.shards else None
+        if ctx is not None and ctx.layer.separate_memory:
+            self.saver.wait_for_device = ctx.layer.synchronize
         if ctx is not None and ctx.streams is not None:
-            self.saver.use_copy_streams(ctx.streams, ctx.account.pinned, pin=ctx.layer.name == "cuda")
+            self.saver.use_copy_streams(ctx.streams, ctx.account.pinned, pin=ctx.layer.page_locks)
         manager.activations = self.saver
 
     @property

@@ -38,6 +38,7 @@ from offload.partition.prefetch import prefetch_scheduler
 from offload.partition.shard import ShardContext
 from offload.tiers import Tier
 from offload.timeline import Timeline
+from offload.torch_release import check_torch_release
 
 log = logging.getLogger("offload")
 
@@ -592,6 +593,7 @@ def _initialize(model: torch.nn.Module, config, weights=None, *, param_groups=No
     """
     from offload.engine.init_context import claim
 
+    check_torch_release()  # before anything moves: a torch we cannot train exactly on is named here
     config = Config.load(config)
     no_effect = config.no_effect_line()
     if no_effect is not None:

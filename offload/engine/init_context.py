@@ -76,6 +76,7 @@ from offload.partition.manager import tensor_leaves
 from offload.partition.nvme_home import ParamStore
 from offload.partition.shard import Residency, Shard
 from offload.tiers import Tier
+from offload.torch_release import check_torch_release
 
 _MIN_WINDOW = 64 << 20
 _TRIM_EVERY = 32 << 20  # bytes homed between returns of freed heap memory to the OS
@@ -100,6 +101,7 @@ def init(config) -> "ModelBuilder":
 
     config: the one offload.initialize will get (dict, JSON path or Config).
     """
+    check_torch_release()
     return ModelBuilder(Config.load(config))
 
 

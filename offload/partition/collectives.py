@@ -166,9 +166,11 @@ class ProcessGroupInfo:
         if self.world_size == 1:
             mine.copy_(stacked.reshape(-1))
             return
-        # reduce_scatter_single: torch 2.13's name; reduce_scatter_tensor warns as deprecated.
+        # reduce_scatter_single: the name from torch 2.13 on, where reduce_scatter_tensor
+        # warns as deprecated; 2.11 has only reduce_scatter_tensor (the same collective).
         # Flat: gloo takes only the concatenated form (its check fails on a (world, n) input).
-        dist.reduce_scatter_single(mine, stacked.view(-1), group=self.group)
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        reduce_scatter(mine, stacked.view(-1), group=self.group)
         self._count("reduce_scatter", stacked, mine)
         mine.div_(self.world_size)
 

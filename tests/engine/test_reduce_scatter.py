@@ -39,6 +39,8 @@ class _Counter:
 
     def __enter__(self):
         for name in self.NAMES:
+            if not hasattr(dist, name):  # reduce_scatter_single: torch 2.13 on
+                continue
             real = self._saved[name] = getattr(dist, name)
             setattr(dist, name, self._wrap(name, real))
         return self
