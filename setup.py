@@ -139,6 +139,9 @@ if Pybind11Extension is not None:
             # torch order]); the kernels place every fma themselves.
             extra_compile_args=["-O3", "-fno-math-errno", "-ffp-contract=off", "-pthread"],
             extra_link_args=["-pthread"],
+            # dlopen/dlsym (csrc/adam/adam_vml.cpp looks up MKL's vsSqrt in the
+            # torch library already loaded): in libc from glibc 2.34, libdl before.
+            libraries=["dl"],
         )
     )
 

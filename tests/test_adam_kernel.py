@@ -2,15 +2,22 @@
 
 Every test that exercises the kernel runs once per SIMD path this CPU has
 (the simd_level fixture forces each with OFFLOAD_SIMD). Sizes straddle the
-vector widths (8, 16) and the thread split so tails and chunk edges are hit.
+vector widths (8, 16), the thread split and the split update's blocks so
+tails and chunk edges are hit.
 
 The reference is torch's default CPU AdamW/Adam itself (single-tensor path),
-compared with rtol=0, atol=0. Only sqrt's bits depend on the CPU (Note
-[bitwise torch order], csrc/adam/adam_kernels.h): a kernel whose sqrt is not
-the one torch runs here (the AVX2 or scalar kernel forced on an AVX-512 CPU)
-is compared, bit for bit, with torch run with an IEEE sqrt instead.
+compared with rtol=0, atol=0, on whatever CPU and MKL path this is: the
+square root is chosen by probing torch.sqrt (Note [bitwise torch order],
+csrc/adam/adam_kernels.h), so every level equals torch itself, and so does
+the split update around torch.sqrt (the sqrt_mode fixture runs both). The
+fused kernel with each sqrt it can compute is also checked, forced, against
+torch with that same sqrt in place of torch's. tests/test_cpu_adam.py runs
+the comparison again in fresh interpreters under MKL's other code paths
+(MKL_ENABLE_INSTRUCTIONS), where torch's sqrt is one no kernel computes in
+registers.
 """
 import contextlib
+import platform
 import struct
 import threading
 
@@ -19,34 +26,24 @@ import pytest
 import torch
 
 from offload import _native, simd
-from offload.ops import adam_step
+from offload.ops import adam, adam_step
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
-
-
-def _torch_sqrt_flavour() -> str:
-    """'ieee' if torch.sqrt is correctly rounded on this CPU, else 'mkl_avx512'
-    (MKL's AVX-512 vsSqrt, which the AVX-512 kernel reproduces)."""
-    x = torch.rand(1 << 14, generator=torch.Generator().manual_seed(0)) * 4 + 0.25
-    return "ieee" if torch.equal(x.sqrt(), torch.from_numpy(np.sqrt(x.numpy()))) else "mkl_avx512"
-
-
-def kernel_sqrt_flavour(level: str) -> str:
-    return "mkl_avx512" if level == "avx512" else "ieee"
+needs_native = pytest.mark.skipif(_native.native is None, reason="native extension not built")
 
 
 @contextlib.contextmanager
-def torch_sqrt_as(flavour: str):
-    """torch.optim's own update, with Tensor.sqrt replaced by the correctly
-    rounded one when `flavour` is 'ieee' and torch's is not."""
-    if flavour == _torch_sqrt_flavour():
-        yield
-        return
-    if flavour != "ieee":
-        pytest.skip(f"torch's sqrt here is IEEE; no reference for a {flavour} kernel")
+def torch_sqrt_replaced_by(source: str, level: str):
+    """torch.optim's own update with Tensor.sqrt replaced by the kernel's
+    `source` sqrt at `level`: the reference for a forced fused source."""
+    def kernel_sqrt(t):
+        t = t.contiguous()
+        out = torch.empty_like(t)
+        _native.native.adam.sqrt(t.data_ptr(), out.data_ptr(), t.numel(), source, level)
+        return out
+
     mp = pytest.MonkeyPatch()
-    # numpy's sqrt is the IEEE one (torch's double sqrt is MKL's too).
-    mp.setattr(torch.Tensor, "sqrt", lambda t: torch.from_numpy(np.sqrt(t.numpy())))
+    mp.setattr(torch.Tensor, "sqrt", kernel_sqrt)
     try:
         yield
     finally:
@@ -59,12 +56,13 @@ def _lr_at(step, lr):
 
 
 def _torch_reference(p0, grads, *, adamw_mode, weight_decay, lr=HP["lr"], beta1=HP["beta1"],
-                     schedule=False, sqrt="torch"):
+                     schedule=False, sqrt=None):
+    """torch's result; `sqrt` = (source, level) puts that kernel sqrt in place of torch's."""
     p = p0.clone().requires_grad_(True)
     cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
     # Default arguments: foreach=None picks the single-tensor path for CPU tensors.
     opt = cls([p], lr=lr, betas=(beta1, HP["beta2"]), eps=HP["eps"], weight_decay=weight_decay)
-    with (contextlib.nullcontext() if sqrt == "torch" else torch_sqrt_as(sqrt)):
+    with (contextlib.nullcontext() if sqrt is None else torch_sqrt_replaced_by(*sqrt)):
         for step, g in enumerate(grads, start=1):
             if schedule:
                 opt.param_groups[0]["lr"] = _lr_at(step, lr)
@@ -97,14 +95,24 @@ def _grads(n, steps=10, dtype=torch.float32, seed=0):
     return [(torch.randn(n, generator=gen) * (0.1 + step)).to(dtype) for step in range(steps)]
 
 
-SIZES = [1, 7, 15, 16, 17, 31, 33, 1_000_003]
+SPLIT_BLOCK = 4096  # the split update's block in these tests, so mid-size buffers cross several
+SIZES = [1, 7, 15, 16, 17, 31, 33, SPLIT_BLOCK + 17, 1_000_003]
 OPTIMIZERS = [(True, 0.01), (True, 0.0), (False, 0.0), (False, 0.1)]
 _REFERENCES: dict = {}
 
 
-def _cached_reference(n, adamw_mode, weight_decay, beta1, sqrt, steps):
+@pytest.fixture(params=["auto", "torch"], ids=["sqrt-auto", "sqrt-split"])
+def sqrt_mode(request, monkeypatch):
+    """The square root as the probe picks it here, and the split update around
+    torch.sqrt forced (the last resort, where no kernel sqrt is torch's)."""
+    monkeypatch.setenv(adam.SQRT_ENV_VAR, request.param)
+    monkeypatch.setattr(adam, "SPLIT_BLOCK", SPLIT_BLOCK)
+    return request.param
+
+
+def _cached_reference(n, adamw_mode, weight_decay, beta1, steps, sqrt=None):
     """torch's result, computed once per case and shared by the SIMD levels."""
-    key = (n, adamw_mode, weight_decay, beta1, sqrt, steps)
+    key = (n, adamw_mode, weight_decay, beta1, steps, sqrt)
     if key not in _REFERENCES:
         p0 = torch.randn(n, generator=torch.Generator().manual_seed(1))
         grads = _grads(n, steps=steps)
@@ -117,42 +125,48 @@ def _cached_reference(n, adamw_mode, weight_decay, beta1, sqrt, steps):
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("adamw_mode,weight_decay", OPTIMIZERS,
                          ids=["adamw-wd", "adamw", "adam", "adam-l2"])
-def test_bitwise_equal_to_torch(simd_level, n, adamw_mode, weight_decay):
-    """50 steps (fewer for the 1M size), the lr changing every step."""
+def test_bitwise_equal_to_torch(simd_level, sqrt_mode, n, adamw_mode, weight_decay):
+    """50 steps (fewer for the large sizes), the lr changing every step."""
     steps = 50 if n < 1000 else 6
-    p0, grads, ref = _cached_reference(n, adamw_mode, weight_decay, HP["beta1"],
-                                       kernel_sqrt_flavour(simd_level), steps)
+    p0, grads, ref = _cached_reference(n, adamw_mode, weight_decay, HP["beta1"], steps)
     ours = _run_ours(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay, schedule=True)
     _assert_bitwise(ours, ref)
 
 
 @pytest.mark.parametrize("n", [17, 33])
-def test_bitwise_lerp_with_a_large_weight(simd_level, n):
+def test_bitwise_lerp_with_a_large_weight(simd_level, sqrt_mode, n):
     """beta1 < 0.5: torch's lerp takes its other form, end - (end - self) * (1 - w)."""
-    p0, grads, ref = _cached_reference(n, True, 0.01, 0.3, kernel_sqrt_flavour(simd_level), 50)
+    p0, grads, ref = _cached_reference(n, True, 0.01, 0.3, 50)
     ours = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.01, beta1=0.3, schedule=True)
     _assert_bitwise(ours, ref)
 
 
-def test_default_kernel_equals_torch_itself():
-    """The kernel this CPU selects needs no sqrt substitute where MKL's path is
-    one the kernels reproduce (AVX-512 on an AVX-512 CPU, IEEE otherwise)."""
-    if kernel_sqrt_flavour(simd.detected_level()) != _torch_sqrt_flavour():
-        pytest.skip("torch's sqrt on this CPU is neither kernel's (see adam_kernels.h)")
-    n = 4099
-    p0 = torch.randn(n)
-    grads = _grads(n, steps=20)
-    _assert_bitwise(_run_ours(p0, grads, adamw_mode=True, weight_decay=0.01, schedule=True),
-                    _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.01, schedule=True))
+def _level_sqrt_pairs():
+    return [(level, source) for level in simd.available_levels() for source in adam.kernel_sqrts(level)]
+
+
+@needs_native
+@pytest.mark.parametrize("level,source", _level_sqrt_pairs())
+@pytest.mark.parametrize("n", [1, 17, 33, 4099])
+@pytest.mark.parametrize("adamw_mode,weight_decay", [(True, 0.01), (False, 0.1)], ids=["adamw-wd", "adam-l2"])
+def test_each_fused_sqrt_equals_torch_with_that_sqrt(monkeypatch, level, source, n, adamw_mode,
+                                                     weight_decay):
+    """Every fused kernel, whichever sqrt the probe picks on this CPU: forced,
+    it equals torch's update with the kernel's own sqrt in place of torch's."""
+    monkeypatch.setenv(simd.ENV_VAR, level)
+    monkeypatch.setenv(adam.SQRT_ENV_VAR, source)
+    assert adam.sqrt_source() == source
+    p0, grads, ref = _cached_reference(n, adamw_mode, weight_decay, HP["beta1"], 50, (source, level))
+    ours = _run_ours(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay, schedule=True)
+    _assert_bitwise(ours, ref)
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [1, 17, 4099])
-def test_low_precision_grad_is_widened_exactly(simd_level, grad_dtype, n):
+def test_low_precision_grad_is_widened_exactly(simd_level, sqrt_mode, grad_dtype, n):
     p0 = torch.randn(n)
     grads = _grads(n, dtype=grad_dtype)
-    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.01,
-                           sqrt=kernel_sqrt_flavour(simd_level))
+    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.01)
     ours = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.01)
     _assert_bitwise(ours, ref)
 
@@ -163,7 +177,7 @@ def _bits(t):
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [1, 7, 16, 17, 1023, 100_003])
-def test_fused_out_equals_torch_rounding(simd_level, out_dtype, n):
+def test_fused_out_equals_torch_rounding(simd_level, sqrt_mode, out_dtype, n):
     p0 = torch.randn(n) * 3
     out = torch.empty(n, dtype=out_dtype)
     grads = _grads(n, steps=3)
@@ -210,37 +224,50 @@ def test_fused_out_special_values_bit_exact(simd_level, out_dtype, offset):
 
 
 @pytest.mark.parametrize("n", [5, 40])
-def test_nan_and_inf_gradients_propagate_as_in_torch(simd_level, n):
+def test_nan_and_inf_gradients_propagate_as_in_torch(simd_level, sqrt_mode, n):
     p0 = torch.randn(n)
     grads = _grads(n, steps=4)
     grads[1][0] = float("nan")
     grads[2][n - 1] = float("inf")
     grads[3][n // 2] = -float("inf")
-    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.1,
-                           sqrt=kernel_sqrt_flavour(simd_level))
+    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.1)
     ours = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.1)
     _assert_bitwise(ours, ref, equal_nan=True)
     assert ours[0].isnan().sum() >= 3  # the poisoned elements really are NaN
 
 
-def test_second_moment_across_the_fast_path_boundary_bit_exact(simd_level):
-    """The AVX-512 kernel takes a shorter sequence for vectors whose v lies in
-    [2^-100, inf) and the general one otherwise (denom_as_torch): v from 0
-    through tiny, the boundary and huge, mixed within a vector and alone in
-    others, equals torch either way."""
+def _across_the_fast_path_boundary():
     scales = torch.logspace(-60, 15, 48, base=10.0)  # g^2 * (1 - beta2) spans ~1e-123 .. 1e27
     row = torch.cat([scales, torch.zeros(8), torch.full((8,), 2.0 ** -48.5)])
     grads = []
     for step in range(4):
         g = row[torch.randperm(row.numel(), generator=torch.Generator().manual_seed(step))]
         grads.append(torch.cat([g, torch.ones(64) * (step + 1) * 1e-3]))  # and all-normal vectors
-    p0 = torch.randn(grads[0].numel())
-    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.1,
-                           sqrt=kernel_sqrt_flavour(simd_level))
+    return torch.randn(grads[0].numel()), grads
+
+
+def test_second_moment_over_its_whole_range_bit_exact(simd_level, sqrt_mode):
+    """v from 0 through subnormal, tiny and huge, mixed within a vector and
+    alone in others, equals torch on the path the probe picks and the split."""
+    p0, grads = _across_the_fast_path_boundary()
+    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.1)
     ours = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.1)
     _assert_bitwise(ours, ref)
     v = ours[2]
     assert (v == 0).any() and ((v > 0) & (v < 2.0 ** -100)).any() and (v > 2.0 ** -100).any()
+
+
+@needs_native
+@pytest.mark.skipif("avx512" not in simd.available_levels(), reason="no AVX-512 on this CPU")
+def test_mkl_avx512_shortcut_equals_its_general_sequence(monkeypatch):
+    """The AVX-512 kernel's MKL sqrt takes a shorter sequence for vectors whose
+    v lies in [2^-100, inf) and the general one otherwise (denom_as_torch); the
+    reference's sqrt is the general one alone (sqrt_as_torch), on any CPU."""
+    monkeypatch.setenv(simd.ENV_VAR, "avx512")
+    monkeypatch.setenv(adam.SQRT_ENV_VAR, "mkl-avx512")
+    p0, grads = _across_the_fast_path_boundary()
+    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.1, sqrt=("mkl-avx512", "avx512"))
+    _assert_bitwise(_run_ours(p0, grads, adamw_mode=True, weight_decay=0.1), ref)
 
 
 @pytest.mark.parametrize("n", [1, 33, 70_001])
@@ -261,10 +288,10 @@ def test_without_bias_correction_matches_closed_form(simd_level, n):
 
 
 @pytest.mark.parametrize("level", [lvl for lvl in simd.available_levels() if lvl != "scalar"])
-def test_simd_kernel_agrees_with_scalar_reference(level, monkeypatch):
-    """Bit for bit where the sqrt is the same (AVX2); the AVX-512 kernel's sqrt
-    is MKL's, so there the moments (computed before any sqrt, AdamW) still
-    agree bit for bit and the masters to a few ulp."""
+@pytest.mark.parametrize("source", ["ieee", "torch"], ids=["fused-ieee", "split"])
+def test_simd_kernel_agrees_with_scalar_reference(level, source, monkeypatch):
+    """The same pass with the same sqrt: bit for bit, the bf16 copy included."""
+    monkeypatch.setenv(adam.SQRT_ENV_VAR, source)
     n = 100_003
     p0 = torch.randn(n)
     grads = _grads(n, steps=5, dtype=torch.bfloat16)
@@ -273,17 +300,11 @@ def test_simd_kernel_agrees_with_scalar_reference(level, monkeypatch):
     scalar = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.1, out=out_s)
     monkeypatch.setenv(simd.ENV_VAR, level)
     vector = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.1, out=out_v)
-    if kernel_sqrt_flavour(level) == kernel_sqrt_flavour("scalar"):
-        _assert_bitwise(vector, scalar)
-    else:
-        _assert_bitwise(vector[1:], scalar[1:])
-        torch.testing.assert_close(vector[0], scalar[0])
-    # The roundings may differ only where the masters themselves differ.
-    same = vector[0] == scalar[0]
-    assert torch.equal(out_v[same], out_s[same])
+    _assert_bitwise(vector, scalar)
+    assert torch.equal(_bits(out_v), _bits(out_s))
 
 
-def test_thread_count_does_not_change_results(simd_level):
+def test_thread_count_does_not_change_results(simd_level, sqrt_mode):
     n = 1_000_003
     p0 = torch.randn(n)
     grads = _grads(n, steps=3)
@@ -335,7 +356,7 @@ def test_pure_pytorch_fallback_matches_torch(monkeypatch, n, adamw_mode, weight_
 
 
 @pytest.mark.parametrize("num_threads", [1, 3])
-def test_empty_tensors_are_a_no_op(simd_level, num_threads):
+def test_empty_tensors_are_a_no_op(simd_level, sqrt_mode, num_threads):
     """Zero elements: no error on any path or thread split, and no byte written
     (each tensor is an empty view inside a larger one whose values are checked)."""
     bufs = [torch.full((16,), 7.0) for _ in range(4)]
@@ -443,15 +464,105 @@ def test_num_threads_must_be_positive():
         _call(_args(), num_threads=0)
 
 
+@needs_native
 def test_native_kernel_refuses_unknown_names():
-    if _native.native is None:
-        pytest.skip("native extension not built")
-    with pytest.raises(ValueError, match="unknown SIMD level 'avx1024'"):
-        _native.native.adam.update(0, 0, "float32", 0, 0, 0, "", 0, 1.0, 1.0, 0.9, 0.999, 0.1,
-                                   0.001, 1e-8, 0.0, True, False, "avx1024", 1)
-    with pytest.raises(ValueError, match="unsupported element type 'int8'"):
-        _native.native.adam.update(0, 0, "int8", 0, 0, 0, "", 0, 1.0, 1.0, 0.9, 0.999, 0.1,
-                                   0.001, 1e-8, 0.0, True, False, "scalar", 1)
+    update = _native.native.adam.update
+    args = [0, 0, "float32", 0, 0, 0, "", 0, 1.0, 1.0, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.0, True,
+            False, "scalar", 1, "fused", "ieee", 0]
+    for index, bad, pattern in [(18, "avx1024", "unknown SIMD level 'avx1024'"),
+                                (2, "int8", "unsupported element type 'int8'"),
+                                (20, "twice", "unknown Adam pass 'twice'"),
+                                (21, "mkl-sse", "unknown square root 'mkl-sse'")]:
+        with pytest.raises(ValueError, match=pattern):
+            update(*args[:index], bad, *args[index + 1:])
+    with pytest.raises(ValueError, match="the scalar kernel cannot compute the mkl-avx512 square root"):
+        update(*args[:21], "mkl-avx512", 0)
+    with pytest.raises(ValueError, match="unknown square root 'torch'"):  # torch's is Python's to call
+        update(*args[:21], "torch", 0)
+    with pytest.raises(ValueError, match="apply pass needs root"):
+        update(*args[:7], 8, *args[8:20], "apply", "ieee", 0)
+
+
+# ---- the square root: which one, and why (Note [bitwise torch order]) -----
+
+@needs_native
+@pytest.mark.parametrize("level", simd.available_levels())
+def test_sqrt_source_is_a_kernel_sqrt_only_where_it_equals_torch(monkeypatch, level):
+    """auto picks a kernel sqrt exactly when it equals torch.sqrt on every probe
+    input, else the split update; an IEEE pick is checked against numpy's sqrt
+    too, so the verdict does not rest on the kernel alone."""
+    monkeypatch.delenv(adam.SQRT_ENV_VAR, raising=False)
+    monkeypatch.setenv(simd.ENV_VAR, level)
+    source = adam.sqrt_source()
+    mismatches = {s: adam.probe_mismatches(s, level) for s in adam.kernel_sqrts(level)}
+    matching = [s for s, count in mismatches.items() if count == 0]  # fastest first
+    assert source == (matching[0] if matching else "torch"), mismatches
+    x = adam.probe_inputs()
+    torch_is_ieee = torch.equal(x.sqrt(), torch.from_numpy(np.sqrt(x.numpy())))
+    assert (mismatches["ieee"] == 0) == torch_is_ieee
+    assert source in adam.describe_sqrt_source()
+
+
+def test_probe_spans_every_binade_and_the_edges():
+    x = adam.probe_inputs()
+    bits = x.view(torch.int32)
+    assert (bits >= 0).all() and x.numel() > 2_000_000
+    assert torch.equal(torch.unique(bits >> 23), torch.arange(256, dtype=torch.int32))
+    for value in (0.0, float("inf"), 2.0 ** -149, 2.0 ** -126, torch.finfo(torch.float32).max):
+        assert (x == value).any(), value
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("t", [25, 26])
+def test_hard_significands_are_the_nearest_to_a_midpoint(t):
+    """Hensel's shortcut finds what a search over every significand finds."""
+    count = 4096
+    x = torch.arange(1 << 23, 1 << 24, dtype=torch.int64)
+    target = x << t
+    root = torch.from_numpy(np.floor(np.sqrt(target.double().numpy())).astype(np.int64))
+    odd_below = root - (root + 1) % 2  # the odd midpoints either side of the root
+    distance = torch.minimum((target - odd_below ** 2).abs(), (target - (odd_below + 2) ** 2).abs())
+    worst_kept = distance.topk(count, largest=False).values.max()
+    ours = adam._hard_significands(t, count)
+    assert ours.unique().numel() == count
+    assert distance[ours - (1 << 23)].max() == worst_kept
+    assert set((distance < worst_kept).nonzero().flatten().add(1 << 23).tolist()) <= set(ours.tolist())
+
+
+def test_sqrt_override_is_validated(monkeypatch):
+    monkeypatch.setenv(adam.SQRT_ENV_VAR, "fast")
+    with pytest.raises(ValueError, match="OFFLOAD_ADAM_SQRT='fast' is not a square-root source; "
+                                         "expected one of auto, ieee, mkl-avx512, mkl-vml, torch"):
+        _call(_args())
+    assert "error: OFFLOAD_ADAM_SQRT='fast'" in adam.describe_sqrt_source()
+    monkeypatch.setenv(adam.SQRT_ENV_VAR, " Torch ")
+    assert adam.sqrt_source() == "torch"
+    assert adam.describe_sqrt_source() == "torch (OFFLOAD_ADAM_SQRT=torch)"
+
+
+@needs_native
+def test_mkl_sqrt_override_needs_the_avx512_kernel(monkeypatch):
+    monkeypatch.setenv(simd.ENV_VAR, "scalar")
+    monkeypatch.setenv(adam.SQRT_ENV_VAR, "mkl-avx512")
+    args = _args()
+    with pytest.raises(ValueError, match="OFFLOAD_ADAM_SQRT='mkl-avx512' needs the avx512 kernel; "
+                                         "the SIMD level in use is 'scalar'"):
+        _call(args)
+
+
+def _mkl_in_torch() -> bool:
+    return torch.backends.mkl.is_available() and platform.machine() in ("x86_64", "AMD64")
+
+
+@needs_native
+def test_mkl_vml_sqrt_is_torchs_own_where_torch_has_mkl():
+    """Where this torch exports MKL's vsSqrt, the kernels bind it at every
+    level, and it is torch.sqrt on every probe input whatever MKL's path."""
+    if not _mkl_in_torch():
+        pytest.skip("this torch has no MKL")
+    for level in simd.available_levels():
+        assert "mkl-vml" in adam.kernel_sqrts(level)
+        assert adam.probe_mismatches("mkl-vml", level) == 0
 
 
 def test_detected_level_is_reported(monkeypatch):

@@ -64,23 +64,33 @@ OFFLOAD_AVX2 inline Consts make_consts(const AdamParams& a) {
 }
 
 // Note [bitwise torch order]: one intrinsic per rounding torch does, fmadd
-// only where ATen's Vectorized code has one.
+// only where ATen's Vectorized code has one. One body for the three passes
+// (adam_scalar.cpp); the sqrt here is always the IEEE one.
+template <AdamPass P>
 OFFLOAD_AVX2 inline void update8(const AdamParams& a, const Consts& c, const AdamBuffers& b,
                                  size_t i) {
-  __m256 g = load_grad8(b, i);
-  __m256 p = _mm256_loadu_ps(b.master + i);
-  if (a.has_weight_decay) {
-    if (a.adamw_mode) p = _mm256_mul_ps(p, c.decay);
-    else g = _mm256_fmadd_ps(p, c.decay, g);
+  __m256 m, root;
+  if constexpr (P != AdamPass::kApply) {
+    __m256 g = load_grad8(b, i);
+    if (a.has_weight_decay && !a.adamw_mode) {
+      g = _mm256_fmadd_ps(_mm256_loadu_ps(b.master + i), c.decay, g);
+    }
+    const __m256 m0 = _mm256_loadu_ps(b.exp_avg + i);
+    m = _mm256_fmadd_ps(c.lerp_coeff, _mm256_sub_ps(g, m0), c.lerp_small ? m0 : g);
+    const __m256 v0 = _mm256_mul_ps(_mm256_loadu_ps(b.exp_avg_sq + i), c.beta2);
+    const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(c.one_minus_beta2, g), g, v0);
+    _mm256_storeu_ps(b.exp_avg + i, m);
+    _mm256_storeu_ps(b.exp_avg_sq + i, v);
+    if constexpr (P == AdamPass::kMoments) return;
+    root = _mm256_sqrt_ps(v);
+  } else {
+    m = _mm256_loadu_ps(b.exp_avg + i);
+    root = _mm256_loadu_ps(b.root + i);
   }
-  const __m256 m0 = _mm256_loadu_ps(b.exp_avg + i);
-  const __m256 m = _mm256_fmadd_ps(c.lerp_coeff, _mm256_sub_ps(g, m0), c.lerp_small ? m0 : g);
-  const __m256 v0 = _mm256_mul_ps(_mm256_loadu_ps(b.exp_avg_sq + i), c.beta2);
-  const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(c.one_minus_beta2, g), g, v0);
-  const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bias2_sqrt), c.eps);
+  __m256 p = _mm256_loadu_ps(b.master + i);
+  if (a.has_weight_decay && a.adamw_mode) p = _mm256_mul_ps(p, c.decay);
+  const __m256 denom = _mm256_add_ps(_mm256_div_ps(root, c.bias2_sqrt), c.eps);
   p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c.neg_step_size, m), denom));
-  _mm256_storeu_ps(b.exp_avg + i, m);
-  _mm256_storeu_ps(b.exp_avg_sq + i, v);
   _mm256_storeu_ps(b.master + i, p);
   if (b.out != nullptr) {
     const __m128i h = b.out_type == ElementType::kBFloat16 ? to_bf16x8(p) : to_f16x8(p);
@@ -88,15 +98,15 @@ OFFLOAD_AVX2 inline void update8(const AdamParams& a, const Consts& c, const Ada
   }
 }
 
+template <AdamPass P>
 OFFLOAD_AVX2 void update8_once(const AdamParams& a, const AdamBuffers& b, size_t i) {
   const Consts c = make_consts(a);
-  update8(a, c, b, i);
+  update8<P>(a, c, b, i);
 }
 
-}  // namespace
-
-OFFLOAD_AVX2 void adam_kernel_avx2(const AdamParams& a, const AdamBuffers& b, size_t begin,
-                                   size_t end) {
+template <AdamPass P>
+OFFLOAD_AVX2 void avx2_kernel(const AdamParams& a, const AdamBuffers& b, size_t begin,
+                              size_t end) {
   // Local copies: the vector stores below are may_alias, so with `a` and `b`
   // behind references the compiler would reload every field after each
   // store; locals whose address never escapes cannot be aliased.
@@ -104,8 +114,29 @@ OFFLOAD_AVX2 void adam_kernel_avx2(const AdamParams& a, const AdamBuffers& b, si
   const AdamBuffers lb = b;
   const Consts c = make_consts(la);
   size_t i = begin;
-  for (; i + kLanes <= end; i += kLanes) update8(la, c, lb, i);
-  if (i < end) adam_padded_tail(a, b, i, end, kLanes, &update8_once);
+  for (; i + kLanes <= end; i += kLanes) update8<P>(la, c, lb, i);
+  if (i < end) adam_padded_tail(a, b, i, end, kLanes, P, &update8_once<P>);
+}
+
+OFFLOAD_AVX2 void avx2_sqrt(const float* in, float* out, size_t n) {
+  size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) _mm256_storeu_ps(out + i, _mm256_sqrt_ps(_mm256_loadu_ps(in + i)));
+  for (; i < n; ++i) _mm_store_ss(out + i, _mm_sqrt_ss(_mm_load_ss(in + i)));
+}
+
+}  // namespace
+
+AdamKernel adam_avx2_kernel(AdamPass pass, SqrtSource sqrt) {
+  switch (pass) {
+    case AdamPass::kMoments: return &avx2_kernel<AdamPass::kMoments>;
+    case AdamPass::kApply: return &avx2_kernel<AdamPass::kApply>;
+    case AdamPass::kFused: break;
+  }
+  return sqrt == SqrtSource::kIeee ? &avx2_kernel<AdamPass::kFused> : nullptr;
+}
+
+SqrtKernel adam_avx2_sqrt(SqrtSource sqrt) {
+  return sqrt == SqrtSource::kIeee ? &avx2_sqrt : nullptr;
 }
 
 }  // namespace offload

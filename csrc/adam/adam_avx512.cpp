@@ -55,8 +55,9 @@ OFFLOAD_AVX512 inline __m256i to_f16x16(__m512 x) {
   return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
 }
 
-// sqrt(v) as torch 2.13 computes it on this CPU. torch.sqrt of a fp32 CPU
-// tensor is MKL's vsSqrt (VML_HA), and MKL's AVX-512 code path is not the
+// sqrt(v) as MKL's AVX-512 code path computes it (torch.sqrt on an Intel CPU
+// with AVX-512). torch.sqrt of a fp32 CPU tensor is MKL's vsSqrt (VML_HA),
+// and MKL's AVX-512 code path is not the
 // IEEE square root: it rounds down in ~0.7% of inputs (never more than 0.56
 // ulp from exact). This sequence, a VRSQRT14PS estimate refined by one Newton
 // step on the residual, gives the same bits as that path for every non-negative
@@ -64,8 +65,8 @@ OFFLOAD_AVX512 inline __m256i to_f16x16(__m512 x) {
 // patterns with the sign clear, NaNs as NaN, against torch 2.13 / MKL
 // 2024.2 on a Xeon with AVX-512): inputs under 2^-100 are scaled by 2^64 first
 // (the residual would lose bits to underflow) and 0 and inf pass through.
-// MKL's AVX2 path is correctly rounded, so the AVX2 and scalar kernels use
-// IEEE sqrt (Note [bitwise torch order]).
+// Used only where torch.sqrt equals it on every probe input (Note [bitwise
+// torch order]); MKL's other paths are not this sequence.
 OFFLOAD_AVX512 inline __m512 sqrt_as_torch(__m512 x) {
   const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(0x1p-100f), _CMP_LT_OQ);
   const __m512 xs = _mm512_mask_mul_ps(x, tiny, x, _mm512_set1_ps(0x1p64f));
@@ -127,23 +128,36 @@ OFFLOAD_AVX512 inline __m512 denom_as_torch(__m512 v, const Consts& c) {
 }
 
 // Note [bitwise torch order]: one intrinsic per rounding torch does, fmadd
-// only where ATen's Vectorized code has one.
+// only where ATen's Vectorized code has one. One body for the three passes
+// (adam_scalar.cpp) and the two square roots this kernel can compute.
+template <AdamPass P, SqrtSource S>
 OFFLOAD_AVX512 inline void update16(const AdamParams& a, const Consts& c, const AdamBuffers& b,
                                     size_t i) {
-  __m512 g = load_grad16(b, i);
-  __m512 p = _mm512_loadu_ps(b.master + i);
-  if (a.has_weight_decay) {
-    if (a.adamw_mode) p = _mm512_mul_ps(p, c.decay);
-    else g = _mm512_fmadd_ps(p, c.decay, g);
+  __m512 m, denom;
+  if constexpr (P != AdamPass::kApply) {
+    __m512 g = load_grad16(b, i);
+    if (a.has_weight_decay && !a.adamw_mode) {
+      g = _mm512_fmadd_ps(_mm512_loadu_ps(b.master + i), c.decay, g);
+    }
+    const __m512 m0 = _mm512_loadu_ps(b.exp_avg + i);
+    m = _mm512_fmadd_ps(c.lerp_coeff, _mm512_sub_ps(g, m0), c.lerp_small ? m0 : g);
+    const __m512 v0 = _mm512_mul_ps(_mm512_loadu_ps(b.exp_avg_sq + i), c.beta2);
+    const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(c.one_minus_beta2, g), g, v0);
+    _mm512_storeu_ps(b.exp_avg + i, m);
+    _mm512_storeu_ps(b.exp_avg_sq + i, v);
+    if constexpr (P == AdamPass::kMoments) return;
+    if constexpr (S == SqrtSource::kMklAvx512) {
+      denom = denom_as_torch(v, c);
+    } else {
+      denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c.bias2_sqrt), c.eps);
+    }
+  } else {
+    m = _mm512_loadu_ps(b.exp_avg + i);
+    denom = _mm512_add_ps(_mm512_div_ps(_mm512_loadu_ps(b.root + i), c.bias2_sqrt), c.eps);
   }
-  const __m512 m0 = _mm512_loadu_ps(b.exp_avg + i);
-  const __m512 m = _mm512_fmadd_ps(c.lerp_coeff, _mm512_sub_ps(g, m0), c.lerp_small ? m0 : g);
-  const __m512 v0 = _mm512_mul_ps(_mm512_loadu_ps(b.exp_avg_sq + i), c.beta2);
-  const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(c.one_minus_beta2, g), g, v0);
-  const __m512 denom = denom_as_torch(v, c);
+  __m512 p = _mm512_loadu_ps(b.master + i);
+  if (a.has_weight_decay && a.adamw_mode) p = _mm512_mul_ps(p, c.decay);
   p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c.neg_step_size, m), denom));
-  _mm512_storeu_ps(b.exp_avg + i, m);
-  _mm512_storeu_ps(b.exp_avg_sq + i, v);
   _mm512_storeu_ps(b.master + i, p);
   if (b.out != nullptr) {
     const __m256i h = b.out_type == ElementType::kBFloat16 ? to_bf16x16(p) : to_f16x16(p);
@@ -151,15 +165,15 @@ OFFLOAD_AVX512 inline void update16(const AdamParams& a, const Consts& c, const 
   }
 }
 
+template <AdamPass P, SqrtSource S>
 OFFLOAD_AVX512 void update16_once(const AdamParams& a, const AdamBuffers& b, size_t i) {
   const Consts c = make_consts(a);
-  update16(a, c, b, i);
+  update16<P, S>(a, c, b, i);
 }
 
-}  // namespace
-
-OFFLOAD_AVX512 void adam_kernel_avx512(const AdamParams& a, const AdamBuffers& b, size_t begin,
-                                       size_t end) {
+template <AdamPass P, SqrtSource S>
+OFFLOAD_AVX512 void avx512_kernel(const AdamParams& a, const AdamBuffers& b, size_t begin,
+                                  size_t end) {
   // Local copies: the vector stores below are may_alias, so with `a` and `b`
   // behind references the compiler would reload every field after each
   // store; locals whose address never escapes cannot be aliased.
@@ -167,8 +181,41 @@ OFFLOAD_AVX512 void adam_kernel_avx512(const AdamParams& a, const AdamBuffers& b
   const AdamBuffers lb = b;
   const Consts c = make_consts(la);
   size_t i = begin;
-  for (; i + kLanes <= end; i += kLanes) update16(la, c, lb, i);
-  if (i < end) adam_padded_tail(a, b, i, end, kLanes, &update16_once);
+  for (; i + kLanes <= end; i += kLanes) update16<P, S>(la, c, lb, i);
+  if (i < end) adam_padded_tail(a, b, i, end, kLanes, P, &update16_once<P, S>);
+}
+
+template <SqrtSource S>
+OFFLOAD_AVX512 inline __m512 root16(__m512 x) {
+  if constexpr (S == SqrtSource::kMklAvx512) return sqrt_as_torch(x);
+  return _mm512_sqrt_ps(x);
+}
+
+template <SqrtSource S>
+OFFLOAD_AVX512 void avx512_sqrt(const float* in, float* out, size_t n) {
+  size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) _mm512_storeu_ps(out + i, root16<S>(_mm512_loadu_ps(in + i)));
+  if (i < n) {  // masked: the tail's lanes get the body's arithmetic
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(out + i, k, root16<S>(_mm512_maskz_loadu_ps(k, in + i)));
+  }
+}
+
+}  // namespace
+
+AdamKernel adam_avx512_kernel(AdamPass pass, SqrtSource sqrt) {
+  switch (pass) {
+    case AdamPass::kMoments: return &avx512_kernel<AdamPass::kMoments, SqrtSource::kIeee>;
+    case AdamPass::kApply: return &avx512_kernel<AdamPass::kApply, SqrtSource::kIeee>;
+    case AdamPass::kFused: break;
+  }
+  return sqrt == SqrtSource::kMklAvx512 ? &avx512_kernel<AdamPass::kFused, SqrtSource::kMklAvx512>
+                                        : &avx512_kernel<AdamPass::kFused, SqrtSource::kIeee>;
+}
+
+SqrtKernel adam_avx512_sqrt(SqrtSource sqrt) {
+  return sqrt == SqrtSource::kMklAvx512 ? &avx512_sqrt<SqrtSource::kMklAvx512>
+                                        : &avx512_sqrt<SqrtSource::kIeee>;
 }
 
 }  // namespace offload

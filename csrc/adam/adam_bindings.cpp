@@ -22,6 +22,21 @@ SimdLevel parse_level(const std::string& name) {
   throw std::invalid_argument("unknown SIMD level '" + name + "' (expected scalar, avx2 or avx512)");
 }
 
+SqrtSource parse_sqrt(const std::string& name) {
+  if (name == "ieee") return SqrtSource::kIeee;
+  if (name == "mkl-avx512") return SqrtSource::kMklAvx512;
+  if (name == "mkl-vml") return SqrtSource::kMklVml;
+  throw std::invalid_argument("unknown square root '" + name +
+                              "' (expected ieee, mkl-avx512 or mkl-vml)");
+}
+
+AdamPass parse_pass(const std::string& name) {
+  if (name == "fused") return AdamPass::kFused;
+  if (name == "moments") return AdamPass::kMoments;
+  if (name == "apply") return AdamPass::kApply;
+  throw std::invalid_argument("unknown Adam pass '" + name + "' (expected fused, moments or apply)");
+}
+
 ElementType parse_type(const std::string& name) {
   if (name == "float32") return ElementType::kFloat32;
   if (name == "bfloat16") return ElementType::kBFloat16;
@@ -34,7 +49,8 @@ void update(uintptr_t master, uintptr_t grad, const std::string& grad_type, uint
             double neg_step_size, double bias2_sqrt, double beta1, double beta2,
             double one_minus_beta1, double one_minus_beta2, double eps, double decay,
             bool adamw_mode, bool has_weight_decay, const std::string& simd_level,
-            int num_threads) {
+            int num_threads, const std::string& pass_name, const std::string& sqrt_name,
+            uintptr_t root) {
   // Scalars arrive as Python's doubles and are rounded to fp32 here, once,
   // as ATen rounds a Python scalar for a fp32 op (Note [bitwise torch order]).
   const auto f = [](double x) { return static_cast<float>(x); };
@@ -46,14 +62,31 @@ void update(uintptr_t master, uintptr_t grad, const std::string& grad_type, uint
   if (out && out_t == ElementType::kFloat32) {
     throw std::invalid_argument("out must be bfloat16 or float16, got float32");
   }
+  const AdamPass pass = parse_pass(pass_name);
+  if (pass == AdamPass::kApply && root == 0 && n != 0) {
+    throw std::invalid_argument("the apply pass needs root, the square roots torch computed");
+  }
+  // kMoments writes neither p nor its copy.
   const AdamBuffers buffers{reinterpret_cast<float*>(master), reinterpret_cast<const void*>(grad),
                             parse_type(grad_type), reinterpret_cast<float*>(exp_avg),
-                            reinterpret_cast<float*>(exp_avg_sq), reinterpret_cast<void*>(out),
-                            out_t};
+                            reinterpret_cast<float*>(exp_avg_sq),
+                            pass == AdamPass::kMoments ? nullptr : reinterpret_cast<void*>(out),
+                            out_t, reinterpret_cast<const float*>(root)};
   const SimdLevel level = parse_level(simd_level);
-  adam_kernel_for(level);  // throws, with the GIL held, if the CPU lacks the level
+  const SqrtSource sqrt = parse_sqrt(sqrt_name);
+  adam_kernel_for(level, pass, sqrt);  // throws, with the GIL held, if the CPU lacks the level
   py::gil_scoped_release release;
-  adam_update(params, buffers, n, level, num_threads);
+  adam_update(params, buffers, n, level, pass, sqrt, num_threads);
+}
+
+// The kernel's own square root over a fp32 buffer (what the probe compares
+// with torch.sqrt, Note [bitwise torch order]).
+void sqrt_into(uintptr_t in, uintptr_t out, size_t n, const std::string& sqrt_name,
+               const std::string& simd_level) {
+  const SimdLevel level = parse_level(simd_level);
+  const SqrtSource sqrt = parse_sqrt(sqrt_name);
+  py::gil_scoped_release release;
+  adam_sqrt(reinterpret_cast<const float*>(in), reinterpret_cast<float*>(out), n, level, sqrt);
 }
 
 }  // namespace
@@ -65,7 +98,15 @@ void bind_adam(py::module_& m) {
         py::arg("beta2"), py::arg("one_minus_beta1"), py::arg("one_minus_beta2"), py::arg("eps"),
         py::arg("decay"), py::arg("adamw_mode"),
         py::arg("has_weight_decay"), py::arg("simd_level"), py::arg("num_threads"),
-        "Fused Adam/AdamW update over raw fp32 buffers (see adam_kernels.h).");
+        py::arg("adam_pass"), py::arg("sqrt_source"), py::arg("root"),
+        "Adam/AdamW update over raw fp32 buffers, whole (adam_pass='fused') or one half of "
+        "the update split around torch's sqrt (see adam_kernels.h).");
+  m.def("bind_vml_sqrt", &bind_vml_sqrt, py::arg("library"),
+        "Finds MKL's vsSqrt in `library` (already loaded by this process) for the mkl-vml "
+        "square root; False if it is not there.");
+  m.def("sqrt", &sqrt_into, py::arg("input"), py::arg("out"), py::arg("n"),
+        py::arg("sqrt_source"), py::arg("simd_level"),
+        "out[i] = the kernel's square root of input[i], as the fused update computes it.");
 }
 
 }  // namespace offload

@@ -10,7 +10,7 @@
 namespace offload {
 
 void adam_padded_tail(const AdamParams& a, const AdamBuffers& b, size_t i, size_t end,
-                      size_t lanes, AdamVectorBody body) {
+                      size_t lanes, AdamPass pass, AdamVectorBody body) {
   // The vector body reads and writes exactly `lanes` elements; give it
   // zero-padded copies so the tail gets the same arithmetic as the body
   // without touching memory past the caller's buffers.
@@ -19,38 +19,105 @@ void adam_padded_tail(const AdamParams& a, const AdamBuffers& b, size_t i, size_
   const size_t rest = end - i;
   alignas(64) float master[kMaxLanes] = {}, m[kMaxLanes] = {}, v[kMaxLanes] = {};
   alignas(64) float grad[kMaxLanes] = {};  // room for fp32, or 16-bit grads in the first half
+  alignas(64) float root[kMaxLanes] = {};
   alignas(64) uint16_t out[kMaxLanes] = {};
   const size_t gsize = b.grad_type == ElementType::kFloat32 ? 4 : 2;
   std::memcpy(master, b.master + i, rest * 4);
   std::memcpy(m, b.exp_avg + i, rest * 4);
   std::memcpy(v, b.exp_avg_sq + i, rest * 4);
-  std::memcpy(grad, static_cast<const char*>(b.grad) + i * gsize, rest * gsize);
-  const AdamBuffers tail{master, grad, b.grad_type, m, v, b.out ? out : nullptr, b.out_type};
+  if (pass != AdamPass::kApply) {
+    std::memcpy(grad, static_cast<const char*>(b.grad) + i * gsize, rest * gsize);
+  } else {
+    std::memcpy(root, b.root + i, rest * 4);
+  }
+  const bool writes_p = pass != AdamPass::kMoments;
+  const AdamBuffers tail{master, grad, b.grad_type, m, v,
+                         writes_p && b.out ? out : nullptr, b.out_type, root};
   body(a, tail, 0);
-  std::memcpy(b.master + i, master, rest * 4);
-  std::memcpy(b.exp_avg + i, m, rest * 4);
-  std::memcpy(b.exp_avg_sq + i, v, rest * 4);
-  if (b.out != nullptr) std::memcpy(static_cast<uint16_t*>(b.out) + i, out, rest * 2);
+  if (pass != AdamPass::kApply) {
+    std::memcpy(b.exp_avg + i, m, rest * 4);
+    std::memcpy(b.exp_avg_sq + i, v, rest * 4);
+  }
+  if (writes_p) {
+    std::memcpy(b.master + i, master, rest * 4);
+    if (b.out != nullptr) std::memcpy(static_cast<uint16_t*>(b.out) + i, out, rest * 2);
+  }
 }
 
-AdamKernel adam_kernel_for(SimdLevel level) {
+namespace {
+
+void check_level(SimdLevel level) {
   if (static_cast<int>(level) > static_cast<int>(detected_simd_level())) {
     throw std::invalid_argument(std::string("SIMD level ") + simd_level_name(level) +
                                 " is not supported by this CPU (detected " +
                                 simd_level_name(detected_simd_level()) + ")");
   }
+}
+
+[[noreturn]] void no_such_sqrt(SimdLevel level, SqrtSource sqrt) {
+  throw std::invalid_argument(std::string("the ") + simd_level_name(level) +
+                              " kernel cannot compute the " + sqrt_source_name(sqrt) +
+                              " square root (mkl-avx512 needs the avx512 kernel, mkl-vml "
+                              "MKL's vsSqrt bound first)");
+}
+
+AdamKernel level_kernel(SimdLevel level, AdamPass pass, SqrtSource sqrt) {
   switch (level) {
 #if defined(__x86_64__)
-    case SimdLevel::kAvx512: return &adam_kernel_avx512;
-    case SimdLevel::kAvx2: return &adam_kernel_avx2;
+    case SimdLevel::kAvx512: return adam_avx512_kernel(pass, sqrt);
+    case SimdLevel::kAvx2: return adam_avx2_kernel(pass, sqrt);
 #endif
-    default: return &adam_kernel_scalar;
+    default: return adam_scalar_kernel(pass, sqrt);
   }
 }
 
+// kFused with kMklVml: the level's two halves around vsSqrt, block by block.
+template <SimdLevel L>
+void vml_fused(const AdamParams& a, const AdamBuffers& b, size_t begin, size_t end) {
+  static const AdamKernel moments = level_kernel(L, AdamPass::kMoments, SqrtSource::kIeee);
+  static const AdamKernel apply = level_kernel(L, AdamPass::kApply, SqrtSource::kIeee);
+  adam_vml_blocks(moments, apply, a, b, begin, end);
+}
+
+}  // namespace
+
+AdamKernel adam_kernel_for(SimdLevel level, AdamPass pass, SqrtSource sqrt) {
+  check_level(level);
+  if (sqrt == SqrtSource::kMklVml) {
+    if (!vml_sqrt_bound()) no_such_sqrt(level, sqrt);
+    if (pass != AdamPass::kFused) return level_kernel(level, pass, SqrtSource::kIeee);
+    switch (level) {
+      case SimdLevel::kAvx512: return &vml_fused<SimdLevel::kAvx512>;
+      case SimdLevel::kAvx2: return &vml_fused<SimdLevel::kAvx2>;
+      default: return &vml_fused<SimdLevel::kScalar>;
+    }
+  }
+  const AdamKernel kernel = level_kernel(level, pass, sqrt);
+  if (kernel == nullptr) no_such_sqrt(level, sqrt);
+  return kernel;
+}
+
+void adam_sqrt(const float* in, float* out, size_t n, SimdLevel level, SqrtSource sqrt) {
+  check_level(level);
+  if (sqrt == SqrtSource::kMklVml) {
+    if (!vml_sqrt_bound()) no_such_sqrt(level, sqrt);
+    return vml_sqrt(in, out, n);
+  }
+  SqrtKernel kernel = nullptr;
+  switch (level) {
+#if defined(__x86_64__)
+    case SimdLevel::kAvx512: kernel = adam_avx512_sqrt(sqrt); break;
+    case SimdLevel::kAvx2: kernel = adam_avx2_sqrt(sqrt); break;
+#endif
+    default: kernel = adam_scalar_sqrt(sqrt); break;
+  }
+  if (kernel == nullptr) no_such_sqrt(level, sqrt);
+  kernel(in, out, n);
+}
+
 void adam_update(const AdamParams& params, const AdamBuffers& buffers, size_t n, SimdLevel level,
-                 int num_threads) {
-  const AdamKernel kernel = adam_kernel_for(level);
+                 AdamPass pass, SqrtSource sqrt, int num_threads) {
+  const AdamKernel kernel = adam_kernel_for(level, pass, sqrt);
   // Below this many elements a second thread costs more than it saves.
   constexpr size_t kMinPerThread = 1 << 15;
   const int useful = static_cast<int>(std::max<size_t>(1, n / kMinPerThread));

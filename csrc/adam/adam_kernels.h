@@ -29,20 +29,44 @@
 // (both checked on torch 2.13 with ATEN_CPU_CAPABILITY avx512 and avx2). So a
 // kernel must not contract or reassociate anything beyond the three fmas
 // above: no reciprocal for the divisions, no fma into p.
-// sqrt is the one op whose bits depend on the CPU: torch.sqrt runs MKL's
-// vsSqrt, which is correctly rounded on MKL's AVX2 path but not on its AVX-512
-// path (1 ulp low in ~0.7% of inputs; SSE4.2: ~19%). The AVX-512 kernel
-// reproduces MKL's AVX-512 sequence exactly (sqrt_as_torch in
-// adam_avx512.cpp); the AVX2 and scalar kernels take the IEEE sqrt. So where
-// MKL takes its AVX-512 path (checked) or its AVX2 path (checked with
-// MKL_ENABLE_INSTRUCTIONS=AVX2), the kernel the CPU selects by default equals
-// torch bit for bit; a lower level forced on an AVX-512 CPU (OFFLOAD_SIMD)
-// equals torch's op order with IEEE sqrt, each sqrt within 1 ulp of torch's.
+// sqrt is the one op whose bits depend on the CPU, and on how MKL sees it.
+// torch.sqrt of a fp32 CPU tensor is MKL's vsSqrt (VML_HA), which picks its
+// code path from the CPU at process start (MKL_ENABLE_INSTRUCTIONS lowers
+// it). Seen with torch 2.13 / MKL 2024.2 over all 2^31 non-negative fp32:
+//   AVX-512 path (Xeon): 1 ulp low on 0.6% of inputs, in every binade;
+//   AVX2 path: IEEE except in [2^-126, 2^-104), where 1.9M inputs, the
+//     hardest to round, are 1 ulp off (the residual underflows);
+//   SSE4.2 path (and what an AMD EPYC ran): 1 ulp off on ~17% of inputs.
+// Builds without MKL take the IEEE sqrt. So no sqrt fixed at build time is
+// torch's on every CPU. The rule instead, decided once per process and SIMD
+// level by offload/ops/adam.py (sqrt_source(), shown by `offload report`):
+//   1. The kernels can compute three square roots (SqrtSource), fastest first:
+//      the IEEE one (every level); MKL's AVX-512 sequence (sqrt_as_torch in
+//      adam_avx512.cpp, the AVX-512 kernel only: it needs VRSQRT14PS); MKL's
+//      vsSqrt itself, found at run time in torch's own library (adam_vml.cpp;
+//      every level: per 1024-element block, kMoments, vsSqrt, kApply, with
+//      the block in L1 throughout).
+//   2. A probe compares torch.sqrt with each of them on ~2.1M inputs: in every
+//      binade, subnormals to the largest finite, the 4096 hardest-to-round
+//      significands (root nearest a rounding midpoint, where a sqrt that is
+//      off IEEE by a residual's lost bits fails first: all of MKL's AVX2
+//      misses rank among the 800 hardest of their binade) and 4096 random
+//      ones, plus 0 and inf.
+//   3. The first that equals torch on every probe input runs fused.
+//   4. If none does (a torch without MKL whose sqrt is not IEEE), the update
+//      is split around torch.sqrt itself: kMoments, torch.sqrt(v) into a
+//      scratch block, kApply. Exact by construction; ~3-4x the fused time.
+// Costs at 16M parameters, 2 threads (a 2-core Xeon): in registers 1x,
+// vsSqrt per block ~1.2x, the split ~3-4x. The probe is a sample: a torch
+// sqrt that agreed with a kernel's on all of it but differed elsewhere would
+// go unnoticed (each such sqrt 1 ulp off); OFFLOAD_ADAM_SQRT=torch forces
+// the split, exact regardless.
 #pragma once
 
 #include <cstddef>
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "../common/cpu_features.h"
 
@@ -64,40 +88,84 @@ struct AdamParams {
   bool has_weight_decay;
 };
 
+// Which square root a kernel computes (Note [bitwise torch order]).
+enum class SqrtSource : int {
+  kIeee = 0,       // the IEEE square root, every level
+  kMklAvx512 = 1,  // MKL's AVX-512 sequence in registers (sqrt_as_torch), the AVX-512 kernel only
+  kMklVml = 2,     // MKL's vsSqrt itself, called per block (adam_vml.cpp), every level once bound
+};
+
+// What one call computes: the whole update, or one half of the update split
+// around a sqrt computed elsewhere (Note [bitwise torch order], rules 1, 4).
+enum class AdamPass : int {
+  kFused = 0,    // m, v, p (and out) from g, with the kernel's sqrt
+  kMoments = 1,  // m and v only (reads p only for Adam's L2 term)
+  kApply = 2,    // p (and out) from m and root = sqrt(v) computed elsewhere
+};
+
+const char* sqrt_source_name(SqrtSource s);
+
 struct AdamBuffers {
   float* master;
   const void* grad;
   ElementType grad_type;
   float* exp_avg;
   float* exp_avg_sq;
-  void* out;  // may be null
+  void* out;  // may be null; never written by kMoments
   ElementType out_type;
+  const float* root;  // kApply only: sqrt(exp_avg_sq), by torch or MKL
 };
 
 // Updates elements [begin, end). begin is a multiple of the kernel's vector width
 // when the pool splits work, but kernels handle any begin and any tail.
 using AdamKernel = void (*)(const AdamParams&, const AdamBuffers&, size_t begin, size_t end);
 
-void adam_kernel_scalar(const AdamParams&, const AdamBuffers&, size_t, size_t);
+// Each level's kernel for a pass and a sqrt; nullptr where the level cannot
+// compute that sqrt (MKL's AVX-512 sequence below AVX-512). kMoments and
+// kApply take no sqrt of their own: any source gives the same kernel.
+AdamKernel adam_scalar_kernel(AdamPass pass, SqrtSource sqrt);
 #if defined(__x86_64__)
-void adam_kernel_avx2(const AdamParams&, const AdamBuffers&, size_t, size_t);
-void adam_kernel_avx512(const AdamParams&, const AdamBuffers&, size_t, size_t);
+AdamKernel adam_avx2_kernel(AdamPass pass, SqrtSource sqrt);
+AdamKernel adam_avx512_kernel(AdamPass pass, SqrtSource sqrt);
+#endif
+
+// A level's square root on its own, as the fused kernel computes it: what the
+// probe compares with torch.sqrt. out[i] = sqrt(in[i]) for i < n.
+using SqrtKernel = void (*)(const float* in, float* out, size_t n);
+SqrtKernel adam_scalar_sqrt(SqrtSource sqrt);
+#if defined(__x86_64__)
+SqrtKernel adam_avx2_sqrt(SqrtSource sqrt);
+SqrtKernel adam_avx512_sqrt(SqrtSource sqrt);
 #endif
 
 // A SIMD kernel's body: updates exactly its vector width of elements at i.
 using AdamVectorBody = void (*)(const AdamParams&, const AdamBuffers&, size_t i);
 
 // Runs `body` once on zero-padded copies of elements [i, end) (end - i <= lanes
-// <= 16), so a tail gets the same arithmetic as the rest of the buffer.
+// <= 16), so a tail gets the same arithmetic as the rest of the buffer; copies
+// back only what `pass` writes.
 void adam_padded_tail(const AdamParams& a, const AdamBuffers& b, size_t i, size_t end,
-                      size_t lanes, AdamVectorBody body);
+                      size_t lanes, AdamPass pass, AdamVectorBody body);
 
-// The kernel for `level`; throws std::invalid_argument if this CPU lacks it.
-AdamKernel adam_kernel_for(SimdLevel level);
+// The kernel for `level`, `pass` and `sqrt`; throws std::invalid_argument if
+// this CPU lacks the level or the level cannot compute that sqrt.
+AdamKernel adam_kernel_for(SimdLevel level, AdamPass pass, SqrtSource sqrt);
 
-// Runs the update over n elements on `num_threads` threads with the kernel of
+// Runs `pass` over n elements on `num_threads` threads with the kernel of
 // `level` (which must not exceed detected_simd_level()).
 void adam_update(const AdamParams& params, const AdamBuffers& buffers, size_t n,
-                 SimdLevel level, int num_threads);
+                 SimdLevel level, AdamPass pass, SqrtSource sqrt, int num_threads);
+
+// out[i] = the kernel's sqrt of in[i], one thread; throws as adam_kernel_for.
+void adam_sqrt(const float* in, float* out, size_t n, SimdLevel level, SqrtSource sqrt);
+
+// SqrtSource::kMklVml (adam_vml.cpp). bind_vml_sqrt finds MKL's vsSqrt in
+// `library`, which this process must already have loaded; false if it cannot.
+bool bind_vml_sqrt(const std::string& library);
+bool vml_sqrt_bound();
+void vml_sqrt(const float* in, float* out, size_t n);
+// The fused update over [begin, end) as kMoments, vsSqrt, kApply per block.
+void adam_vml_blocks(AdamKernel moments, AdamKernel apply, const AdamParams& a,
+                     const AdamBuffers& b, size_t begin, size_t end);
 
 }  // namespace offload

@@ -5,11 +5,20 @@ fp16 gradient and, optionally, writes the updated weights rounded to bf16 or
 fp16 into `out` in the same pass (what an offload step must send back to the
 device). Arguments are checked here, so the native kernel (csrc/adam/) only
 ever sees valid contiguous CPU buffers of matching sizes.
+
+The result equals torch.optim.Adam/AdamW bit for bit on any CPU: the square
+root is the one op whose bits vary, and `sqrt_source()` decides once per
+process, by probing torch.sqrt, which sqrt the fused kernel can take as
+torch's here (IEEE, MKL's AVX-512 sequence, or MKL's vsSqrt called per block),
+or that the update must be split around torch.sqrt itself (Note [bitwise
+torch order], csrc/adam/adam_kernels.h).
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import os
 
 import torch
 
@@ -18,6 +27,16 @@ from offload import _native, simd
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+SQRT_ENV_VAR = "OFFLOAD_ADAM_SQRT"
+# What OFFLOAD_ADAM_SQRT accepts: auto (probe, the default), a kernel sqrt to
+# force into the fused pass (exact only where it is torch's), or torch (the
+# split update, exact everywhere).
+SQRT_CHOICES = ("auto", "ieee", "mkl-avx512", "mkl-vml", "torch")
+# Elements per block of the split update (the last resort, for a torch whose
+# sqrt is neither a kernel's nor MKL's vsSqrt): 4 MiB of scratch; smaller
+# blocks pay a torch.sqrt launch (an OpenMP team) each, more than cache saves.
+SPLIT_BLOCK = 1 << 20
 
 
 def _check_tensor(name: str, t, dtypes: tuple[torch.dtype, ...], numel: int | None) -> None:
@@ -44,6 +63,146 @@ def _check_scalar(name: str, value, low: float, high: float | None = None, *, lo
         bound += f"{high})" if high is not None else "inf)"
         raise ValueError(f"{name} must be in {bound}, got {value}")
     return value
+
+
+def kernel_sqrts(level: str) -> tuple[str, ...]:
+    """The square roots the fused kernel can compute at SIMD `level`, fastest
+    first: in registers (IEEE; MKL's AVX-512 sequence), then MKL's vsSqrt
+    called per block, where torch's MKL exports it."""
+    in_registers = ("ieee", "mkl-avx512") if level == "avx512" else ("ieee",)
+    return in_registers + (("mkl-vml",) if _vml_bound() else ())
+
+
+@functools.lru_cache(maxsize=1)
+def _vml_bound() -> bool:
+    """Binds the native kernels to MKL's vsSqrt inside torch's own library
+    (libtorch_cpu links MKL statically), if this torch has it."""
+    if _native.native is None or not torch.backends.mkl.is_available():
+        return False
+    library = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    return os.path.exists(library) and bool(_native.native.adam.bind_vml_sqrt(library))
+
+
+def _requested_sqrt() -> str:
+    raw = os.environ.get(SQRT_ENV_VAR, "auto")
+    requested = raw.strip().lower() or "auto"
+    if requested not in SQRT_CHOICES:
+        raise ValueError(f"{SQRT_ENV_VAR}={raw!r} is not a square-root source; expected one of "
+                         f"{', '.join(SQRT_CHOICES)}")
+    return requested
+
+
+def sqrt_source(level: str | None = None) -> str:
+    """Which square root adam_step uses at SIMD `level` (default: the level in
+    use): one the fused kernel computes ('ieee', 'mkl-avx512', 'mkl-vml'; the
+    first of kernel_sqrts(level) that equals torch.sqrt on every probe input)
+    or 'torch' (the update split around torch.sqrt; also the pure-PyTorch
+    path). OFFLOAD_ADAM_SQRT overrides the probe; a forced kernel sqrt that is
+    not torch's gives results within 1 ulp per sqrt of torch's, not equal."""
+    requested = _requested_sqrt()
+    level = simd.selected_level() if level is None else level
+    if _native.native is None or requested == "torch":
+        return "torch"
+    if requested == "auto":
+        return _probed_source(level)
+    if requested not in kernel_sqrts(level):
+        need = ("the avx512 kernel" if requested == "mkl-avx512"
+                else "MKL's vsSqrt in torch's library, which this torch does not export")
+        raise ValueError(f"{SQRT_ENV_VAR}={requested!r} needs {need}; the SIMD level in use is "
+                         f"{level!r}, whose kernel computes {', '.join(kernel_sqrts(level))}")
+    return requested
+
+
+def describe_sqrt_source() -> str:
+    """One line for `offload report`: the source in use and how it was chosen."""
+    try:
+        source, requested = sqrt_source(), _requested_sqrt()
+    except ValueError as exc:
+        return f"error: {exc}"
+    if requested != "auto":
+        return f"{source} ({SQRT_ENV_VAR}={requested})"
+    if _native.native is None:
+        return "torch (pure-PyTorch path)"
+    how = "fused: equals torch.sqrt" if source != "torch" else "split: no kernel sqrt equals torch.sqrt"
+    return f"{source} ({how} on all {PROBE_SIZE:,} probe inputs)"
+
+
+def _probed_source(level: str) -> str:
+    verdicts = _probe_verdicts(level)
+    return next((source for source, count in verdicts.items() if count == 0), "torch")
+
+
+@functools.lru_cache(maxsize=None)
+def _hard_significands(t: int, count: int) -> torch.Tensor:
+    """The `count` 24-bit significands X (2^23 <= X < 2^24) whose square root
+    lies nearest a rounding midpoint, in increasing distance, for the binades
+    whose biased exponent E has t's parity (t = 25 or 26): x = X * 2^(E - 150)
+    has the root of X * 2^t scaled by a power of two, and sqrt(X * 2^t) lies
+    in [2^24, 2^25), where the midpoints are the odd M; it is nearest one when
+    r = M^2 - X * 2^t is small. A sqrt that rounds from too few bits fails on
+    these first (Note [bitwise torch order]). Found from r, not by a search
+    over M: M^2 = r (mod 2^t) for odd M needs r = 1 (mod 8) and then has four
+    roots mod 2^t, +-a and +-a + 2^(t-1), each lifted bit by bit (Hensel)."""
+    lo, hi = math.isqrt((1 << 23) << t), math.isqrt(((1 << 24) << t) - 1)
+    radius = 8 * count  # about count / 4 usable M per 8 consecutive r; doubled below if short
+    while True:
+        r = torch.arange(-radius, radius + 1, dtype=torch.int64)
+        r = r[torch.remainder(r, 8) == 1]
+        a = torch.ones_like(r)
+        for k in range(3, t):  # a^2 = r (mod 2^k) -> (mod 2^(k+1))
+            a = a + (((a * a - r) >> k) & 1) * (1 << (k - 1))
+        modulus = 1 << t
+        roots = torch.stack([a, -a, a + modulus // 2, -a + modulus // 2]).remainder(modulus)
+        mid = roots + torch.div(lo - roots + modulus - 1, modulus, rounding_mode="floor") * modulus
+        x = (mid * mid - r) >> t
+        ok = (mid <= hi) & (x >= 1 << 23) & (x < 1 << 24)
+        x, dist = x[ok], r.expand_as(mid)[ok].abs()
+        if x.numel() >= count:
+            order = torch.sort(dist, stable=True).indices[:count]
+            return x[order]
+        radius *= 2
+
+
+_PROBE_HARD, _PROBE_PER_BINADE = 4096, 8192
+_PROBE_EDGES = (0, 1, 0x7FFFFF, 0x800000, 0x7F7FFFFF, 0x7F800000)  # bit patterns
+PROBE_SIZE = 255 * _PROBE_PER_BINADE + len(_PROBE_EDGES)
+
+
+def probe_inputs() -> torch.Tensor:
+    """PROBE_SIZE (~2.1M) fp32 square-root inputs, the same in every process:
+    per binade (subnormals through the largest finite) the 4096 hardest-to-
+    round significands and 4096 random ones, then 0, +inf and the binade
+    edges. Built when asked (~30 ms), not kept: 8 MB."""
+    gen = torch.Generator().manual_seed(0x5EED)
+    rows = []
+    for biased in range(255):
+        fraction = _hard_significands(25 + (biased + 1) % 2, _PROBE_HARD) - (1 << 23)
+        rand = torch.randint(0, 1 << 23, (_PROBE_PER_BINADE - _PROBE_HARD,), generator=gen,
+                             dtype=torch.int64)
+        rows.append((biased << 23) | torch.cat([fraction, rand]))
+    bits = torch.cat(rows + [torch.tensor(_PROBE_EDGES, dtype=torch.int64)]).to(torch.int32)
+    return bits.view(torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_verdicts(level: str) -> dict[str, int]:
+    """For each sqrt of kernel_sqrts(level), fastest first: on how many probe
+    inputs it differs from torch.sqrt in this process. Once per process and
+    level; only the counts are kept."""
+    x = probe_inputs()
+    want = x.sqrt().view(torch.int32)
+    ours = torch.empty_like(x)
+    verdicts = {}
+    for source in kernel_sqrts(level):
+        _native.native.adam.sqrt(x.data_ptr(), ours.data_ptr(), x.numel(), source, level)
+        verdicts[source] = int((ours.view(torch.int32) != want).sum())
+    return verdicts
+
+
+def probe_mismatches(source: str, level: str) -> int:
+    """On how many probe inputs the kernel's `source` sqrt at `level` differs
+    from torch.sqrt in this process (0: torch's sqrt, as far as the probe sees)."""
+    return _probe_verdicts(level)[source]
 
 
 def adam_step(
@@ -105,13 +264,43 @@ def adam_step(
         _adam_step_torch(master, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, step_size,
                          bias2_sqrt, weight_decay, decay, adamw_mode, out)
         return
+    level = simd.selected_level()
+    source = sqrt_source(level)
+    scalars = (-step_size, bias2_sqrt, beta1, beta2, 1 - beta1, 1 - beta2, eps, decay,
+               bool(adamw_mode), weight_decay != 0, level, threads)
+    if source != "torch":
+        _native_pass(master, grad, exp_avg, exp_avg_sq, out, 0, n, scalars, "fused", source)
+    else:
+        _adam_step_split(master, grad, exp_avg, exp_avg_sq, out, n, scalars)
+
+
+def _native_pass(master, grad, exp_avg, exp_avg_sq, out, begin, end, scalars, adam_pass, source,
+                 root=None) -> None:
+    """One native pass over elements [begin, end) of the flat buffers."""
+    out_ptr = 0 if out is None else out.data_ptr() + begin * out.element_size()
     _native.native.adam.update(
-        master.data_ptr(), grad.data_ptr(), _DTYPE_NAMES[grad.dtype],
-        exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-        0 if out is None else out.data_ptr(), _DTYPE_NAMES[out.dtype] if out is not None else "",
-        n, -step_size, bias2_sqrt, beta1, beta2, 1 - beta1, 1 - beta2, eps, decay,
-        bool(adamw_mode), weight_decay != 0, simd.selected_level(), threads,
+        master.data_ptr() + 4 * begin, grad.data_ptr() + begin * grad.element_size(),
+        _DTYPE_NAMES[grad.dtype], exp_avg.data_ptr() + 4 * begin,
+        exp_avg_sq.data_ptr() + 4 * begin, out_ptr,
+        _DTYPE_NAMES[out.dtype] if out is not None else "", end - begin, *scalars,
+        adam_pass, source, 0 if root is None else root.data_ptr(),
     )
+
+
+def _adam_step_split(master, grad, exp_avg, exp_avg_sq, out, n, scalars) -> None:
+    """The update split around torch's own sqrt, where no kernel sqrt is
+    torch's (Note [bitwise torch order], rule 4): per block, the moments pass,
+    torch.sqrt(v) into a scratch block, then the apply pass. Every op is
+    torch's own or one the kernels reproduce, so it is exact anywhere."""
+    v_flat = exp_avg_sq.view(-1)
+    scratch = torch.empty(min(n, SPLIT_BLOCK), dtype=torch.float32)
+    for begin in range(0, n, SPLIT_BLOCK):
+        end = min(begin + SPLIT_BLOCK, n)
+        _native_pass(master, grad, exp_avg, exp_avg_sq, out, begin, end, scalars, "moments", "ieee")
+        root = scratch[: end - begin]
+        torch.sqrt(v_flat[begin:end], out=root)
+        _native_pass(master, grad, exp_avg, exp_avg_sq, out, begin, end, scalars, "apply", "ieee",
+                     root)
 
 
 @torch.no_grad()
