@@ -14,6 +14,7 @@ OFFLOAD_DEVICE, changes nothing.
   and on a GPU, under PyTorch's stream sanitizer:
       OFFLOAD_TEST_DEVICE=cuda TORCH_CUDA_SANITIZER=1 python -m pytest -m "any_device or cuda"
 - A test that sets OFFLOAD_DEVICE itself (monkeypatch.setenv) wins over both.
+Fixtures of module or session scope run before a test's own and so on cpu.
 Every engine a test builds is checked at teardown to be on the layer that
 test asked for, with every shard on that same layer (`_engines_on_the_layer_asked_for`).
 """
@@ -33,6 +34,9 @@ def pytest_configure(config):
     if layer == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError(f"{TEST_DEVICE_ENV}=cuda: torch {torch.__version__} finds no GPU here; "
                                 f"use {TEST_DEVICE_ENV}=sim for the simulated device")
+    # The session's default, for what runs outside a test's own fixture (module- and
+    # session-scoped fixtures, collection): the cpu layer, whatever the environment says.
+    os.environ[offload.device.ENV_DEVICE] = "cpu"
 
 
 # Note [torch releases in CI]: the modules that lean on autograd's internals

@@ -62,6 +62,37 @@ def test_rounds_below_one_are_refused_before_anything_is_made(tmp_path, monkeypa
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_1b_model_is_the_gpu_measurements_shape():
+    from offload_bench.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(GPTConfig(**train.MODELS["1b"])).parameters())
+    assert 0.9e9 < params < 1.0e9, params  # 0.94B: hidden 2048, 16 layers, vocab 32000
+
+
+def test_a_deadline_too_short_skips_every_contender_and_still_writes_the_report(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    assert train.main(["--quick", "--contenders", "torch,offload-cpu", "--deadline", "5",
+                       "--out", str(out)]) == 1  # nothing measured
+    results = json.loads((out / "train.json").read_text())["results"]
+    for name in ("torch", "offload-cpu"):
+        assert results[name]["skipped"] and "left of --deadline 5" in results[name]["error"], results[name]
+    assert train.main(["--quick", "--contenders", "torch", "--deadline", "-1"]) == 2
+
+
+def test_a_contender_that_goes_quiet_is_stopped_at_its_limit(tmp_path, monkeypatch):
+    """The limit holds for a child that prints nothing (was: checked only per line)."""
+    monkeypatch.setattr(train.sys, "executable", str(tmp_path / "quiet.sh"))
+    (tmp_path / "quiet.sh").write_text("#!/bin/sh\nsleep 60\n")
+    (tmp_path / "quiet.sh").chmod(0o755)
+    import time
+    start = time.monotonic()
+    r = train._run_one("torch", {"device": "cpu"}, 2, tmp_path)
+    assert time.monotonic() - start < 20
+    assert r["error"] == "timed out after 2 s", r
+
+
 def test_rounds_merge_to_the_highest_peak_gpu_memory():
     rounds = [{**_round(1.0, 10), "peak_gpu_bytes": 5}, {**_round(2.0, 10), "peak_gpu_bytes": 7}]
     assert train._merge_rounds(rounds)["peak_gpu_bytes"] == 7

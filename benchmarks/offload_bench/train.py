@@ -51,10 +51,12 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -69,9 +71,17 @@ DEVICE_CONTENDERS = {"cpu": DEFAULT_CONTENDERS,
 SIM_CONTENDERS = ("torch", "offload-cpu", "offload-nvme", "offload-nvme-unchecked")
 DEFAULT_SIM_GBPS = 25.0
 
-# The benchmark model of the issue, and the --quick one.
+# The benchmark models (--model), and the --quick one. 67m: the default since
+# the first benchmark; 1b: 0.94B parameters, the GPU measurement's shape (hidden
+# 2048, 16 layers, vocab 32000; run it with --batch 8 --seq 1024).
 FULL_MODEL = dict(vocab_size=8192, hidden=1024, layers=4, heads=16, max_seq=128, tie_embeddings=False)
+MODELS = {"67m": FULL_MODEL,
+          "1b": dict(vocab_size=32000, hidden=2048, layers=16, heads=16, max_seq=1024, tie_embeddings=False)}
 QUICK_MODEL = dict(vocab_size=512, hidden=128, layers=2, heads=4, max_seq=32, tie_embeddings=False)
+# --deadline: kept back for the disk probe, the plot and train.json; a contender
+# that would get less than MIN_CONTENDER_S is not started (recorded as skipped).
+DEADLINE_MARGIN_S = 20.0
+MIN_CONTENDER_S = 20.0
 
 # What ours and DeepSpeed's aio read alike (DeepSpeed's defaults, but queue depth 32 as in bench io).
 AIO = {"block_size": 1048576, "queue_depth": 32, "intra_op_parallelism": 1,
@@ -104,7 +114,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="zero_optimization.offload_param.buffer_size, elements (default: the largest parameter)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the contenders this many times in rotation; median of round medians (default 1)")
+    p.add_argument("--model", choices=tuple(MODELS), default="67m",
+                   help="the GPT trained: 67m (default; vocab 8192, hidden 1024, 4 layers) or 1b (0.94B: "
+                        "vocab 32000, hidden 2048, 16 layers; with --batch 8 --seq 1024 as measured on a GPU)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per contender before it is stopped")
+    p.add_argument("--deadline", type=float, default=None, metavar="S",
+                   help="seconds from now by which the whole run ends and train.json is written: each "
+                        "contender gets at most what is left (less %.0f s); one that would get under %.0f s is "
+                        "skipped (for a machine lent for minutes)" % (DEADLINE_MARGIN_S, MIN_CONTENDER_S))
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="cProfile one extra step of the offload contenders; keep the top N functions")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke test")
@@ -150,7 +167,7 @@ def ds_config(device: str, *, batch: int, lr: float, nvme_path: str | None = Non
 def _settings(args) -> dict:
     quick = args.quick
     return {
-        "model": QUICK_MODEL if quick else FULL_MODEL,
+        "model": QUICK_MODEL if quick else MODELS[args.model],
         "warmup": args.warmup if args.warmup is not None else (1 if quick else 2),
         "steps": args.steps if args.steps is not None else (3 if quick else 10),
         "batch": args.batch if args.batch is not None else (2 if quick else 4),
@@ -193,19 +210,21 @@ def _run_one(name: str, spec: dict, timeout: int, workdir: Path) -> dict:
     t0 = time.perf_counter()
     tail: list[str] = []
     try:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
         deadline = time.monotonic() + timeout
-        for line in proc.stderr:  # echo the child's log, keep the tail for the JSON on failure
-            sys.stderr.write(line)
-            tail = (tail + [line.rstrip()])[-40:]
-            if time.monotonic() > deadline:
-                proc.kill()
-                break
+        # A contender that goes quiet (a long swap-out, a hang) is stopped on time
+        # too: the timer kills its whole session, which ends the read below.
+        watchdog = threading.Timer(timeout, _kill_session, args=(proc,))
+        watchdog.daemon = True
+        watchdog.start()
         try:
-            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            for line in proc.stderr:  # echo the child's log, keep the tail for the JSON on failure
+                sys.stderr.write(line)
+                tail = (tail + [line.rstrip()])[-40:]
             rc = proc.wait()
+        finally:
+            watchdog.cancel()
     except OSError as exc:
         return {"name": name, "error": f"could not start: {exc}"}
     wall = round(time.perf_counter() - t0, 1)
@@ -221,6 +240,14 @@ def _run_one(name: str, spec: dict, timeout: int, workdir: Path) -> dict:
     res["wall_s"] = wall
     res["other_load_share"] = load.share()
     return res
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """Kills a contender and what it started (DeepSpeed's and torch's workers)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _merge_rounds(rounds: list[dict]) -> dict:
@@ -466,6 +493,9 @@ def run(args) -> int:
     if args.rounds < 1:  # refused before anything is made (the --out and NVMe directories)
         log(f"--rounds must be at least 1, got {args.rounds}")
         return 2
+    if args.deadline is not None and not args.deadline > 0:
+        log(f"--deadline must be a number of seconds > 0, got {args.deadline:g}")
+        return 2
     settings = _settings(args)
     from offload_bench.gpt import GPTConfig
 
@@ -505,6 +535,7 @@ def run(args) -> int:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)  # the contenders write traces there
     rounds: dict[str, list[dict]] = {name: [] for name in names}
+    run_ends = time.monotonic() + (args.deadline or 0.0)
     try:
         for round_index in range(args.rounds):
             for name in names:
@@ -520,7 +551,15 @@ def run(args) -> int:
                         (nvme_root / "swap").mkdir(parents=True, exist_ok=True)
                 if name.startswith(("deepspeed-", "fsdp2-")):
                     spec["port"] = _free_port()
-                r = _run_one(name, spec, args.timeout, workdir)
+                timeout = args.timeout
+                if args.deadline is not None:
+                    timeout = int(min(timeout, run_ends - time.monotonic() - DEADLINE_MARGIN_S))
+                if timeout < MIN_CONTENDER_S and args.deadline is not None:
+                    r = {"name": name, "skipped": True,
+                         "error": f"skipped: {max(timeout, 0)} s left of --deadline {args.deadline:g}"}
+                    log(f"!! {name} {r['error']}")
+                else:
+                    r = _run_one(name, spec, timeout, workdir)
                 rounds[name].append(r)
                 shutil.rmtree(nvme_root / "swap", ignore_errors=True)
                 if "median_s" in r:
