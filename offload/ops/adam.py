@@ -168,34 +168,39 @@ _PROBE_EDGES = (0, 1, 0x7FFFFF, 0x800000, 0x7F7FFFFF, 0x7F800000)  # bit pattern
 PROBE_SIZE = 255 * _PROBE_PER_BINADE + len(_PROBE_EDGES)
 
 
+def _probe_chunks():
+    """probe_inputs() one binade at a time (8192 inputs; the edges last), so the
+    probe never holds more than a few hundred KB: a probe of 60 MB at once left
+    that much in the process's heap (RSS) after it was freed."""
+    gen = torch.Generator().manual_seed(0x5EED)
+    for biased in range(255):
+        fraction = _hard_significands(25 + (biased + 1) % 2, _PROBE_HARD) - (1 << 23)
+        rand = torch.randint(0, 1 << 23, (_PROBE_PER_BINADE - _PROBE_HARD,), generator=gen,
+                             dtype=torch.int64)
+        yield ((biased << 23) | torch.cat([fraction, rand])).to(torch.int32).view(torch.float32)
+    yield torch.tensor(_PROBE_EDGES, dtype=torch.int32).view(torch.float32)
+
+
 def probe_inputs() -> torch.Tensor:
     """PROBE_SIZE (~2.1M) fp32 square-root inputs, the same in every process:
     per binade (subnormals through the largest finite) the 4096 hardest-to-
     round significands and 4096 random ones, then 0, +inf and the binade
     edges. Built when asked (~30 ms), not kept: 8 MB."""
-    gen = torch.Generator().manual_seed(0x5EED)
-    rows = []
-    for biased in range(255):
-        fraction = _hard_significands(25 + (biased + 1) % 2, _PROBE_HARD) - (1 << 23)
-        rand = torch.randint(0, 1 << 23, (_PROBE_PER_BINADE - _PROBE_HARD,), generator=gen,
-                             dtype=torch.int64)
-        rows.append((biased << 23) | torch.cat([fraction, rand]))
-    bits = torch.cat(rows + [torch.tensor(_PROBE_EDGES, dtype=torch.int64)]).to(torch.int32)
-    return bits.view(torch.float32)
+    return torch.cat(list(_probe_chunks()))
 
 
 @functools.lru_cache(maxsize=None)
 def _probe_verdicts(level: str) -> dict[str, int]:
     """For each sqrt of kernel_sqrts(level), fastest first: on how many probe
     inputs it differs from torch.sqrt in this process. Once per process and
-    level; only the counts are kept."""
-    x = probe_inputs()
-    want = x.sqrt().view(torch.int32)
-    ours = torch.empty_like(x)
-    verdicts = {}
-    for source in kernel_sqrts(level):
-        _native.native.adam.sqrt(x.data_ptr(), ours.data_ptr(), x.numel(), source, level)
-        verdicts[source] = int((ours.view(torch.int32) != want).sum())
+    level, binade by binade; only the counts are kept."""
+    verdicts = dict.fromkeys(kernel_sqrts(level), 0)
+    for x in _probe_chunks():
+        want = x.sqrt().view(torch.int32)
+        ours = torch.empty_like(x)
+        for source in verdicts:
+            _native.native.adam.sqrt(x.data_ptr(), ours.data_ptr(), x.numel(), source, level)
+            verdicts[source] += int((ours.view(torch.int32) != want).sum())
     return verdicts
 
 
