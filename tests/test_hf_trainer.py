@@ -178,3 +178,46 @@ def test_hugging_face_gradient_checkpointing_gives_pytorchs_weights(tmp_path, re
         weights = engine.full_state_dict(master=True)
     for name, p in plain.named_parameters():
         torch.testing.assert_close(weights[name].cpu(), p.detach().cpu(), **exact(), msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("cpu_checkpointing", [False, True], ids=["device", "cpu_checkpointing"])
+@pytest.mark.parametrize("hf_reentrant", [None, False, True], ids=["alone", "in-hf-nonreentrant", "in-hf-reentrant"])
+def test_the_engines_checkpointing_of_llama_decoder_layers_gives_pytorchs_weights(tmp_path, cpu_checkpointing,
+                                                                                  hf_reentrant):
+    """activation_checkpointing.modules on a Hugging Face class (LlamaDecoderLayer), alone
+    or inside HF's own gradient checkpointing: the torch-release-sensitive path (Note
+    [recompute across torch releases]) on a real model, bit for bit against plain PyTorch."""
+    data = _data()[:6]
+
+    def steps(model, step):
+        if hf_reentrant is not None:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": hf_reentrant})
+            model.enable_input_require_grads()
+        model.train()
+        losses = []
+        for i in range(0, len(data), 2):
+            batch = {k: torch.stack([d[k] for d in data[i:i + 2]]).to(test_device()) for k in data[0]}
+            loss = model(**batch).loss
+            loss.backward()
+            step()
+            losses.append(loss.detach().cpu())
+        return torch.stack(losses)
+
+    plain = _model().to(test_device())
+    opt = torch.optim.AdamW(plain.parameters(), lr=2e-3, weight_decay=0.01)
+    ref_losses = steps(plain, lambda: (opt.step(), opt.zero_grad()))
+    model = _model()
+    cfg = _nvme_config(tmp_path)
+    cfg["activation_checkpointing"] = {"modules": ["LlamaDecoderLayer"], "cpu_checkpointing": cpu_checkpointing,
+                                       "profile": True}
+    with offload.initialize(model, cfg) as engine:
+        losses = steps(model, engine.step)
+        weights = engine.full_state_dict(master=True)
+        assert engine.activation_checkpointing.wrapped == 2
+        # Inside HF's reentrant checkpoint the layers' forward runs without grad, so
+        # the engine has nothing to save and recomputes nothing of its own.
+        recomputed = engine.activation_checkpointing.saver.timings["recomputations"]
+        assert (recomputed == 0) if hf_reentrant else (recomputed > 0), recomputed
+    torch.testing.assert_close(losses, ref_losses, **exact())
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(weights[name].cpu(), p.detach().cpu(), **exact(), msg=lambda m: f"{name}: {m}")
