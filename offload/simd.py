@@ -47,6 +47,26 @@ def available_levels() -> list[str]:
     return list(LEVELS[: LEVELS.index(detected_level()) + 1])
 
 
+# Note [optimizer threads]
+# While Adam overlaps backward (Note [optimizer overlap] in optim/sharded_adam.py)
+# the kernel shares the host with whatever drives the compute. Beside a device
+# with memory of its own (a GPU; the sim stands in) the compute thread needs
+# one core to launch kernels and feed copies, so Adam takes every other core
+# of this process's CPU affinity (taskset, cgroups, a launcher's binding):
+# one core was what the first GPU measurement found it using, 0.52 Gparam/s
+# of the kernel's 2.9 on 16 cores. Beside a CPU backward, the backward itself
+# has the cores: Adam takes one (measured on 2 cores: backward 0.79 s -> 1.06 s
+# with Adam on both). offload_optimizer.cpuadam_cores_perc (DeepSpeed's key)
+# sets the share instead: max(1, floor(share x cores)). After backward, the
+# updates still to run take torch.get_num_threads().
+def overlap_threads(cores_share: float | None, *, device_apart: bool) -> int:
+    """Adam kernel threads while updates overlap backward (Note [optimizer threads])."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cores_share is not None:
+        return max(1, int(cores_share * cores))
+    return max(1, cores - 1) if device_apart else 1
+
+
 def num_threads(requested: int | None = None) -> int:
     """Kernel threads: `requested` if given, else torch.get_num_threads()."""
     if requested is None:

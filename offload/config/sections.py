@@ -312,7 +312,6 @@ _OFFLOAD_OPTIMIZER_INERT = {
     "fast_init": "optimizer state files are always created empty and filled by the first write",
     "ratio": "partial optimizer offload (ZeRO-Offload++) is not implemented: all of it is offloaded",
     "super_offload": "SuperOffload is not implemented: the offloaded step runs on the CPU Adam",
-    "cpuadam_cores_perc": "CPU Adam threads follow torch.get_num_threads()",
 }
 
 
@@ -370,9 +369,16 @@ class OffloadOptimizerConfig(_Section):
     device: Tier = Tier.DEVICE
     nvme_path: Path | None = None
     buffer_count: int | None = None
+    # DeepSpeed's key (SuperOffload's there): the share of this process's cores
+    # the CPU Adam runs on while it overlaps backward. null: every core but one
+    # beside a separate device, one beside a CPU backward (Note [optimizer
+    # threads] in offload/simd.py).
+    cpuadam_cores_perc: float | None = None
 
     def __post_init__(self):
         self._set("buffer_count", _int(self._key("buffer_count"), self.buffer_count, lo=1, none=True))
+        self._set("cpuadam_cores_perc", _float(self._key("cpuadam_cores_perc"), self.cpuadam_cores_perc,
+                                               lo=0.0, hi=1.0, lo_open=True, none=True))
         _check_offload(self, ("nvme_path", "buffer_count"))
 
     @property

@@ -37,6 +37,7 @@ from offload.partition.manager import ParameterManager
 from offload.partition.prefetch import prefetch_scheduler
 from offload.partition.shard import ShardContext
 from offload.tiers import Tier
+from offload.simd import overlap_threads
 from offload.timeline import Timeline
 from offload.torch_release import check_torch_release
 
@@ -129,7 +130,9 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
             device=self.device, account=self.account, state_store=built.state_store,
             param_store=built.param_writer,
             sub_group_size=config.zero_optimization.sub_group_size, timeline=self._timeline,
-            pending_grad_elems=config.zero_optimization.reduce_bucket_size, param_groups=groups)
+            pending_grad_elems=config.zero_optimization.reduce_bucket_size, param_groups=groups,
+            overlap_threads=overlap_threads(config.zero_optimization.offload_optimizer.cpuadam_cores_perc,
+                                            device_apart=self.device_layer.separate_memory))
         built.place(self.optimizer.init_state)  # the parameters move home here, one at a time
         self.optimizer.driver = weak_callback(self._update)  # optimizer.step() from the user's loop
         # Reads outside a forward see real values, edits go through offload.gathered

@@ -96,14 +96,16 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
                  adamw_mode: bool, tier: Tier, device: torch.device, account: MemoryAccount,
                  state_store=None, param_store=None, sub_group_size: int | None = None,
                  timeline: Timeline | None = None, pending_grad_elems: int | None = None,
-                 param_groups: list[dict] | None = None):
+                 param_groups: list[dict] | None = None, overlap_threads: int = 1):
         """Built empty: it places nothing. The build step (engine/build.py
         `Built.place`) moves each shard home and then gives init_state() its
         initial fp32 partition, in order, once per shard.
 
         param_groups: torch's form, [{"params": [the model's parameters], "lr": ..., ...}],
         each group's lr, betas, eps and weight_decay overriding the defaults above
-        (Note [parameter groups]). None: one group over every shard."""
+        (Note [parameter groups]). None: one group over every shard.
+        overlap_threads: Adam kernel threads while updates overlap backward
+        (Note [optimizer threads] in offload/simd.py)."""
         if not shards:
             raise ValueError("optimizer got an empty parameter list")
         self.shards = shards
@@ -129,8 +131,9 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         self._device_publishes: list[tuple[Shard, torch.Tensor]] = []
         self._param_writes: deque = deque()  # handles of new parameter values being written
         self._param_write_error: BaseException | None = None  # raised by _close_stream (Note [a failed step])
-        # Adam kernel threads: the default in a deferred step; one while
-        # updates overlap backward, which has the cores (Note [optimizer overlap]).
+        # Adam kernel threads: the default in a deferred step; overlap_threads
+        # while updates overlap backward (Note [optimizer threads] in offload/simd.py).
+        self.overlap_threads = overlap_threads
         self._kernel_threads: int | None = None
         # Elements of final gradients waiting for their overlapped update
         # (zero_optimization.reduce_bucket_size; at least the largest shard).
@@ -381,7 +384,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
             raise RuntimeError("an overlapped optimizer step is already in progress")
         if self._executor is None:
             self._executor = _OptimizerThread()
-        self._kernel_threads = 1
+        self._kernel_threads = self.overlap_threads
         order = self._arrival_order or list(reversed(self.shards))
         self._overlap = _Overlap(groups=[dict(g) for g in self.param_groups], futures=[], submitted=set(),
                                  arrival=[])
