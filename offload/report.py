@@ -77,6 +77,12 @@ def _io_backends() -> dict:
     return aio.backend_report()
 
 
+def _torch_release() -> str | None:
+    """None where torch is a supported, tested release; else why not (offload/torch_release.py)."""
+    release = importlib.import_module("offload.torch_release")
+    return release.torch_release_problem() or release.torch_release_untested()
+
+
 def collect() -> dict:
     import torch
 
@@ -91,9 +97,7 @@ def collect() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
-        # None where supported and tested; else why not (offload/torch_release.py)
-        "torch_release": (importlib.import_module("offload.torch_release").torch_release_problem()
-                          or importlib.import_module("offload.torch_release").torch_release_untested()),
+        "torch_release": _torch_release(),
         "torch_cuda_build": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
