@@ -14,7 +14,7 @@ Note [global gradient norm]
 get_global_grad_norm() is the 2-norm over every gradient the last update
 applied, before clipping (torch.nn.utils.clip_grad_norm_'s return value).
 With clipping on it is the clipping's own norm. With clipping off it is
-summed in ShardedAdam._update_shard from each shard's gradient just before
+summed in ShardedAdam.update_shard from each shard's gradient just before
 its update (on the optimizer thread when updates overlap backward, where no
 later point still has the gradients), then summed over ranks when the step
 completes. Its cost is one more read of the fp32 gradient partitions.
@@ -147,6 +147,7 @@ class DeepSpeedMethods:
     def _record_grad_norm(self, clipped_norm: float | None) -> None:
         """At each update: the clipping's norm, else the one the optimizer summed (Note [global gradient norm])."""
         if clipped_norm is None:
+            self.optimizer.deferred.settle()  # the sum is complete once every update ran
             dtype = torch.float64 if self.device.type == "cpu" else torch.float32
             sq = torch.tensor([self.optimizer.grad_sq], dtype=dtype, device=self.device)
             clipped_norm = math.sqrt(float(self.pg.sum_scalar(sq).item()))

@@ -15,8 +15,6 @@ How one training step flows (see docs/ARCHITECTURE.md for the whole picture):
 from __future__ import annotations
 
 import logging
-import math
-
 import psutil
 import torch
 
@@ -27,8 +25,10 @@ from offload.engine.build import build_shards
 from offload.engine.checkpoint_methods import CheckpointMethods
 from offload.engine.closed import EngineClosedError, close_off, weak_callback
 from offload.engine.deepspeed_api import DeepSpeedMethods
+from offload.engine.gradients import all_finite, clip_by_global_norm
 from offload.engine.loss_scaler import LossScaler
 from offload.engine.memory import ProcessMemory, map_large_allocations, release_free_host_memory
+from offload.host_worker import HostWorker
 from offload.optim.sharded_adam import ShardedAdam
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
@@ -83,6 +83,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
         # What every shard shares: made once, complete, by build_shards.
         self.shard_context: ShardContext | None = None
         self.shards, self._stores, self.manager, self.optimizer = [], [], None, None
+        self._host_worker = None
         self._placed = []
         self.activation_checkpointing = None
         try:
@@ -111,7 +112,10 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
         self._stores = built.stores()
         self._placed = built.placed  # filled as built.place() moves them (Note [an interrupted initialize])
         # Weak: no cycle through the engine (Note [a closed engine] in engine/closed.py).
+        # Note [the host worker] (offload/host_worker.py): gradients taken in and updates run there.
+        self._host_worker = HostWorker()
         self.manager = ParameterManager(model, self.shards, on_grad=weak_callback(self._take_grad),
+                                        host_worker=self._host_worker,
                                         prefetch=prefetch_scheduler(config.zero_optimization, self.shards,
                                                                             device_budget=config.memory.device_budget),
                                         timeline=self._timeline,
@@ -132,7 +136,8 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
             sub_group_size=config.zero_optimization.sub_group_size, timeline=self._timeline,
             pending_grad_elems=config.zero_optimization.reduce_bucket_size, param_groups=groups,
             overlap_threads=overlap_threads(config.zero_optimization.offload_optimizer.cpuadam_cores_perc,
-                                            device_apart=self.device_layer.separate_memory))
+                                            device_apart=self.device_layer.separate_memory),
+            host_worker=self._host_worker)
         built.place(self.optimizer.init_state)  # the parameters move home here, one at a time
         self.optimizer.driver = weak_callback(self._update)  # optimizer.step() from the user's loop
         # Reads outside a forward see real values, edits go through offload.gathered
@@ -204,12 +209,13 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
         scale = 1.0 / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
+        self.optimizer.deferred.settle()  # the last step's updates, before new gradients arrive
         if self._can_overlap():
             # Updates start during this backward: an async checkpoint must have
             # read what it saves first (Note [consistent async checkpoint]).
             self._before_update()
             self.optimizer.grad_sq = 0.0
-            self.optimizer.begin_overlap()
+            self.optimizer.overlap.begin()
         try:
             with self._timeline.span("backward"):
                 (loss * scale).backward()
@@ -235,13 +241,22 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
                 and self.is_gradient_accumulation_boundary()
                 and self.loss_scaler is None and not self.config.gradient_clipping > 0)
 
+    def _can_defer(self) -> bool:
+        """Note [updates under the next forward]: a step that could not overlap backward
+        leaves its updates running beside the next forward where nothing in them can
+        fail on a file or needs the compute thread: host Adam beside a separate device,
+        every home on the host."""
+        return (self.optim_tier is Tier.HOST and self.device_layer.separate_memory
+                and self.config.zero_optimization.overlap_comm
+                and all(s.home is Tier.HOST for s in self.shards))
+
     def _abandon_overlap(self) -> None:
         # A failed backward after some updates ran: wait for them so no thread
         # is left writing, then report the original error. Those shards were
         # updated with final gradients, as step() would have done; the others
         # keep their gradients.
         try:
-            self.optimizer.abandon_overlap()
+            self.optimizer.overlap.abandon()
         except Exception:  # noqa: BLE001 - the backward error is the one to raise
             log.exception("while finishing optimizer updates after a failed backward")
 
@@ -329,7 +344,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
                     f"fp16 with loss scaling: {what}. Gradients must come from engine.backward(loss), "
                     "which scales the loss, and be applied by engine.step(), which unscales them and "
                     "skips overflowed steps. To drive the optimizer from your own loop, use bf16")
-            overflow = self.pg.any_flag(not self._grads_finite(), self.device)
+            overflow = self.pg.any_flag(not all_finite(self.shards), self.device)
             self._passes_at_update, self._scaled_passes = self.manager.backward_passes, 0
             if overflow:
                 self.loss_scaler.update(True, self.global_steps + self.skipped_steps + 1)
@@ -342,10 +357,13 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
             self.loss_scaler.update(False, self.global_steps + self.skipped_steps + 1)
         clipped_norm = None
         if self.config.gradient_clipping > 0:
-            clipped_norm = self._clip_grads(self.config.gradient_clipping)
+            clipped_norm = clip_by_global_norm(self.shards, self.config.gradient_clipping, self.device, self.pg)
         self.optimizer.grad_sq = 0.0
         self._before_update()  # Note [consistent async checkpoint] (offload/checkpoint_io/save.py)
-        self._applying(self.optimizer.update, clipped_norm)
+        if self._can_defer():  # Note [updates under the next forward] (offload/optim/overlap.py)
+            self.optimizer.deferred.start(self.shards)
+        else:
+            self._applying(self.optimizer.update, clipped_norm)
         self._finish_update(clipped_norm)
 
     def _finish_update(self, grad_norm: float | None = None) -> None:
@@ -377,33 +395,15 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
         return self.train(False)
 
     # ---- gradients -----------------------------------------------------------
-    def _take_grad(self, shard, grad: torch.Tensor) -> None:
-        shard.take_grad(grad)
+    def _take_grad(self, shard, grad: torch.Tensor, owned: bool = False) -> None:
+        shard.take_grad(grad, owned=owned)
         if self.optimizer.overlapping:
-            self.optimizer.submit(shard)
+            self.optimizer.overlap.submit(shard)
 
     @property
     def gradients_pending(self) -> bool:
         """Whether a backward since the last optimizer step left gradients not yet applied."""
         return any(s.has_grad for s in self.shards)
-
-    def _grads_finite(self) -> bool:
-        return all(bool(torch.isfinite(s.grad_part).all()) for s in self.shards if s.has_grad)
-
-    def _clip_grads(self, max_norm: float) -> float:
-        # As torch.nn.utils.clip_grad_norm_: total 2-norm over every gradient,
-        # coefficient max_norm / (norm + 1e-6), applied only when below 1. Returns the norm.
-        sq = torch.zeros(1, dtype=torch.float32, device=self.device)
-        for s in self.shards:
-            if s.has_grad:
-                sq += s.grad_part.float().pow(2).sum().to(self.device)
-        total = math.sqrt(float(self.pg.sum_scalar(sq).item()))
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            for s in self.shards:
-                if s.has_grad:
-                    s.grad_part.mul_(coef)
-        return total
 
     def _zero_grads(self) -> None:
         for s in self.shards:
@@ -478,6 +478,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
             if not given_back:
                 self.manager.closed = True  # reads of its parameters now raise, naming why
             self.optimizer.close()
+            self._host_worker.shutdown()
             self._state_dict_guard.remove()
             if self.shard_context is not None and self.shard_context.buffers is not None:
                 self.shard_context.buffers.clear()
@@ -544,6 +545,8 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
             self.manager.remove_hooks()
         if self.optimizer is not None:
             self.optimizer.close()
+        if self._host_worker is not None:
+            self._host_worker.shutdown()
         if self.activation_checkpointing is not None:
             self.activation_checkpointing.remove()
         self._remove_swap_files()

@@ -22,72 +22,21 @@ in partition/managed.py); the fp32 masters live in the state, not there.
 """
 from __future__ import annotations
 
-import queue
-import threading
-from concurrent.futures import Future
-from collections import deque
-from dataclasses import dataclass, field
-
 import torch
 
+from collections import deque
+
 from offload.aio.memory import BufferCache, aligned_tensor
+from offload.host_worker import HostWorker
 from offload.ops import adam_step
+from offload.optim.overlap import DeferredUpdates, OverlappedUpdates
 from offload.optim.param_groups import check_group
 from offload.optim.state_access import StateAccess
 from offload.optim.state_stream import StateLayout, StateStream
 from offload.partition.accounting import MemoryAccount
-from offload.partition.shard import Residency, Shard
+from offload.partition.shard import Shard
 from offload.tiers import Tier
 from offload.timeline import Timeline
-
-
-class _OptimizerThread:
-    """One daemon thread running submitted calls in order (Note [optimizer overlap]).
-
-    Not a ThreadPoolExecutor: its threads are joined at interpreter exit, and
-    a Ctrl-C landing while it starts a thread can leave one unknown to it,
-    waiting forever, so the process never exits. A daemon thread never holds
-    the exit up (its swap files are scratch, removed by close or left to the OS)."""
-
-    def __init__(self):
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="offload-optimizer", daemon=True)
-        self._thread.start()
-
-    def submit(self, fn, *args) -> Future:
-        future: Future = Future()
-        self._calls.put((future, fn, args))
-        return future
-
-    def _run(self) -> None:
-        while (call := self._calls.get()) is not None:
-            future, fn, args = call
-            del call  # nothing lent to a call (a gathered master's view) outlives it
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
-                    future.set_exception(exc)
-            del fn, args
-
-    def shutdown(self) -> None:
-        self._calls.put(None)
-        self._thread.join()
-
-
-@dataclass
-class _Overlap:
-    """One overlapped step in progress (Note [optimizer overlap])."""
-
-    groups: list[dict]  # each group's hyperparameters as of the step's start (the LR schedule moves after it)
-    futures: list[Future]
-    submitted: set[int]
-    arrival: list[Shard]
-    stream: StateStream | None = None
-    backlog: deque = field(default_factory=deque)  # (future, elements) submitted, maybe running
-    backlog_elems: int = 0
-    masters_brought: set[int] = field(default_factory=set)  # Note [shared fp32 master]
-    failed: bool = False  # an update raised: the later ones are skipped (Note [a failed step])
 
 
 class ShardedAdam(StateAccess, torch.optim.Optimizer):
@@ -96,7 +45,8 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
                  adamw_mode: bool, tier: Tier, device: torch.device, account: MemoryAccount,
                  state_store=None, param_store=None, sub_group_size: int | None = None,
                  timeline: Timeline | None = None, pending_grad_elems: int | None = None,
-                 param_groups: list[dict] | None = None, overlap_threads: int = 1):
+                 param_groups: list[dict] | None = None, overlap_threads: int = 1,
+                 host_worker: HostWorker | None = None):
         """Built empty: it places nothing. The build step (engine/build.py
         `Built.place`) moves each shard home and then gives init_state() its
         initial fp32 partition, in order, once per shard.
@@ -105,7 +55,9 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         each group's lr, betas, eps and weight_decay overriding the defaults above
         (Note [parameter groups]). None: one group over every shard.
         overlap_threads: Adam kernel threads while updates overlap backward
-        (Note [optimizer threads] in offload/simd.py)."""
+        (Note [optimizer threads] in offload/simd.py).
+        host_worker: the thread host-side updates run on (Note [the host worker] in
+        offload/host_worker.py); None: one of its own (closed with it)."""
         if not shards:
             raise ValueError("optimizer got an empty parameter list")
         self.shards = shards
@@ -121,24 +73,22 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         # that got no gradient in a step is skipped and its count stays.
         self.shard_steps = {shard.index: 0 for shard in shards}
         self.timeline = timeline or Timeline(enabled=False)
-        # Started with the engine, not on first use: see _OptimizerThread.
-        self._executor = _OptimizerThread() if tier is not Tier.DEVICE else None
-        self._overlap: _Overlap | None = None
-        self._arrival_order: list[Shard] | None = None
-        # Shards whose shared master the last overlapped backward brought from
-        # the gathered parameter (Note [shared fp32 master]): not read again.
-        self._masters_from_gather: frozenset[int] = frozenset()
+        # Started with the engine, not on first use: see Note [the host worker].
+        self._own_worker = host_worker is None
+        self.worker = host_worker or HostWorker()
         self._device_publishes: list[tuple[Shard, torch.Tensor]] = []
         self._param_writes: deque = deque()  # handles of new parameter values being written
-        self._param_write_error: BaseException | None = None  # raised by _close_stream (Note [a failed step])
-        # Adam kernel threads: the default in a deferred step; overlap_threads
+        self._param_write_error: BaseException | None = None  # raised by close_stream (Note [a failed step])
+        # Adam kernel threads: None (every core) in a deferred step; the overlap's
         # while updates overlap backward (Note [optimizer threads] in offload/simd.py).
         self.overlap_threads = overlap_threads
-        self._kernel_threads: int | None = None
+        self.kernel_threads: int | None = None
         # Elements of final gradients waiting for their overlapped update
         # (zero_optimization.reduce_bucket_size; at least the largest shard).
         largest = max((s.part_numel for s in shards), default=1)
-        self.pending_grad_elems = max(pending_grad_elems or 2 * largest, largest)
+        self.overlap = OverlappedUpdates(self, self.worker, kernel_threads=overlap_threads,
+                                         pending_grad_elems=max(pending_grad_elems or 2 * largest, largest))
+        self.deferred = DeferredUpdates(self, self.worker, kernel_threads=overlap_threads)
         # State buffers and new values, reused within a step: as many as are
         # in flight at once (the shard updated, the reads ahead, two written
         # back). NVMe state is read ahead of the shard updated up to one
@@ -229,11 +179,14 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
 
     def group_of(self, shard: Shard) -> dict:
         """The param group whose hyperparameters update `shard` (Note [parameter groups])."""
+        return self.param_groups[self.group_index(shard)]
+
+    def group_index(self, shard: Shard) -> int:
         gi = self._group_of.get(shard.index)
         if gi is None:
             raise RuntimeError(f"parameter {shard.name} got a gradient but is in no parameter group: "
                                "it was frozen (requires_grad=False) when the optimizer was made")
-        return self.param_groups[gi]
+        return gi
 
     def _indexed(self) -> list[tuple[int, Shard]]:
         """(torch's state index, shard): the groups' params in order."""
@@ -296,8 +249,9 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forgets the gradients accumulated since the last step (they live in the shards'
         fp32 partitions, not in param.grad); the next backward starts from zero."""
-        if self._overlap is not None:
+        if self.overlapping:
             raise RuntimeError("optimizer.zero_grad() while an overlapped update runs: call step() first")
+        self.deferred.settle()
         for shard in self.shards:
             shard.clear_grad()
 
@@ -306,24 +260,26 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         """Updates every shard that has a gradient (a deferred step: clipping
         or an fp16 overflow check needed every gradient first), or finishes
         the updates that ran during backward (Note [optimizer overlap])."""
-        if self._overlap is not None:
-            self._finish_overlap()
+        if self.overlapping:
+            self.overlap.finish()
             return
-        shards = self._stepping()
-        stream = self._stream(shards)
+        self.deferred.settle()
+        shards = self.stepping()
+        stream = self.open_stream(shards)
         try:
             for shard in shards:
-                self._update_shard(shard, self.group_of(shard), stream)
+                self.update_shard(shard, self.group_of(shard), stream)
         finally:
             try:
-                self._close_stream(stream)
+                self.close_stream(stream)
             finally:
-                self._flush_publishes()  # the shards updated, failed step or not
+                self.flush_publishes()  # the shards updated, failed step or not
 
-    def _stepping(self) -> list[Shard]:
+    def stepping(self) -> list[Shard]:
         return [s for s in self.shards if s.has_grad]
 
-    def _stream(self, order: list[Shard], skip_master: frozenset = frozenset()) -> StateStream | None:
+    def open_stream(self, order: list[Shard], skip_master: frozenset = frozenset()) -> StateStream | None:
+        """The NVMe state of `order`'s shards, read ahead of their updates (None off NVMe)."""
         if self.tier is not Tier.NVME:
             return None
         stream = StateStream(self.state_store, self._key, order, account=self.account,
@@ -333,7 +289,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         stream.start()
         return stream
 
-    def _close_stream(self, stream: StateStream | None) -> None:
+    def close_stream(self, stream: StateStream | None) -> None:
         try:
             if stream is not None:
                 stream.close()
@@ -363,138 +319,24 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
     # updates exactly the shards left: the result equals an uninterrupted step
     # (the engine's retry: Engine.step, offload/engine/engine.py).
 
-    # ---- updates overlapped with backward --------------------------------
-    # Note [optimizer overlap]
-    # In a backward at an accumulation boundary with nothing that needs every
-    # gradient before any update (no clipping, no fp16 overflow check), the
-    # engine calls begin_overlap(), then submit(shard) from each shard's
-    # gradient hook. The update runs on one optimizer thread while backward
-    # goes on with earlier layers: NVMe state is read ahead in the order the
-    # last overlapped step's gradients arrived (reverse parameter order the
-    # first time), written back asynchronously, and the new compute-dtype
-    # value goes to the parameter's home. A gradient is final when its hook
-    # runs (every use of the parameter in this backward has contributed), so
-    # nothing in the rest of backward reads the value being updated.
-    # step() (from engine.step()) then waits only for what is left,
-    # updates shards whose gradient came only in earlier micro-steps, and
-    # publishes device homes: an all-gather is a collective and must run on
-    # the compute thread, in the same order on every rank.
-    def begin_overlap(self) -> None:
-        if self._overlap is not None:
-            raise RuntimeError("an overlapped optimizer step is already in progress")
-        if self._executor is None:
-            self._executor = _OptimizerThread()
-        self._kernel_threads = self.overlap_threads
-        order = self._arrival_order or list(reversed(self.shards))
-        self._overlap = _Overlap(groups=[dict(g) for g in self.param_groups], futures=[], submitted=set(),
-                                 arrival=[])
-        stream_order = [s for s in order if s.has_grad or s.param.requires_grad]
-        try:
-            self._overlap.stream = self._executor.submit(self._stream, stream_order,
-                                                         self._masters_from_gather).result() \
-                if self.tier is Tier.NVME else None
-        except BaseException:
-            self._overlap = None  # no step in progress: a later backward may start one
-            raise
-
     @property
     def overlapping(self) -> bool:
-        return self._overlap is not None
-
-    def submit(self, shard: Shard) -> None:
-        """The shard's gradient is final: update it on the optimizer thread."""
-        ov = self._overlap
-        if shard.index in ov.submitted:
-            # Its update already ran with the gradient it had: a second one
-            # would be lost. Autograd accumulates a parameter once per backward.
-            raise RuntimeError(f"parameter {shard.name} received a second gradient in one backward "
-                               "after its overlapped update started; set zero_optimization.overlap_comm "
-                               "to false for this model")
-        ov.submitted.add(shard.index)
-        ov.arrival.append(shard)
-        # Backpressure: gradients waiting for their update hold host memory
-        # (4 bytes/element); past the cap, backward waits for the oldest update.
-        while ov.backlog and ov.backlog_elems + shard.part_numel > self.pending_grad_elems:
-            future, numel = ov.backlog.popleft()
-            if not future.done():
-                with self.timeline.span("wait", "optimizer backlog"):
-                    future.exception()
-            ov.backlog_elems -= numel
-        master = self._gathered_master(shard)
-        if master is not None:
-            ov.masters_brought.add(shard.index)
-            self.account.charge(Tier.HOST, shard.part_numel * 4, f"master of {shard.name} from its gathered copy")
-        self.group_of(shard)  # in a group, or the error is raised here, not on the optimizer thread
-        future = self._executor.submit(self._overlapped_update, ov, shard,
-                                       ov.groups[self._group_of[shard.index]], master)
-        ov.futures.append(future)
-        ov.backlog.append((future, shard.part_numel))
-        ov.backlog_elems += shard.part_numel
-
-    def abandon_overlap(self) -> None:
-        """After a failed backward: waits for the updates already submitted (their
-        gradients were final) and starts no others, so no thread is left writing."""
-        self._finish_overlap(update_late=False)
-
-    def _finish_overlap(self, update_late: bool = True) -> None:
-        """Completes an overlapped step; reached through step(), so torch's
-        LR schedulers see the optimizer stepped."""
-        ov = self._overlap
-        self._overlap = None
-        try:
-            with self.timeline.span("wait", "optimizer"):
-                self._kernel_threads = None  # backward is over: the late ones may use every core
-                late = [s for s in self._stepping() if s.index not in ov.submitted] if update_late else []
-                ov.futures += [self._executor.submit(self._overlapped_update, ov, s,
-                                                     ov.groups[self._group_of[s.index]])
-                               for s in late if self.group_of(s)]
-                error = None
-                for f in ov.futures:
-                    try:
-                        f.result()
-                    except BaseException as exc:  # noqa: BLE001 - the first is raised below
-                        error = error or exc
-                self._executor.submit(self._close_stream, ov.stream).result()
-            if error is not None:
-                raise error
-        finally:
-            self._arrival_order = ov.arrival + [s for s in self.shards if s.index not in ov.submitted]
-            self._masters_from_gather = frozenset(ov.masters_brought)
-            self._flush_publishes()  # the shards updated, failed step or not
-
-    def _overlapped_update(self, ov: _Overlap, shard: Shard, group: dict,
-                           master: torch.Tensor | None = None) -> None:
-        if ov.failed:  # Note [a failed step]: left, with its gradient, for the retry
-            if master is not None:
-                self.account.credit(Tier.HOST, shard.part_numel * 4)
-            return
-        try:
-            self._update_shard(shard, group, ov.stream, master)
-        except BaseException:
-            ov.failed = True
-            raise
+        """Whether an overlapped step is in progress (Note [optimizer overlap] in optim/overlap.py)."""
+        return self.overlap.active
 
     def close(self) -> None:
-        self.buffers.clear()
-        if self._executor is not None:
-            self._executor.shutdown()
-            self._executor = None
+        try:
+            self.deferred.settle()
+        finally:
+            self._close()
 
-    def _gathered_master(self, shard: Shard) -> torch.Tensor | None:
-        """This rank's partition of the gathered parameter, as the shared master
-        (Note [shared fp32 master]); None when it is not gathered now. On the
-        host it is a view: the gathered buffer is not reused while the view
-        lives (offload/aio/memory.py BufferCache)."""
-        if not self.shares_master(shard) or shard.residency is not Residency.GATHERED:
-            return None
-        start = shard.ctx.pg.rank * shard.part_numel
-        flat = shard.param.data.reshape(-1)
-        if flat.numel() < start + shard.part_numel:
-            return None  # the last rank's padding is not in param.data
-        return flat[start:start + shard.part_numel].to("cpu")
+    def _close(self) -> None:
+        self.buffers.clear()
+        if self._own_worker:
+            self.worker.shutdown()
 
     # ---- one shard --------------------------------------------------------
-    def _update_shard(self, shard: Shard, group: dict, stream: StateStream | None,
+    def update_shard(self, shard: Shard, group: dict, stream: StateStream | None,
                       master_value: torch.Tensor | None = None) -> None:
         with self.timeline.span("optimizer", shard.name):
             # Note [global gradient norm] (engine/deepspeed_api.py): the gradients this update applies
@@ -531,7 +373,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
             fused_out = home_out if home_out is not None and home_out.dtype != torch.float32 else None
             adam_step(master, grad, m, v, step=step, lr=group["lr"], beta1=beta1,
                       beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                      adamw_mode=group["adamw_mode"], out=fused_out, num_threads=self._kernel_threads)
+                      adamw_mode=group["adamw_mode"], out=fused_out, num_threads=self.kernel_threads)
             if home_out is not None and fused_out is None:
                 home_out.copy_(master)
         self._publish(shard, master, home_out)
@@ -572,7 +414,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         if nbytes:
             self.buffers.give(part)
 
-    def _flush_publishes(self) -> None:
+    def flush_publishes(self) -> None:
         if self.tier is Tier.NVME:
             # Idle state buffers are reused within a step, not across steps: kept,
             # they would sit resident through the next forward, on top of its

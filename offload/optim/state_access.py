@@ -19,7 +19,8 @@ class StateAccess:
     # with each shard's fp32 master beside its moments so a resume is exact in bf16
     # too. Indices follow self.shards. Before the first step it is empty, as torch's.
     def state_dict(self) -> dict:
-        if self._overlap is not None:
+        self.deferred.settle()  # Note [updates under the next forward]
+        if self.overlapping:
             raise RuntimeError("optimizer.state_dict() while an overlapped update runs: call step() first")
         stepped = [(i, s) for i, s in self._indexed() if self.shard_steps[s.index]]
         need = sum(3 * s.part_numel * 4 for _, s in stepped)
@@ -43,6 +44,7 @@ class StateAccess:
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
+        self.deferred.settle()  # Note [updates under the next forward]
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if groups is None or [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("optimizer.load_state_dict: the saved parameter groups "
@@ -82,6 +84,7 @@ class StateAccess:
 
     def master_partition(self, shard: Shard) -> torch.Tensor:
         """This rank's fp32 master partition of `shard` (a copy, on the host)."""
+        self.deferred.settle()  # Note [updates under the next forward]
         if self.shares_master(shard):
             return shard.home_partition()
         if self.tier is Tier.NVME:
@@ -96,6 +99,7 @@ class StateAccess:
     # ---- checkpoints (offload/checkpoint_io) --------------------------------
     def state_tensors(self, shard: Shard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The live (master, exp_avg, exp_avg_sq) of a DEVICE/HOST-tier shard: not copies."""
+        self.deferred.settle()  # Note [updates under the next forward]
         if self.tier is Tier.NVME:
             raise ValueError(f"optimizer state of {shard.name} is in a file on the NVMe tier: "
                              "use state_file()")
@@ -113,6 +117,7 @@ class StateAccess:
     def set_master(self, shard: Shard, master: torch.Tensor) -> None:
         """Replaces `shard`'s fp32 master (part_numel elements): the weights were edited
         outside training (offload.gathered); the moments stay."""
+        self.deferred.settle()  # Note [updates under the next forward]
         if self.shares_master(shard):
             shard.ctx.param_store.write(shard, master.cpu().contiguous()).wait()
         elif self.tier is Tier.NVME:

@@ -25,9 +25,12 @@ needs, nothing more. The waits, each one tested necessary by removing it
 Parameters go host->device on the `h2d` stream when the prefetcher reads
 them ahead (Note [prefetch order]) or, at the latest, when the step takes
 them into use; gradients go device->host on the `d2h` stream as backward
-produces them, into pinned buffers of a small pool, and are added into the
-fp32 gradient partitions when the pool needs a buffer back and at the end of
-backward. A device home's new value (the optimizer writes it in pageable
+produces them, into pinned buffers of a small pool; each copy is a typed
+record (GradientCopy: buffer and event) handed to the host worker, which
+waits for the event and adds the gradient into its fp32 partition (Note [the
+host worker] in offload/host_worker.py). Autograd's thread never waits for a
+copy: only for a free buffer, while the host worker is behind; the end of
+backward waits until every record is taken in. A device home's new value (the optimizer writes it in pageable
 memory) goes up through a pinned upload buffer (`to_device_staged`), so every
 copy after the first step is asynchronous; a buffer is written again only
 after the copy that read it completed. A device buffer or gradient is freed only once no copy uses it
@@ -37,12 +40,15 @@ runs: the device is the host, and the engine keeps its direct path (Note
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
 from offload.aio.buffer_pool import BufferPool
 from offload.device import DeviceLayer, Event
+from offload.host_worker import HostWorker
 
 GRADIENT_BUFFERS = 4  # in flight device->host at once; more hides no more on one d2h stream
 UPLOAD_BUFFERS = 4  # device homes' new values in flight host->device at once
@@ -120,58 +126,103 @@ class CopyStreams:
             self.compute.wait_event(event)
 
 
+@dataclass
+class GradientCopy:
+    """One gradient on its way device->host (Note [copy streams]): the pinned
+    buffer it lands in, paired with the event that completes the copy."""
+
+    shard: object
+    on_device: torch.Tensor  # autograd's gradient, freed once the copy has read it
+    buffer: torch.Tensor  # the pool's pinned buffer, released once delivered
+    host: torch.Tensor  # the gradient's view of it
+    copied: Event
+
+
 class GradientsToHost:
     """Gradients device->host during backward (Note [copy streams]).
 
     deliver(shard, grad): the gradient, now on the host (a view into a pinned
-    buffer, valid during the call), to add into the shard's partition."""
+    buffer, valid during the call), to add into the shard's partition. It runs
+    on the host worker (Note [the host worker] in offload/host_worker.py),
+    after the copy's event: autograd's thread only starts copies."""
 
-    def __init__(self, streams: CopyStreams, largest_bytes: int, deliver, ledger=None, pin: bool = False):
+    def __init__(self, streams: CopyStreams, largest_bytes: int, deliver, worker: HostWorker,
+                 ledger=None, pin: bool = False):
         self.streams = streams
         self.layer = streams.layer
         self._deliver = deliver
+        self.worker = worker
         self.pool = BufferPool(GRADIENT_BUFFERS * max(largest_bytes, 4096), pin=pin, ledger=ledger,
                                buffer_bytes=max(largest_bytes, 1), what="gradient staging buffer",
                                register=self.layer.register_pinned)
         self.pool.fill()  # at initialize: a memory.pinned_budget too small for it fails there
-        self._pending: deque = deque()  # (shard, device grad, pinned buffer, its view, event)
+        self._lock = threading.Condition()
+        self._in_flight = 0  # started and not yet delivered (or dropped)
+        self._deliver_now = True  # False after a failed backward: what is in flight is dropped
+        self._error: BaseException | None = None  # the first delivery that raised
 
     def put(self, shard, grad: torch.Tensor) -> None:
-        """Starts the copy of `grad`, which compute just wrote, to the host."""
+        """Starts the copy of `grad`, which compute just wrote, to the host. Waits
+        only while every buffer holds a gradient the host worker has not taken in."""
         flat = grad.detach().reshape(-1)
         nbytes = flat.numel() * flat.element_size()
-        buf = self.pool.try_acquire(nbytes)
-        while buf is None:  # every buffer holds a gradient still on its way: finish the oldest
-            self._finish_one()
-            buf = self.pool.try_acquire(nbytes)
-        on_device = self.layer.adopt(flat, f"gradient of {shard.name}")
-        host = buf[:nbytes].view(flat.dtype)
-        if waits("d2h-after-compute"):
-            self.streams.d2h.wait_stream(self.streams.compute)
-        event = self.layer.copy(host, on_device, self.streams.d2h)
-        self._pending.append((shard, on_device, buf, host, event))
+        buf = self.pool.acquire(nbytes)
+        try:
+            on_device = self.layer.adopt(flat, f"gradient of {shard.name}")
+            host = buf[:nbytes].view(flat.dtype)
+            if waits("d2h-after-compute"):
+                self.streams.d2h.wait_stream(self.streams.compute)
+            record = GradientCopy(shard, on_device, buf, host, self.layer.copy(host, on_device, self.streams.d2h))
+        except BaseException:
+            self.pool.release(buf)  # no copy started: nothing will take it in
+            raise
+        with self._lock:
+            self._in_flight += 1
+        self.worker.submit(self._take_in, record)
 
     def drain(self) -> None:
-        """Every gradient started is in its partition (the end of backward)."""
-        while self._pending:
-            self._finish_one()
+        """Every gradient started is in its partition (the end of backward); a
+        delivery that raised raises here."""
+        self._wait_taken_in()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
     def discard(self) -> None:
         """A backward that raised: the copies finish, their gradients are dropped."""
-        while self._pending:
-            self._finish_one(deliver=False)
+        self._deliver_now = False
+        try:
+            self._wait_taken_in()
+        finally:
+            self._deliver_now, self._error = True, None
 
     def close(self) -> None:
         self.discard()
         self.pool.close()
 
-    def _finish_one(self, deliver: bool = True) -> None:
-        shard, on_device, buf, host, event = self._pending.popleft()
+    def _wait_taken_in(self) -> None:
+        if self.worker.on_worker():
+            raise RuntimeError("GradientsToHost: waited on from the host worker, which delivers them")
+        with self._lock:
+            while self._in_flight:
+                self._lock.wait()
+
+    def _take_in(self, record: GradientCopy) -> None:
+        """On the host worker: waits for the copy, then adds the gradient into its partition."""
         try:
             if waits("host-after-d2h"):
-                event.synchronize()
-            if deliver:
-                self._deliver(shard, self.layer.lend(host, write=False))
+                record.copied.synchronize()
+            if self._deliver_now and self._error is None:
+                self._deliver(record.shard, self.layer.lend(record.host, write=False))
+        except BaseException as exc:  # noqa: BLE001 - raised on autograd's side, by drain
+            self._error = self._error or exc
         finally:
-            self.layer.free(on_device)
-            self.pool.release(buf)
+            try:
+                self.layer.free(record.on_device)
+            except BaseException as exc:  # noqa: BLE001 - the sim's race report; raised by drain
+                self._error = self._error or exc
+            finally:
+                self.pool.release(record.buffer)
+                with self._lock:
+                    self._in_flight -= 1
+                    self._lock.notify_all()

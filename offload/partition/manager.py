@@ -56,6 +56,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves  # no public torch.utils.pytree in torch 2.13
 
 from offload.timeline import Timeline
+from offload.host_worker import HostWorker
 from offload.partition.device_copies import GradientsToHost
 from offload.partition.gather_ahead import start_all_gather_ahead
 from offload.partition.grad_buckets import GradientBuckets
@@ -107,9 +108,12 @@ def tensor_leaves(tree) -> list[torch.Tensor]:
 class ParameterManager:
     def __init__(self, module: torch.nn.Module, shards: list[Shard], on_grad,
                  prefetch: PrefetchScheduler | None = None, timeline: Timeline | None = None,
-                 reduce_bucket_elems: int | None = None):
-        """on_grad(shard, grad): called with each parameter's final gradient, this rank's
-        partition averaged over ranks (with one rank, the gradient itself).
+                 reduce_bucket_elems: int | None = None, host_worker: HostWorker | None = None):
+        """on_grad(shard, grad, owned=False): called with each parameter's final gradient,
+        this rank's partition averaged over ranks (with one rank, the gradient itself,
+        owned=True: autograd's tensor, which no one else holds); beside a
+        separate device, on host_worker once its copy to the host is done (Note [the
+        host worker] in offload/host_worker.py).
         prefetch: reads ahead in the learned order (Note [prefetch order]);
         None reads on demand.
         reduce_bucket_elems: gradient elements per reduce-scatter with several ranks
@@ -124,10 +128,11 @@ class ParameterManager:
         self.to_host: GradientsToHost | None = None
         ctx = shards[0].ctx if shards else None
         if ctx is not None and ctx.streams is not None and ctx.grad_tier is not Tier.DEVICE:
+            if host_worker is None:
+                raise ValueError("gradients copied to the host need the host worker that takes them in")
             self.to_host = GradientsToHost(ctx.streams, max(s.part_numel for s in shards) * 4, on_grad,
-                                           ledger=ctx.account.pinned, pin=ctx.layer.page_locks)
-            on_grad = self.to_host.put
-        self._deliver_grad = on_grad
+                                           host_worker, ledger=ctx.account.pinned, pin=ctx.layer.page_locks)
+            on_grad = self.to_host.put  # a reduced partition goes down as well
         self.grad_buckets: GradientBuckets | None = None  # one rank: gradients go straight to on_grad
         if ctx is not None and ctx.pg.world_size > 1:
             largest = max(s.padded_numel for s in shards)
@@ -255,10 +260,12 @@ class ParameterManager:
             with _bookkeeping():  # the real .grad (Note [gradients users read] in managed.py)
                 grad = param.grad
                 param.grad = None
-            if self.grad_buckets is None:
-                self._deliver_grad(shard, grad)
-            else:
+            if self.grad_buckets is not None:
                 self.grad_buckets.add(shard, grad)
+            elif self.to_host is not None:
+                self.to_host.put(shard, grad)
+            else:
+                self._on_grad(shard, grad, owned=True)
             for _ in range(self._backward_holds.pop(shard, 0)):
                 self.drop(shard)
         return grad_hook

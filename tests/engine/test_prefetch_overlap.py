@@ -60,7 +60,7 @@ def test_prefetch_and_overlap_actually_ran(tmp_path):
     kinds = {s["kind"] for s in timeline["spans"]}
     assert {"forward", "backward", "read", "write", "optimizer"} <= kinds
     threads = {s["thread"] for s in timeline["spans"] if s["kind"] == "optimizer"}
-    assert threads == {"offload-optimizer"}
+    assert threads == {"offload-host"}
 
 
 def test_clipping_defers_updates_and_stays_exact(tmp_path):

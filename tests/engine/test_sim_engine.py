@@ -90,7 +90,8 @@ FIRST_ERROR = {
     "compute-after-h2d": "read by compute (lend) on the default stream while copy",
     "staging-after-h2d": "written by compute (lend) on the host while copy",
     "d2h-after-compute": "on stream 'd2h' while compute (wrote 'gradient of",
-    "host-after-d2h": "read by compute (lend) on the host while copy",
+    # on the host worker (lend) or, when a released buffer is taken again, in put (__getitem__)
+    "host-after-d2h": "buffer 'gradient staging buffer' read by compute (",
 }
 
 

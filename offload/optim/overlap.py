@@ -1,0 +1,257 @@
+"""Optimizer updates overlapped with backward (Note [optimizer overlap]).
+
+Note [optimizer overlap]
+In a backward at an accumulation boundary with nothing that needs every
+gradient before any update (no clipping, no fp16 overflow check), the engine
+calls begin(), then submit(shard) once each shard's gradient is final. The
+update runs on the host worker (Note [the host worker] in
+offload/host_worker.py) while backward goes on with earlier layers: beside a
+separate device submit() is itself called on the host worker, right after the
+gradient's copy was taken in, and updates there at once; beside a CPU
+backward (NVMe state) it is called on autograd's thread and queues the update.
+NVMe state is read ahead in the order the last overlapped step's gradients
+arrived (reverse parameter order the first time), written back
+asynchronously, and the new compute-dtype value goes to the parameter's home.
+A gradient is final when its hook runs (every use of the parameter in this
+backward has contributed), so nothing in the rest of backward reads the value
+being updated. step() (from engine.step()) then waits only for what is left
+(finish), updates shards whose gradient came only in earlier micro-steps, and
+publishes device homes: an all-gather is a collective and must run on the
+compute thread, in the same order on every rank.
+
+Note [updates under the next forward]
+Gradient clipping and the fp16 overflow check need every gradient before any
+update, so those updates cannot run during backward. Instead step() computes
+the norm (or the check), then hands every update to the host worker in
+forward order (start_deferred) and returns; each shard's `pending_update`
+gates every read of its home (Shard.await_update: the copy-in for the next
+forward, home_partition, a new gradient) and settle() waits for all of them
+(anything that reads optimizer state or every value). So the next forward
+waits only for the update of the shard it needs, while the later updates run
+beside it. Each update computes exactly what the deferred step computed, on
+the same gradient: the results are the same bits; no copy of any state is
+kept, so the memory cost is nil (the gradients are held until their update,
+as they were). Only where nothing in the update can fail on a file or needs
+the compute thread: state and homes on the host (Engine._can_defer).
+"""
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from offload.host_worker import HostWorker
+from offload.partition.shard import Residency, Shard
+from offload.tiers import Tier
+
+if TYPE_CHECKING:
+    from offload.optim.sharded_adam import ShardedAdam
+    from offload.optim.state_stream import StateStream
+
+
+@dataclass
+class ShardUpdate:
+    """One shard's update in flight: the call that runs it, and the host bytes it holds."""
+
+    shard: Shard
+    done: Future
+    grad_elems: int  # its final gradient's elements, held until the update ran
+    master_from_gather: bool  # its shared master came from the gathered copy (Note [shared fp32 master])
+
+
+@dataclass
+class OverlappedStep:
+    """One overlapped step in progress."""
+
+    groups: list[dict]  # each group's hyperparameters as of the step's start (the LR schedule moves after it)
+    stream: "StateStream | None"
+    updates: dict[int, ShardUpdate] = field(default_factory=dict)  # by shard.index, in arrival order
+    backlog: deque = field(default_factory=deque)  # ShardUpdate queued behind the caller, maybe running
+    backlog_elems: int = 0
+    failed: bool = False  # an update raised: the later ones are skipped (Note [a failed step])
+
+
+class DeferredUpdates:
+    """The updates step() left running on the host worker (Note [updates under the next forward])."""
+
+    def __init__(self, optimizer: "ShardedAdam", worker: HostWorker, *, kernel_threads: int):
+        self.optimizer = optimizer
+        self.worker = worker
+        self.kernel_threads = kernel_threads
+        self.pending: list[ShardUpdate] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self.pending)
+
+    def start(self, order: list[Shard]) -> None:
+        """Updates each shard of `order` that has a gradient, in that order, on the host worker."""
+        opt = self.optimizer
+        self.settle()
+        groups = [dict(g) for g in opt.param_groups]  # the LR schedule moves after step()
+        opt.kernel_threads = self.kernel_threads  # the compute thread runs the next forward beside them
+        for shard in order:
+            if shard.has_grad:
+                done = self.worker.submit(opt.update_shard, shard, groups[opt.group_index(shard)], None)
+                shard.pending_update = done
+                self.pending.append(ShardUpdate(shard, done, shard.part_numel, False))
+
+    def settle(self) -> None:
+        """Waits for every update started; raises the first that failed."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        error = None
+        with self.optimizer.timeline.span("wait", "optimizer"):
+            for update in pending:
+                try:
+                    update.done.result()
+                except BaseException as exc:  # noqa: BLE001 - the first is raised below
+                    error = error or exc
+                finally:
+                    update.shard.pending_update = None
+        self.optimizer.kernel_threads = None
+        self.optimizer.flush_publishes()
+        if error is not None:
+            raise error
+
+
+class OverlappedUpdates:
+    """The overlapped step of one ShardedAdam, run on the host worker it was given."""
+
+    def __init__(self, optimizer: "ShardedAdam", worker: HostWorker, *, kernel_threads: int,
+                 pending_grad_elems: int):
+        """kernel_threads: Adam kernel threads while updates overlap backward (Note
+        [optimizer threads] in offload/simd.py). pending_grad_elems: elements of final
+        gradients queued for their update before submit() waits (at least the largest shard)."""
+        self.optimizer = optimizer
+        self.worker = worker
+        self.kernel_threads = kernel_threads
+        self.pending_grad_elems = pending_grad_elems
+        self.step: OverlappedStep | None = None
+        self.arrival_order: list[Shard] | None = None  # the last overlapped step's gradients, in order
+        # Shards whose shared master the last overlapped backward brought from
+        # the gathered parameter (Note [shared fp32 master]): not read again.
+        self.masters_from_gather: frozenset[int] = frozenset()
+
+    @property
+    def active(self) -> bool:
+        return self.step is not None
+
+    def begin(self) -> None:
+        if self.step is not None:
+            raise RuntimeError("an overlapped optimizer step is already in progress")
+        opt = self.optimizer
+        opt.kernel_threads = self.kernel_threads
+        order = self.arrival_order or list(reversed(opt.shards))
+        stream_order = [s for s in order if s.has_grad or s.param.requires_grad]
+        stream = None
+        try:
+            if opt.tier is Tier.NVME:
+                stream = self.worker.submit(opt.open_stream, stream_order, self.masters_from_gather).result()
+        except BaseException:
+            opt.kernel_threads = None  # no step in progress: a later backward may start one
+            raise
+        self.step = OverlappedStep(groups=[dict(g) for g in opt.param_groups], stream=stream)
+
+    def submit(self, shard: Shard) -> None:
+        """The shard's gradient is final: update it on the host worker (at once when called there)."""
+        st, opt = self.step, self.optimizer
+        if shard.index in st.updates:
+            # Its update already ran with the gradient it had: a second one
+            # would be lost. Autograd accumulates a parameter once per backward.
+            raise RuntimeError(f"parameter {shard.name} received a second gradient in one backward "
+                               "after its overlapped update started; set zero_optimization.overlap_comm "
+                               "to false for this model")
+        group = st.groups[opt.group_index(shard)]  # the error of a shard in no group is raised here
+        inline = self.worker.on_worker()
+        if not inline:
+            self._wait_backlog(st, shard.part_numel)
+        # Beside a separate device the gathered copy is the device's, and may be
+        # released by now: the host worker reads the master from its file.
+        master = None if inline else self._gathered_master(shard)
+        if master is not None:
+            opt.account.charge(Tier.HOST, shard.part_numel * 4, f"master of {shard.name} from its gathered copy")
+        if inline:  # the gradient was taken in on this thread: its update follows at once
+            done: Future = Future()
+            try:
+                done.set_result(self._run(st, shard, group, master))
+            except BaseException as exc:  # noqa: BLE001 - raised by finish(), on the step's thread
+                done.set_exception(exc)
+        else:
+            done = self.worker.submit(self._run, st, shard, group, master)
+        update = ShardUpdate(shard, done, shard.part_numel, master is not None)
+        st.updates[shard.index] = update
+        if not inline:
+            st.backlog.append(update)
+            st.backlog_elems += update.grad_elems
+
+    def _wait_backlog(self, st: OverlappedStep, numel: int) -> None:
+        """Gradients waiting for their update hold host memory (4 bytes/element):
+        past the cap, backward waits for the oldest update."""
+        while st.backlog and st.backlog_elems + numel > self.pending_grad_elems:
+            oldest = st.backlog.popleft()
+            if not oldest.done.done():
+                with self.optimizer.timeline.span("wait", "optimizer backlog"):
+                    oldest.done.exception()
+            st.backlog_elems -= oldest.grad_elems
+
+    def finish(self, update_late: bool = True) -> None:
+        """Completes the overlapped step: waits for its updates, and with update_late
+        updates the shards whose gradient came only in earlier micro-steps."""
+        st, opt = self.step, self.optimizer
+        self.step = None
+        try:
+            with opt.timeline.span("wait", "optimizer"):
+                opt.kernel_threads = None  # backward is over: the late ones may use every core
+                late = [s for s in opt.stepping() if s.index not in st.updates] if update_late else []
+                waiting = [u.done for u in st.updates.values()]
+                waiting += [self.worker.submit(self._run, st, s, st.groups[opt.group_index(s)], None)
+                            for s in late]
+                error = None
+                for done in waiting:
+                    try:
+                        done.result()
+                    except BaseException as exc:  # noqa: BLE001 - the first is raised below
+                        error = error or exc
+                self.worker.submit(opt.close_stream, st.stream).result()
+            if error is not None:
+                raise error
+        finally:
+            arrived = [u.shard for u in st.updates.values()]
+            self.arrival_order = arrived + [s for s in opt.shards if s.index not in st.updates]
+            self.masters_from_gather = frozenset(i for i, u in st.updates.items() if u.master_from_gather)
+            opt.flush_publishes()  # the shards updated, failed step or not
+
+    def abandon(self) -> None:
+        """After a failed backward: waits for the updates already submitted (their
+        gradients were final) and starts no others, so no thread is left writing."""
+        self.finish(update_late=False)
+
+    def _run(self, st: OverlappedStep, shard: Shard, group: dict, master: torch.Tensor | None) -> None:
+        opt = self.optimizer
+        if st.failed:  # Note [a failed step]: left, with its gradient, for the retry
+            if master is not None:
+                opt.account.credit(Tier.HOST, shard.part_numel * 4)
+            return
+        try:
+            opt.update_shard(shard, group, st.stream, master)
+        except BaseException:
+            st.failed = True
+            raise
+
+    def _gathered_master(self, shard: Shard) -> torch.Tensor | None:
+        """This rank's partition of the gathered parameter, as the shared master
+        (Note [shared fp32 master]); None when it is not gathered now. On the
+        host it is a view: the gathered buffer is not reused while the view
+        lives (offload/aio/memory.py BufferCache)."""
+        if not self.optimizer.shares_master(shard) or shard.residency is not Residency.GATHERED:
+            return None
+        start = shard.ctx.pg.rank * shard.part_numel
+        flat = shard.param.data.reshape(-1)
+        if flat.numel() < start + shard.part_numel:
+            return None  # the last rank's padding is not in param.data
+        return flat[start:start + shard.part_numel].to("cpu")
