@@ -1,7 +1,10 @@
-"""`offload bench train`: rounds in rotation, the figures it derives from them, and
---device (cpu, cuda refused without CUDA, sim with the hidden share of transfers)."""
+"""`offload bench train`: rounds in rotation, the figures it derives from them,
+--device (cpu, cuda refused without CUDA, sim with the hidden share of transfers),
+--precision, --model 7b and --layers, the torchao-cpu anchor (skipped without
+CUDA or torchao) and each timed step's critical path for ours."""
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -11,7 +14,7 @@ import pytest
 import torch
 
 from offload.device import overlap
-from offload_bench import train, train_contenders
+from offload_bench import train, train_contenders, train_report, train_timeline
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,8 +107,8 @@ def test_tflops_are_six_flops_per_parameter_and_token():
 
 def test_the_figures_line_names_peak_gpu_memory_only_where_cuda_was_used():
     r = {"median_s": 0.5, "tokens_per_s": 1024.0, "tflops": 0.25, "peak_rss_bytes": 2**30}
-    assert train._figures_line(r) == "0.500 s/step, 1024 tokens/s, 0.25 TFLOPS, peak RSS 1.00 GiB"
-    assert train._figures_line({**r, "peak_gpu_bytes": 3 * 2**30}).endswith(", peak GPU 3.00 GiB")
+    assert train_report.figures_line(r) == "0.500 s/step, 1024 tokens/s, 0.25 TFLOPS, peak RSS 1.00 GiB"
+    assert train_report.figures_line({**r, "peak_gpu_bytes": 3 * 2**30}).endswith(", peak GPU 3.00 GiB")
 
 
 # -- --device ------------------------------------------------------------------
@@ -191,3 +194,143 @@ def test_device_sim_reports_how_much_transfer_time_was_hidden(tmp_path, capsys):
         statistics.median(step["nvme_reads"] for step in sim["per_step"]))
     assert "offload-nvme host<->device copies at 5 GB/s: " in err
     assert "offload-nvme NVMe reads: " in err
+
+
+# -- --precision, --model 7b, --layers ---------------------------------------------
+
+def _args(*argv):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    return parser, parser.parse_args(list(argv))
+
+
+def test_precision_model_and_layers_default_to_what_the_bench_ran_before():
+    _, args = _args()
+    assert (args.precision, args.model, args.layers) == ("fp32", "67m", None)
+    settings = train._settings(args)
+    assert settings["model"] == train.FULL_MODEL and settings["precision"] == "fp32"
+    assert (settings["model_name"], settings["layers"], settings["params"]) == ("67m", 4, 67_295_232)
+    assert "bf16" not in train.ds_config("cpu", batch=4, lr=1e-4)  # fp32: no section, as before
+
+
+def test_bf16_is_recorded_in_the_settings_and_in_the_config_ours_and_deepspeed_share():
+    _, args = _args("--precision", "bf16", "--quick")
+    assert train._settings(args)["precision"] == "bf16"
+    for mode in ("cpu", "nvme"):
+        cfg = train.ds_config(mode, batch=2, lr=1e-4, nvme_path="/x", largest_param=10, precision="bf16")
+        assert cfg["bf16"] == {"enabled": True}
+    with pytest.raises(SystemExit):
+        _args("--precision", "fp16")
+
+
+def test_the_7b_model_is_llama2_7bs_width_at_a_depth_a_24_gib_host_holds():
+    from offload_bench.gpt import GPT, GPTConfig
+
+    parser, args = _args("--model", "7b")
+    settings = train._settings(args)
+    model = settings["model"]
+    assert (model["hidden"], model["heads"], model["mlp_hidden"], model["vocab_size"]) == (4096, 32, 11008, 32000)
+    assert settings["layers"] == 2
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig(**model))
+    assert sum(p.numel() for p in gpt.parameters()) == settings["params"] == 593_597_952
+    assert gpt.blocks[0].fc.out_features == 11008
+    # fp32 weights, gradients and Adam's two moments: 16 bytes a parameter, with room to spare.
+    assert settings["params"] * 16 < 0.5 * 24 * 2**30
+    assert f"{settings['params'] / 1e9:.2f}B parameters" in parser.format_help()
+
+
+def test_layers_overrides_any_models_depth_and_below_one_is_refused(tmp_path, monkeypatch, capsys):
+    from offload_bench.gpt import GPTConfig
+
+    for argv, layers in ((["--model", "7b", "--layers", "3"], 3), (["--model", "1b", "--layers", "1"], 1),
+                         (["--quick", "--layers", "5"], 5)):
+        settings = train._settings(_args(*argv)[1])
+        assert settings["layers"] == settings["model"]["layers"] == layers
+        assert settings["params"] == GPTConfig(**settings["model"]).num_params()
+    one, two = (train._settings(_args("--model", "7b", "--layers", str(n))[1])["params"] for n in (1, 2))
+    assert two - one == 157_334_272  # one 7b block: 4 x 4096^2 + 2 x 4096 x 11008, and biases and norms
+    monkeypatch.chdir(tmp_path)
+    assert train.main(["--quick", "--layers", "0", "--contenders", "torch"]) == 2
+    assert "--layers must be at least 1, got 0" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow  # two contender processes: ~8 s
+def test_a_bf16_run_records_its_precision_and_each_timed_steps_critical_path(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert train.main(["--quick", "--precision", "bf16", "--layers", "3", "--contenders",
+                       "torch,offload-cpu,torchao-cpu", "--out", str(out)]) == 0  # torchao: skipped, not failed
+    report = json.loads((out / "train.json").read_text())
+    assert report["settings"]["precision"] == "bf16" and report["settings"]["layers"] == 3
+    assert report["ds_config"]["cpu"]["bf16"] == {"enabled": True}
+    results = report["results"]
+    torch_run, ours = results["torch"], results["offload-cpu"]
+    assert torch_run["precision"] == ours["precision"] == "bf16"
+    assert "torch.autocast('cpu', bf16)" in torch_run["precision_how"]
+    assert ours["precision_how"] == 'the config\'s "bf16": {"enabled": true}'
+    # bf16 weights (ours) against autocast over fp32 weights (torch): close, not equal.
+    assert ours["losses"] == pytest.approx(torch_run["losses"], abs=2e-2)
+    assert results["torchao-cpu"]["skipped"] and "needs CUDA" in results["torchao-cpu"]["reason"]
+    steps = ours["timeline_per_step"]
+    assert len(steps) == report["settings"]["steps"]
+    assert [s["step_s"] for s in steps] == pytest.approx(ours["step_times_s"], abs=1e-4)
+    for s in steps:
+        assert 0 < s["wall_s"] <= s["step_s"]
+        assert s["compute_s"] > 0 and s["optimizer_s"] > 0
+        assert sum(s["critical_path"].values()) == pytest.approx(s["wall_s"], abs=1e-5)
+        assert set(s) <= set(report["timeline_per_step_doc"]) | {"copies_busy_s", "copies_exposed_s"}
+    assert "timeline_per_step" not in torch_run
+    err = capsys.readouterr().err
+    assert "(quick, 3 layers), batch 2 x seq 32, bf16, --device cpu" in err  # the closing table's title
+    assert re.search(r"\n   torchao-cpu +skipped: torchao's CPUOffloadOptimizer needs CUDA", err)
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_torchao_cpu_without_cuda_is_skipped_with_its_reason_without_a_process(tmp_path, monkeypatch, device):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train, "_run_one", lambda *a, **k: pytest.fail("torchao-cpu was started"))
+    out = tmp_path / "out"
+    assert train.main(["--quick", "--device", device, "--contenders", "torchao-cpu", "--out", str(out)]) == 0
+    r = json.loads((out / "train.json").read_text())["results"]["torchao-cpu"]
+    assert r["skipped"] and "error" not in r
+    assert r["reason"].startswith("torchao's CPUOffloadOptimizer needs CUDA") and f"--device {device}" in r["reason"]
+
+
+def test_torchao_cpu_where_torchao_does_not_import_is_skipped_in_its_process(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # what an absent package does to an import
+    spec = {"settings": train._settings(_args("--quick")[1]), "device": "cuda"}
+    r = train_contenders.run_contender("torchao-cpu", spec)
+    assert r["skipped"] and r["reason"].startswith("torchao does not import here (ModuleNotFoundError")
+    assert "median_s" not in r and "error" not in r
+
+
+def _span(kind, start, end, thread="compute"):
+    return {"kind": kind, "name": "", "start_s": start, "seconds": end - start, "thread": thread}
+
+
+def test_the_critical_path_splits_the_compute_threads_wall_time_inner_spans_first():
+    spans = [_span("forward", 0, 4), _span("wait", 1, 2), _span("read", 0.5, 3, "aio"),
+             _span("backward", 4, 8), _span("optimizer", 5, 7, "optimizer-0"), _span("write", 6, 9, "aio"),
+             _span("optimizer", 8, 9), _span("wait", 8.5, 9)]
+    seconds = {k: 0.0 for k in ("forward", "backward", "read", "write", "optimizer", "wait")}
+    for s in spans:
+        seconds[s["kind"]] += s["seconds"]
+    step = train_timeline.critical_path({"wall_s": 10.0, "seconds": seconds, "spans": spans}, step_s=10.5)
+    assert step["critical_path"] == {"compute_s": 7.0, "wait_s": 1.5, "optimizer_s": 0.5, "other_s": 1.0}
+    assert (step["compute_s"], step["wait_s"], step["optimizer_s"], step["optimizer_on_compute_s"]) == (8, 1.5, 3, 1)
+    assert (step["read_s"], step["reads"], step["write_s"], step["writes"], step["step_s"]) == (2.5, 1, 3, 1, 10.5)
+
+
+def test_rounds_merge_every_rounds_timed_steps_and_their_median_critical_path():
+    def steps(*walls):
+        return [{"wall_s": w, "critical_path": {"compute_s": w - 1, "wait_s": 0.0, "optimizer_s": 0.5,
+                                                "other_s": 0.5}} for w in walls]
+    rounds = [{**_round(1.0, 10), "timeline_per_step": steps(3.0, 5.0)},
+              {**_round(2.0, 10), "timeline_per_step": steps(4.0)}]
+    merged = train._merge_rounds(rounds)
+    assert [s["wall_s"] for s in merged["timeline_per_step"]] == [3.0, 5.0, 4.0]
+    assert merged["critical_path_median"] == {"wall_s": 4.0, "compute_s": 3.0, "wait_s": 0.0, "optimizer_s": 0.5,
+                                              "other_s": 0.5}

@@ -7,11 +7,14 @@
 # 465 s, under 8 minutes); one that fails or runs out of time does not stop
 # the next (benchmarks/gpu/README.md has the budget):
 #   setup_deepspeed  DeepSpeed 0.19.8 from the carried sdist and wheels (--no-index)
-#   setup_project    pip install --no-deps --no-build-isolation -e . (offload._C built)
+#   setup_project    py-libaio from the carried wheel, then pip install --no-deps
+#                    --no-build-isolation -e . (offload._C built), offload report
 #   setup_ds_ops     DeepSpeed's cpu_adam and async_io ops built ahead (libaio from
 #                    the carried .debs, unpacked under $GPU_CHECK_WORK); beside setup_project
 #   cuda_tests       OFFLOAD_TEST_DEVICE=cuda TORCH_CUDA_SANITIZER=1 pytest -m "any_device or cuda"
 #   suite            the whole suite as it runs by default, pytest -n 8; beside cuda_tests
+#                    (both record each test's outcome as it happens, so a stage cut
+#                    at its limit still names its failures and counts what finished)
 #   bench_67m        offload bench train --device cuda, the default 67M model
 #   bench_1b         the same at ~0.94B parameters (hidden 2048, 16 layers, vocab
 #                    32000), batch 8 x seq 1024, 1 warmup + 3 timed steps
@@ -25,8 +28,11 @@
 #   GPU_CHECK_ALLOW_CPU=1   FOR TESTING THIS SCRIPT ONLY: run every stage on the
 #                           CPU with tiny settings (no GPU figures come of it)
 #   GPU_CHECK_STAGES        which stages, default "setup tests bench_67m bench_1b"
-#                           (setup = the three setup_*; tests = cuda_tests + suite)
+#                           (setup = the three setup_*; tests = cuda_tests + suite;
+#                           cuda_tests or suite alone also work); an unknown word refuses
 #   GPU_CHECK_TOTAL_S       the whole budget in seconds (default 465; CPU mode 2400)
+#   GPU_CHECK_TESTS_CAP     cuda_tests' and suite's cap in seconds each (default 150;
+#                           CPU mode 600), cut like any cap to what the budget leaves
 #   GPU_CHECK_SERIAL=1      cuda_tests and then suite, not side by side
 #   GPU_CHECK_PYTHON        the interpreter (default python3 on PATH)
 #   GPU_CHECK_SUITE_ARGS    pytest arguments for suite (CPU mode default: a small subset)
@@ -39,6 +45,7 @@ GC_T0=$(date +%s)
 export GC_ROOT=$PWD
 export GC_FETCHED=$GC_ROOT/.gpu-check
 export GC_DS_VERSION=0.19.8
+export GC_LIBAIO_VERSION=0.9.5   # py-libaio (PyPI libaio), as fetch.sh brings it
 export GC_CPU=${GPU_CHECK_ALLOW_CPU:-0}
 export PY=${GPU_CHECK_PYTHON:-$(command -v python3 || command -v python || true)}
 export GC_WORK=${GPU_CHECK_WORK:-/tmp/gpu-check}
@@ -48,6 +55,18 @@ DEADLINE=$((GC_T0 + TOTAL_S))
 STAGES=" ${GPU_CHECK_STAGES:-setup tests bench_67m bench_1b} "
 
 refuse() { echo "gpu-check: refused: $*" >&2; exit 2; }
+
+for w in $STAGES; do
+  case $w in
+    setup|tests|cuda_tests|suite|bench_67m|bench_1b) ;;
+    *) refuse "GPU_CHECK_STAGES has '$w': the values are setup, tests (or cuda_tests, suite alone), bench_67m, bench_1b" ;;
+  esac
+done
+want() { [[ $STAGES == *" $1 "* ]]; }
+# the test stages: "tests" is both
+RUN_CUDA=0 RUN_SUITE=0
+if want tests || want cuda_tests; then RUN_CUDA=1; fi
+if want tests || want suite; then RUN_SUITE=1; fi
 
 # ------------------------------------------------------------------ preflight
 # Both refusals come at once, before anything is installed or written.
@@ -71,13 +90,17 @@ print(torch.cuda.get_device_name())
 EOF
   ) || refuse "$(echo "$GPU_NAME" | tail -n 1); this check runs on the lent GPU machine (GPU_CHECK_ALLOW_CPU=1 runs it on the CPU, to test the script only)"
 fi
-if [ ! -f "$GC_FETCHED/wheels/deepspeed-$GC_DS_VERSION.tar.gz" ] || ! ls "$GC_FETCHED"/debs/libaio-dev_*.deb >/dev/null 2>&1; then
-  refuse ".gpu-check/ is missing or incomplete (no deepspeed-$GC_DS_VERSION.tar.gz or libaio .debs): run 'bash benchmarks/gpu/fetch.sh' on a machine with network and carry [\".gpu-check\"]"
+lacking=()
+[ -f "$GC_FETCHED/wheels/deepspeed-$GC_DS_VERSION.tar.gz" ] || lacking+=("deepspeed-$GC_DS_VERSION.tar.gz")
+ls "$GC_FETCHED/wheels/libaio-$GC_LIBAIO_VERSION-"*.whl >/dev/null 2>&1 || lacking+=("py-libaio's libaio-$GC_LIBAIO_VERSION-*.whl")
+ls "$GC_FETCHED"/debs/libaio-dev_*.deb >/dev/null 2>&1 || lacking+=("libaio's .debs")
+if [ ${#lacking[@]} -gt 0 ]; then
+  refuse ".gpu-check/ is missing or incomplete (it lacks $(printf '%s, ' "${lacking[@]}" | sed 's/, $//')): run 'bash benchmarks/gpu/fetch.sh' on a machine with network and carry [\".gpu-check\"]"
 fi
 
 ENV_LINE="device: $GPU_NAME; $(nproc) cores; $("$PY" -c 'import platform, torch; print(f"python {platform.python_version()}, torch {torch.__version__}")' 2>&1 | tail -n 1)"
 case $GC_WORK in /tmp/?*|/var/tmp/?*) ;; *) refuse "GPU_CHECK_WORK must be a folder under /tmp or /var/tmp (it is emptied first), got '$GC_WORK'" ;; esac
-rm -rf "$GC_WORK" && mkdir -p "$GC_WORK/results" "$GC_WORK/logs" || refuse "cannot make $GC_WORK"
+if ! { rm -rf "$GC_WORK" && mkdir -p "$GC_WORK/results" "$GC_WORK/logs"; }; then refuse "cannot make $GC_WORK"; fi
 mkdir -p "$OUT_DIR" || refuse "cannot make $OUT_DIR"
 : >"$GC_WORK/order"
 
@@ -110,7 +133,8 @@ if [ "$GC_CPU" != 1 ]; then
     [ -f "$d/libcuda.so" ] && { export LIBRARY_PATH="$LIBRARY_PATH:$d"; break; }
   done
 fi
-export MAX_JOBS=$(nproc)
+MAX_JOBS=$(nproc)
+export MAX_JOBS
 export PYTHONUNBUFFERED=1
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
@@ -119,14 +143,79 @@ if [ "$GC_CPU" = 1 ]; then
   # DeepSpeed's ops built against the libaio under /tmp stay out of this
   # machine's ~/.cache/torch_extensions (other users' DeepSpeed loads from there)
   export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$GC_WORK-torch-extensions}
-  CAP_SETUP=900 CAP_TESTS=600 CAP_B67=300
+  CAP_SETUP=900 CAP_TESTS=${GPU_CHECK_TESTS_CAP:-600} CAP_B67=300
 else
   export GC_DEVICE=cuda GC_WORKERS_SUITE=8 GC_WORKERS_CUDA=4
-  # Caps per stage (s); bench_1b gets what is left. Expected on 16 cores:
-  # setup ~90, tests ~120, bench_67m ~80, leaving bench_1b ~3 min.
-  CAP_SETUP=150 CAP_TESTS=150 CAP_B67=100
+  # Caps per stage (s); bench_1b gets what is left. The first H200 run (16
+  # cores): setup 55, both test stages cut at 150, bench_67m 74, bench_1b 115.
+  CAP_SETUP=150 CAP_TESTS=${GPU_CHECK_TESTS_CAP:-150} CAP_B67=100
 fi
-[ "${GPU_CHECK_SERIAL:-0}" = 1 ] && GC_WORKERS_CUDA=$GC_WORKERS_SUITE
+[[ $CAP_TESTS =~ ^[0-9]+$ ]] || refuse "GPU_CHECK_TESTS_CAP must be a number of seconds, got '$CAP_TESTS'"
+# cuda_tests with the suite's workers where it does not share the machine with it
+if [ "${GPU_CHECK_SERIAL:-0}" = 1 ] || [ "$RUN_SUITE" = 0 ]; then GC_WORKERS_CUDA=$GC_WORKERS_SUITE; fi
+
+# A pytest plugin (-p gc_record, importable through PYTHONPATH in the test
+# stages only) that writes each test's outcome as it happens, one line each,
+# to $GC_RECORD, and each failure's report to $GC_RECORD.reports: pytest names
+# its failures (-rfE) only at its end, which a stage cut at its limit never
+# reaches. Under pytest-xdist the controller writes (the workers' reports
+# reach it), not the workers.
+export GC_PLUGIN_DIR=$GC_WORK/pytest-plugin
+mkdir -p "$GC_PLUGIN_DIR"
+cat >"$GC_PLUGIN_DIR/gc_record.py" <<'EOF'
+import os
+
+import pytest
+
+_out = _reports = None
+_collected = False
+
+
+def pytest_configure(config):
+    global _out, _reports
+    path = os.environ.get("GC_RECORD")
+    if path and not hasattr(config, "workerinput"):  # not in an xdist worker
+        # line-buffered: a run killed at its limit keeps every line written
+        _out = open(path, "a", buffering=1)
+        _reports = open(path + ".reports", "a", buffering=1)
+
+
+def _collection(n):
+    global _collected
+    if _out is not None and not _collected:
+        _collected = True
+        _out.write(f"collected\t{n}\t\n")
+
+
+def pytest_collection_finish(session):  # without xdist
+    _collection(len(session.items))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):  # xdist: every worker collects the same
+    _collection(len(ids))
+
+
+def pytest_runtest_logreport(report):
+    if _out is None:
+        return
+    xfail = hasattr(report, "wasxfail")
+    if report.when not in ("setup", "teardown"):  # the call, or xdist's report of a crashed worker
+        kind = ("xpassed" if xfail else "passed") if report.passed else \
+               ("xfailed" if xfail else "skipped") if report.skipped else "failed"
+    elif report.failed:
+        kind = "error"
+    elif report.skipped and report.when == "setup":
+        kind = "xfailed" if xfail else "skipped"
+    else:
+        return
+    _out.write(f"{kind}\t{report.nodeid}\t{report.when}\n")
+    if kind in ("failed", "error"):
+        text = (report.longreprtext or "").splitlines()
+        cut = f"; its last 25 of {len(text)} lines" if len(text) > 25 else ""
+        _reports.write(f"----- {kind.upper()} {report.nodeid} (at {report.when}{cut})\n")
+        _reports.write("\n".join(text[-25:]) + "\n")
+EOF
 
 # --------------------------------------------------------------- the stages
 # Each runs as `bash -c NAME` under timeout, so its children (pytest workers,
@@ -146,6 +235,10 @@ setup_deepspeed() {
 
 setup_project() {
   set -e
+  # py-libaio: a runtime dependency (offload/requirements.py) the image lacks,
+  # which the --no-deps install below would not bring; pure Python, so its
+  # import needs libaio.so.1 only at run time (LD_LIBRARY_PATH has the .debs')
+  "$PY" -m pip install --no-index --no-deps --find-links "$GC_FETCHED/wheels" "libaio==$GC_LIBAIO_VERSION"
   "$PY" -m pip install --no-deps --no-build-isolation -e "$GC_ROOT"
   "$PY" -c "import offload._C as c; print('offload._C built:', c.__file__)"
   "$PY" -m offload report
@@ -185,17 +278,25 @@ pytest_common() {  # -n N where pytest-xdist is there; a per-test limit where py
   printf -- '-q -rfE'
 }
 
+record_env() {  # NAME: the plugin that records each outcome, for this test stage
+  export GC_RECORD=$GC_WORK/logs/$1.record
+  : >"$GC_RECORD" && : >"$GC_RECORD.reports"
+  export PYTHONPATH="$GC_PLUGIN_DIR${PYTHONPATH:+:$PYTHONPATH}"
+}
+
 cuda_tests() {
-  # shellcheck disable=SC2046
+  record_env cuda_tests
   # CPU mode leaves the sanitizer out: on a CPU-only torch it fails every test
   [ "$GC_DEVICE" = cuda ] && export TORCH_CUDA_SANITIZER=1
-  OFFLOAD_TEST_DEVICE=$GC_DEVICE "$PY" -m pytest $(pytest_common "$GC_WORKERS_CUDA") -m "any_device or cuda"
+  # shellcheck disable=SC2046
+  OFFLOAD_TEST_DEVICE=$GC_DEVICE "$PY" -m pytest -p gc_record $(pytest_common "$GC_WORKERS_CUDA") -m "any_device or cuda"
 }
 
 suite() {
   unset OFFLOAD_TEST_DEVICE TORCH_CUDA_SANITIZER
+  record_env suite
   # eval: GC_SUITE_ARGS may hold quoted words (-m "not slow")
-  eval "\"\$PY\" -m pytest $(pytest_common "$GC_WORKERS_SUITE") $GC_SUITE_ARGS"
+  eval "\"\$PY\" -m pytest -p gc_record $(pytest_common "$GC_WORKERS_SUITE") $GC_SUITE_ARGS"
 }
 
 have_deepspeed() {  # asked once after setup (an import of DeepSpeed takes seconds)
@@ -231,7 +332,7 @@ bench_1b() {
   "$PY" "$GC_ROOT/benchmarks/train.py" --deadline $((GC_LIMIT - 10)) "$@" \
     --contenders "$contenders" --out "$out" >"$GC_WORK/bench_1b.stdout.json"
 }
-export -f setup_deepspeed setup_project setup_ds_ops pytest_common cuda_tests suite have_deepspeed ds_contenders bench_67m bench_1b
+export -f setup_deepspeed setup_project setup_ds_ops pytest_common record_env cuda_tests suite have_deepspeed ds_contenders bench_67m bench_1b
 if [ "$GC_CPU" = 1 ]; then
   suite_default='-m "not slow" tests/test_config.py tests/test_state_machines.py tests/test_estimate.py'
 else
@@ -301,6 +402,43 @@ EOF
   esac
 }
 
+# The test stages' record (the gc_record plugin's lines: KIND<TAB>NODEID<TAB>WHEN).
+finished_counts() {  # NAME: "60 of 412 tests finished: 55 passed, 3 failed, ..."
+  local rec=$GC_WORK/logs/$1.record log=$GC_WORK/logs/$1.log n
+  if [ -s "$rec" ]; then
+    awk -F'\t' '
+      $1 == "collected" { if (total == "") total = $2; next }
+      NF >= 2 {
+        if (!($2 in seen)) { seen[$2] = 1; n++ }
+        if (!(($1, $2) in had)) { had[$1, $2] = 1; c[$1]++ }
+      }
+      END {
+        split("passed failed error skipped xfailed xpassed", kinds, " ")
+        for (i = 1; i <= 6; i++) if (c[kinds[i]])
+          s = s (s == "" ? "" : ", ") c[kinds[i]] " " kinds[i] (kinds[i] == "error" && c[kinds[i]] > 1 ? "s" : "")
+        printf "%d%s tests finished%s\n", n, (total == "" ? "" : " of " total), (s == "" ? "" : ": " s)
+      }' "$rec"
+  elif [ -f "$log" ]; then  # no record (the plugin did not load): pytest -q's progress letters
+    n=$(grep -E '^[.FEsxX]+ *(\[ *[0-9]+%\])?$' "$log" | sed -E 's/ *\[.*$//' | tr -d '\n' | wc -c)
+    echo "$n tests finished (counted from pytest's progress letters)"
+  fi
+}
+
+failed_ids() {  # NAME: each failed or erroring test once, in the order it happened
+  local rec=$GC_WORK/logs/$1.record
+  [ -s "$rec" ] || return 0
+  awk -F'\t' '($1 == "failed" || $1 == "error") && !seen[$2]++ {
+    if ($1 == "failed") print "FAILED " $2; else print "ERROR  " $2 " (at " $3 ")" }' "$rec"
+}
+
+failed_lines() {  # NAME MAX: the summary's lines under a test stage's row
+  local n
+  n=$(failed_ids "$1" | wc -l)
+  [ "$n" -gt 0 ] || return 0
+  failed_ids "$1" | head -n "$2" | sed 's/^/    /'
+  [ "$n" -le "$2" ] || echo "    ... and $((n - $2)) more: tests.log names them all"
+}
+
 # One line per contender under a bench stage's row.
 contender_lines() {
   local json=$GC_WORK/$1/train.json
@@ -331,20 +469,50 @@ summary() {
     while read -r name; do
       IFS=$'\t' read -r status wall limit extra <"$GC_WORK/results/$name" || continue
       [ -n "$extra" ] || extra=$(detail "$name")
+      # a test stage cut short (no closing line of pytest's): what its record says
+      [[ $name == cuda_tests || $name == suite ]] && [[ $status == TIMEOUT || -z $extra ]] &&
+        extra=$(finished_counts "$name")
       [ "$status" = TIMEOUT ] && extra="stopped at its ${limit} s limit${extra:+; $extra}"
       # a bench whose only misses are contenders skipped for time
       [[ $name == bench_* && $status == "FAIL rc=1" && $extra == *", 0 failed, "[1-9]* ]] && status=partial
       printf '%-16s %-12s %7s %7s  %s\n' "$name" "$status" "$wall" "$limit" "$extra"
-      case $name in bench_*) contender_lines "$name" ;; esac
+      case $name in
+        bench_*) contender_lines "$name" ;;
+        cuda_tests|suite) failed_lines "$name" 15 ;;
+      esac
     done <"$GC_WORK/order"
+    # shellcheck disable=SC2012  # our own file names
     echo "total: $(( now - GC_T0 )) s of the ${TOTAL_S} s budget; files in $OUT_DIR: $(cd "$OUT_DIR" && ls | paste -sd' ')"
   }
+}
+
+tail_lines() {  # FILE LINES: its last lines, ending in a newline (one killed mid-line does not)
+  tail -n "$2" "$1"
+  [ -z "$(tail -c 1 "$1")" ] || echo
 }
 
 tail_section() {  # TITLE FILE LINES
   [ -f "$2" ] || return 0
   echo "===== $1 (last $3 lines of $(wc -l <"$2")) ====="
-  tail -n "$3" "$2"
+  tail_lines "$2" "$3"
+}
+
+test_section() {  # NAME: tests.log's part for a test stage
+  local name=$1 log=$GC_WORK/logs/$1.log rec=$GC_WORK/logs/$1.record n
+  [ -f "$log" ] || return 0
+  echo "===== $name: $(cut -f1 "$GC_WORK/results/$name" 2>/dev/null || echo running); $(finished_counts "$name") ====="
+  if [ -s "$rec" ]; then
+    n=$(failed_ids "$name" | wc -l)
+    echo "--- failed or erroring, in the order they happened ($n) ---"
+    failed_ids "$name" | head -n 200
+    [ "$n" -le 200 ] || echo "... and $((n - 200)) more ($rec on the machine)"
+    if [ -s "$rec.reports" ]; then
+      echo "--- the first 15 of their reports, as they happened ---"
+      awk '/^----- (FAILED|ERROR) / { k++ } k <= 15' "$rec.reports"
+    fi
+  fi
+  echo "--- the log's last 200 lines (of $(wc -l <"$log")) ---"
+  tail_lines "$log" 200
 }
 
 # Copies what there is so far to $OUT (8 files at most), after every stage, so
@@ -357,8 +525,8 @@ publish() {
     tail_section setup_ds_ops "$L/setup_ds_ops.log" 120
   } >"$OUT_DIR/setup.log"
   {
-    tail_section cuda_tests "$L/cuda_tests.log" 400
-    tail_section suite "$L/suite.log" 400
+    test_section cuda_tests
+    test_section suite
   } >"$OUT_DIR/tests.log"
   {
     tail_section bench_67m "$L/bench_67m.log" 250
@@ -379,14 +547,21 @@ publish() {
   df -h "$GC_ROOT" 2>/dev/null | tail -n 1
 } >&2
 
-# Reserves: what the stages after each one need at the least.
-if [[ $STAGES == *" setup "* ]]; then
+# Reserves: what the selected stages after each one need at the least (60 s
+# bench_1b, 60 s bench_67m, 120 s the tests, 60 s setup after setup_deepspeed).
+R_B1B=0 R_B67=0 R_TESTS=0
+want bench_1b && R_B1B=60                 # kept for bench_1b by the stages before it
+R_B67=$R_B1B
+want bench_67m && R_B67=$((R_B67 + 60))   # kept by the tests for the benches
+R_TESTS=$R_B67
+[ "$RUN_CUDA$RUN_SUITE" != 00 ] && R_TESTS=$((R_TESTS + 120))  # kept by setup for what follows
+if want setup; then
   plan setup_deepspeed setup_project setup_ds_ops
-  stage setup_deepspeed 90 300
+  stage setup_deepspeed 90 $((60 + R_TESTS))
   # the project's build beside DeepSpeed's op builds: they share no file
-  stage setup_project "$CAP_SETUP" 240 &
+  stage setup_project "$CAP_SETUP" "$R_TESTS" &
   if [ "$(have_deepspeed)" = 1 ]; then
-    stage setup_ds_ops "$CAP_SETUP" 240 &
+    stage setup_ds_ops "$CAP_SETUP" "$R_TESTS" &
   else
     skip_stage setup_ds_ops "deepspeed does not import"
   fi
@@ -395,25 +570,33 @@ if [[ $STAGES == *" setup "* ]]; then
 fi
 export GC_HAVE_DS
 GC_HAVE_DS=$(have_deepspeed)
-if [[ $STAGES == *" tests "* ]]; then
+if [ "$RUN_CUDA$RUN_SUITE" = 11 ]; then
   plan cuda_tests suite
   if [ "${GPU_CHECK_SERIAL:-0}" = 1 ]; then
-    stage cuda_tests "$CAP_TESTS" 150
-    stage suite "$CAP_TESTS" 120
+    stage cuda_tests "$CAP_TESTS" $((30 + R_B67))
+    stage suite "$CAP_TESTS" "$R_B67"
   else
     # side by side: the cuda subset is GPU-bound, the suite runs on the host
-    stage cuda_tests "$CAP_TESTS" 120 &
-    stage suite "$CAP_TESTS" 120 &
+    stage cuda_tests "$CAP_TESTS" "$R_B67" &
+    stage suite "$CAP_TESTS" "$R_B67" &
     wait
   fi
   publish
-fi
-if [[ $STAGES == *" bench_67m "* ]]; then
-  plan bench_67m
-  stage bench_67m "$CAP_B67" 60
+elif [ "$RUN_CUDA" = 1 ]; then
+  plan cuda_tests
+  stage cuda_tests "$CAP_TESTS" "$R_B67"
+  publish
+elif [ "$RUN_SUITE" = 1 ]; then
+  plan suite
+  stage suite "$CAP_TESTS" "$R_B67"
   publish
 fi
-if [[ $STAGES == *" bench_1b "* ]]; then
+if want bench_67m; then
+  plan bench_67m
+  stage bench_67m "$CAP_B67" "$R_B1B"
+  publish
+fi
+if want bench_1b; then
   plan bench_1b
   stage bench_1b 100000 5
   publish

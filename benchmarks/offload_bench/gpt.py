@@ -5,7 +5,8 @@ F.scaled_dot_product_attention, a GELU MLP, learned positions, and an LM head
 tied to the token embedding unless tie_embeddings=False. The benchmark model
 of the engine issue (vocab 8192, hidden 1024, 4 layers, untied head) has 67M
 parameters: GPTConfig(vocab_size=8192, hidden=1024, layers=4, heads=16,
-max_seq=128, tie_embeddings=False).
+max_seq=128, tie_embeddings=False). The MLP is mlp_ratio x hidden wide unless
+mlp_hidden names its width (Llama-2 7B's 11008 is not a multiple of 4096).
 """
 from __future__ import annotations
 
@@ -24,15 +25,22 @@ class GPTConfig:
     heads: int = 4
     max_seq: int = 256
     mlp_ratio: int = 4
+    mlp_hidden: int | None = None  # the MLP's width; None: mlp_ratio x hidden
     tie_embeddings: bool = True
 
     def __post_init__(self):
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if self.mlp_hidden is not None and self.mlp_hidden < 1:
+            raise ValueError(f"mlp_hidden must be a width >= 1 or None, got {self.mlp_hidden!r}")
+
+    @property
+    def mlp_width(self) -> int:
+        return self.mlp_ratio * self.hidden if self.mlp_hidden is None else self.mlp_hidden
 
     def num_params(self) -> int:
-        h, v = self.hidden, self.vocab_size
-        block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * (self.mlp_ratio * h * h) + self.mlp_ratio * h + h
+        h, v, m = self.hidden, self.vocab_size, self.mlp_width
+        block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * (m * h) + m + h
         head = 0 if self.tie_embeddings else v * h
         return v * h + head + self.max_seq * h + self.layers * block + 2 * h
 
@@ -79,8 +87,8 @@ class Block(nn.Module):
         self.qkv = nn.Linear(h, 3 * h)
         self.proj = nn.Linear(h, h)
         self.ln2 = nn.LayerNorm(h)
-        self.fc = nn.Linear(h, config.mlp_ratio * h)
-        self.out = nn.Linear(config.mlp_ratio * h, h)
+        self.fc = nn.Linear(h, config.mlp_width)
+        self.out = nn.Linear(config.mlp_width, h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape

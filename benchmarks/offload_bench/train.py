@@ -2,9 +2,10 @@
 
 The same GPT (vocab 8192, hidden 1024, 4 layers, untied head: 67.3M
 parameters), the same seeded initialisation, the same random token batches
-(batch 4, sequence 128, fp32) and, for ours and DeepSpeed, the same
-DeepSpeed JSON config (`ds_config`): stage 3, parameters and optimizer
-offloaded to the host (`cpu`) or to NVMe (`nvme`), AdamW lr 1e-4. Contenders:
+(batch 4, sequence 128) and, for ours and DeepSpeed, the same DeepSpeed
+JSON config (`ds_config`): stage 3, parameters and optimizer offloaded to the
+host (`cpu`) or to NVMe (`nvme`), AdamW lr 1e-4. --model picks another shape
+(1b, 7b), --layers another depth. Contenders:
 
   torch           plain torch in memory, torch.optim.AdamW(fused=True)
   offload-cpu     offload.initialize, offload_param/offload_optimizer cpu
@@ -16,6 +17,18 @@ offloaded to the host (`cpu`) or to NVMe (`nvme`), AdamW lr 1e-4. Contenders:
   offload-nvme-unchecked  offload-nvme with aio.verify_swap_checksums false (not in
                   the default run; beside offload-nvme it measures what the swap
                   files' CRC-32C costs: benchmarks/RESULTS.md, "Swap checksums")
+  torchao-cpu     torchao's CPUOffloadOptimizer (AdamW, fused, on the host;
+                  parameters and gradients on the GPU): an exact anchor, the
+                  same AdamW as torch's. Not in the default run; needs CUDA (its
+                  streams and pinned memory) and torchao (never a requirement of
+                  ours): skipped, with the reason, where either is missing
+
+--precision picks what every contender computes in (train_contenders.py says
+how each applies it): fp32 (default), or bf16: ours and DeepSpeed with the
+config's "bf16": {"enabled": true} (bf16 compute, fp32 master and moments),
+torch and torchao-cpu as users write it (fp32 parameters and AdamW, forward
+and loss under torch.autocast(dtype=torch.bfloat16)), FSDP2 with
+MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32).
 
 Each contender runs in its own subprocess, one after the other, so its peak
 resident memory is its own: VmHWM of that process (the high-water mark of its
@@ -33,6 +46,12 @@ stderr), train.json and train.png under --out.
 Per contender: median step time, tokens/s, and TFLOPS as model FLOPs, 6 x
 parameters x tokens per step over the step time (attention's seq^2 term left
 out); with --device cuda also peak GPU memory (torch.cuda.max_memory_allocated).
+For ours, each timed step's critical path from the engine's timeline
+(engine.timeline(), Note [timeline] in offload/timeline.py) under
+"timeline_per_step", its median under "critical_path_median", and what each
+field means under "timeline_per_step_doc" at the top of the JSON (Note
+[critical path] in train_timeline.py); "timeline" keeps the last step's
+seconds per kind. A closing table on stderr names the model and precision.
 
 --device picks where compute runs (offload_bench/train_contenders.py says how
 each contender uses it):
@@ -60,23 +79,36 @@ import threading
 import time
 from pathlib import Path
 
+from offload_bench import train_report
+from offload_bench.train_timeline import TIMELINE_PER_STEP_DOC
+
 DEFAULT_CONTENDERS = ("torch", "offload-cpu", "offload-nvme", "deepspeed-cpu", "deepspeed-nvme")
-CONTENDERS = DEFAULT_CONTENDERS + ("offload-nvme-unchecked", "fsdp2-cpu")
+CONTENDERS = DEFAULT_CONTENDERS + ("offload-nvme-unchecked", "fsdp2-cpu", "torchao-cpu")
 DEVICES = ("cpu", "cuda", "sim")
+PRECISIONS = ("fp32", "bf16")
 # The default run per --device: the GPU run adds FSDP2; the sim concerns ours
 # (DeepSpeed and FSDP2 do not go through our device layer).
 DEVICE_CONTENDERS = {"cpu": DEFAULT_CONTENDERS,
                      "cuda": ("torch", "offload-cpu", "offload-nvme", "fsdp2-cpu", "deepspeed-cpu", "deepspeed-nvme"),
                      "sim": ("torch", "offload-cpu", "offload-nvme")}
-SIM_CONTENDERS = ("torch", "offload-cpu", "offload-nvme", "offload-nvme-unchecked")
+# torchao-cpu is let through to be recorded as skipped (it needs CUDA), as on --device cpu.
+SIM_CONTENDERS = ("torch", "offload-cpu", "offload-nvme", "offload-nvme-unchecked", "torchao-cpu")
 DEFAULT_SIM_GBPS = 25.0
 
-# The benchmark models (--model), and the --quick one. 67m: the default since
-# the first benchmark; 1b: 0.94B parameters, the GPU measurement's shape (hidden
-# 2048, 16 layers, vocab 32000; run it with --batch 8 --seq 1024).
+# The benchmark models (--model), and the --quick one; --layers overrides any
+# one's depth. 67m: the default since the first benchmark; 1b: 0.94B
+# parameters, the GPU measurement's shape (hidden 2048, 16 layers, vocab
+# 32000; run it with --batch 8 --seq 1024); 7b: Llama-2 7B's width (hidden
+# 4096, 32 heads, MLP 11008, vocab 32000, context 4096) at 2 of its 32 layers,
+# 0.59B parameters: fp32 weights, gradients and Adam's two moments are 16
+# bytes a parameter, 8.8 GiB, so every contender's state fits a 24 GiB host.
+# Its blocks are this GPT's (a GELU MLP of two matrices, learned positions),
+# not Llama's (SwiGLU's three, RoPE): 157M parameters a layer, not 202M.
 FULL_MODEL = dict(vocab_size=8192, hidden=1024, layers=4, heads=16, max_seq=128, tie_embeddings=False)
 MODELS = {"67m": FULL_MODEL,
-          "1b": dict(vocab_size=32000, hidden=2048, layers=16, heads=16, max_seq=1024, tie_embeddings=False)}
+          "1b": dict(vocab_size=32000, hidden=2048, layers=16, heads=16, max_seq=1024, tie_embeddings=False),
+          "7b": dict(vocab_size=32000, hidden=4096, layers=2, heads=32, max_seq=4096, mlp_hidden=11008,
+                     tie_embeddings=False)}
 QUICK_MODEL = dict(vocab_size=512, hidden=128, layers=2, heads=4, max_seq=32, tie_embeddings=False)
 # --deadline: kept back for the disk probe, the plot and train.json; a contender
 # that would get less than MIN_CONTENDER_S is not started (recorded as skipped).
@@ -115,8 +147,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="run the contenders this many times in rotation; median of round medians (default 1)")
     p.add_argument("--model", choices=tuple(MODELS), default="67m",
-                   help="the GPT trained: 67m (default; vocab 8192, hidden 1024, 4 layers) or 1b (0.94B: "
-                        "vocab 32000, hidden 2048, 16 layers; with --batch 8 --seq 1024 as measured on a GPU)")
+                   help="the GPT trained: 67m (default; vocab 8192, hidden 1024, 4 layers), 1b (0.94B: "
+                        "vocab 32000, hidden 2048, 16 layers; with --batch 8 --seq 1024 as measured on a GPU) "
+                        "or 7b (Llama-2 7B's width: hidden 4096, 32 heads, MLP 11008, vocab 32000, context "
+                        "4096; at 2 layers by default, 0.59B parameters, 157M more a layer: 16 bytes a "
+                        "parameter in fp32 with Adam, 8.8 GiB, fits a 24 GiB host). train.json's settings "
+                        "give the shape, depth and parameter count")
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="blocks in the model, overriding --model's depth (and --quick's)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="what every contender computes in: fp32 (default) or bf16 (ours and DeepSpeed: the "
+                        "config's bf16 section; torch, torchao: fp32 parameters and AdamW, forward and loss "
+                        "under torch.autocast bf16; FSDP2: MixedPrecisionPolicy bf16, reduce fp32)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per contender before it is stopped")
     p.add_argument("--deadline", type=float, default=None, metavar="S",
                    help="seconds from now by which the whole run ends and train.json is written: each "
@@ -127,14 +169,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke test")
     p.add_argument("--out", default="bench_out",
                    help="directory for train.json, train.png and the offload contenders' traces (default bench_out)")
+    p.epilog = ("For ours, train.json's timeline_per_step gives each timed step's critical path from the "
+                "engine's timeline: " + "; ".join(f"{k}: {v}" for k, v in TIMELINE_PER_STEP_DOC.items()
+                                                   if k in ("wall_s", "compute_s", "wait_s", "optimizer_s",
+                                                            "critical_path")) +
+                ". Every field is described under timeline_per_step_doc in train.json.")
 
 
 # --------------------------------------------------------------------- config
 
 def ds_config(device: str, *, batch: int, lr: float, nvme_path: str | None = None,
               largest_param: int | None = None, buffer_count: int | None = None,
-              buffer_size: int | None = None) -> dict:
-    """The one config ours and DeepSpeed both get; nvme adds only what nvme needs.
+              buffer_size: int | None = None, precision: str = "fp32") -> dict:
+    """The one config ours and DeepSpeed both get; nvme adds only what nvme needs,
+    bf16 only its section (fp32 has none: both engines' default).
 
     device "none" is not used here (the torch contender has no config)."""
     cfg = {
@@ -150,6 +198,8 @@ def ds_config(device: str, *, batch: int, lr: float, nvme_path: str | None = Non
             "offload_optimizer": {"device": device},
         },
     }
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
     if device == "nvme":
         zero = cfg["zero_optimization"]
         zero["offload_param"]["nvme_path"] = nvme_path
@@ -165,9 +215,20 @@ def ds_config(device: str, *, batch: int, lr: float, nvme_path: str | None = Non
 
 
 def _settings(args) -> dict:
+    """What every contender is given; "model" is GPTConfig's keywords, "model_name" and
+    "layers" say which shape at which depth, "params" its parameter count."""
+    from offload_bench.gpt import GPTConfig
+
     quick = args.quick
+    model = dict(QUICK_MODEL if quick else MODELS[args.model])
+    if args.layers is not None:
+        model["layers"] = args.layers
     return {
-        "model": QUICK_MODEL if quick else MODELS[args.model],
+        "model": model,
+        "model_name": "quick" if quick else args.model,
+        "layers": model["layers"],
+        "params": GPTConfig(**model).num_params(),
+        "precision": args.precision,
         "warmup": args.warmup if args.warmup is not None else (1 if quick else 2),
         "steps": args.steps if args.steps is not None else (3 if quick else 10),
         "batch": args.batch if args.batch is not None else (2 if quick else 4),
@@ -266,6 +327,11 @@ def _merge_rounds(rounds: list[dict]) -> dict:
         merged["peak_gpu_bytes"] = max(r["peak_gpu_bytes"] for r in rounds)
     merged["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in rounds)
     merged["step_times_s"] = [t for r in rounds for t in r["step_times_s"]]
+    if "timeline_per_step" in merged:  # ours: every round's timed steps, in the order of step_times_s
+        from offload_bench.train_timeline import median_path
+
+        merged["timeline_per_step"] = [step for r in rounds for step in r["timeline_per_step"]]
+        merged["critical_path_median"] = median_path(merged["timeline_per_step"])
     merged["other_load_share"] = max(r["other_load_share"] for r in rounds)
     merged["rounds"] = [{k: r.get(k) for k in ("median_s", "peak_rss_bytes", "other_load_share", "wall_s")}
                         for r in rounds]
@@ -292,98 +358,31 @@ def _ratios(results: dict) -> dict:
                                 "peak_rss": _ratio(get(ours, "peak_rss_bytes"), get("torch", "peak_rss_bytes"))}
         out[f"{ds}/torch"] = {"time": _ratio(get(ds, "median_s"), get("torch", "median_s")),
                               "peak_rss": _ratio(get(ds, "peak_rss_bytes"), get("torch", "peak_rss_bytes"))}
-    if "fsdp2-cpu" in results:
-        out["offload-cpu/fsdp2-cpu"] = {key: _ratio(get("offload-cpu", f), get("fsdp2-cpu", f)) for key, f in
-                                        (("time", "median_s"), ("peak_rss", "peak_rss_bytes"),
-                                         ("peak_gpu", "peak_gpu_bytes"))}
+    for anchor in ("fsdp2-cpu", "torchao-cpu"):
+        if anchor in results:
+            out[f"offload-cpu/{anchor}"] = {key: _ratio(get("offload-cpu", f), get(anchor, f)) for key, f in
+                                            (("time", "median_s"), ("peak_rss", "peak_rss_bytes"),
+                                             ("peak_gpu", "peak_gpu_bytes"))}
     return out
-
-
-def _disk_gbps(directory: Path, nbytes: int = 512 << 20) -> dict:
-    """This disk's write and read bandwidth through our own store (direct I/O)."""
-    import torch
-
-    from offload.aio import aligned_tensor
-    from offload.aio.swap_store import SwapConfig, SwapStore
-
-    directory.mkdir(parents=True, exist_ok=True)
-    store = SwapStore(SwapConfig.for_tensors(str(directory), [nbytes], atomic=False))
-    buf = aligned_tensor(nbytes, torch.uint8).fill_(7)
-    try:
-        store.swap_out("probe", buf, borrow=True).wait()  # swap files are rewritten in place: time that
-        t = time.perf_counter()
-        store.swap_out("probe", buf, borrow=True).wait()
-        write = nbytes / (time.perf_counter() - t) / 1e9
-        t = time.perf_counter()
-        store.swap_in("probe", out=buf).wait()
-        read = nbytes / (time.perf_counter() - t) / 1e9
-    finally:
-        store.remove("probe")
-        store.close()
-    return {"write_gbps": round(write, 3), "read_gbps": round(read, 3)}
-
-
-def _roofline(results: dict, nvme_root: Path) -> dict:
-    """The I/O roofline of each NVMe contender of ours: max(in-memory compute time,
-    time to move its bytes at this disk's bandwidth, reads and writes in turn)."""
-    disk = _disk_gbps(nvme_root / "probe")
-    shutil.rmtree(nvme_root / "probe", ignore_errors=True)
-    compute = (results.get("torch") or {}).get("median_s")
-    out = {"disk": disk, "in_memory_s": compute, "contenders": {}}
-    for name, r in results.items():
-        if "bytes_read_per_step" not in r or "median_s" not in r:
-            continue
-        io_s = r["bytes_read_per_step"] / disk["read_gbps"] / 1e9 + r["bytes_written_per_step"] / disk["write_gbps"] / 1e9
-        roof = max(compute or 0.0, io_s)
-        out["contenders"][name] = {"io_s": round(io_s, 4), "roofline_s": round(roof, 4),
-                                   "step_over_roofline": round(r["median_s"] / roof, 3) if roof else None}
-    return out
-
-
-def _print_breakdown(results: dict, roofline: dict) -> None:
-    from offload_bench.common import log
-
-    for name, r in results.items():
-        if "timeline" not in r:
-            continue
-        sec = r["timeline"]["seconds"]
-        line = ", ".join(f"{k} {v:.3f}" for k, v in sec.items())
-        log(f"   {name} last step {r['timeline']['wall_s']:.3f} s: {line} (read/write overlap compute; "
-            f"'wait' is what compute waited)")
-        roof = roofline["contenders"].get(name)
-        if roof:
-            log(f"   {name}: {r['bytes_read_per_step'] / 1e9:.3f} GB read + {r['bytes_written_per_step'] / 1e9:.3f} "
-                f"GB written per step; I/O alone {roof['io_s']:.3f} s at {roofline['disk']}; roofline "
-                f"{roof['roofline_s']:.3f} s; step / roofline = {roof['step_over_roofline']}")
-
-
-def _plot(results: dict, out_dir: str, title: str):
-    from offload_bench.common import pyplot, save_png
-
-    plt = pyplot("train.png")
-    if plt is None:
-        return None
-    names = [n for n, r in results.items() if "median_s" in r]
-    if not names:
-        return None
-    colors = ["#888888" if n == "torch" else "#1f77b4" if n.startswith("offload") else "#d62728" for n in names]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    secs = [results[n]["median_s"] for n in names]
-    rss = [results[n]["peak_rss_bytes"] / 2**30 for n in names]
-    for ax, vals, label, fmt in ((a1, secs, "s / step (median)", "{:.3g}"), (a2, rss, "peak RSS (GiB)", "{:.2f}")):
-        bars = ax.bar(names, vals, color=colors)
-        ax.set_ylabel(label)
-        ax.tick_params(axis="x", rotation=25)
-        for b, v in zip(bars, vals):
-            ax.annotate(fmt.format(v), (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    return save_png(fig, out_dir, "train.png")
 
 
 def _sim_gbps(args) -> float | None:
     if args.device != "sim":
         return None
     return DEFAULT_SIM_GBPS if args.sim_gbps is None else args.sim_gbps
+
+
+def _unavailable(name: str, device: str) -> str | None:
+    """Why a contender cannot run on this --device or machine (it is recorded as skipped
+    with this reason, never as failed), or None. Asked without importing torchao: where
+    CUDA is, the contender's own process imports it and says if it cannot."""
+    if name != "torchao-cpu" or device == "cuda":
+        return None
+    import importlib.util
+
+    installed = "installed" if importlib.util.find_spec("torchao") else "not installed"
+    return (f"torchao's CPUOffloadOptimizer needs CUDA (its copy stream and pinned host memory; it "
+            f"asserts a cuda or xpu device) and --device {device} has none (torchao is {installed} here)")
 
 
 def _refuse_device(args, names: list[str]) -> str | None:
@@ -409,74 +408,6 @@ def _refuse_device(args, names: list[str]) -> str | None:
     return None
 
 
-def _figures_line(r: dict) -> str:
-    """Step time, tokens/s, TFLOPS (model FLOPs), peak RSS and, on cuda, peak GPU memory."""
-    line = (f"{r['median_s']:.3f} s/step, {r['tokens_per_s']:.0f} tokens/s, {r['tflops']:.3g} TFLOPS, "
-            f"peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
-    if "peak_gpu_bytes" in r:
-        line += f", peak GPU {r['peak_gpu_bytes'] / 2**30:.2f} GiB"
-    return line
-
-
-def _print_hidden(results: dict) -> None:
-    """--device sim: the share of the transfer time hidden behind compute."""
-    from offload_bench.common import log
-
-    for name, r in results.items():
-        sim = r.get("sim")
-        if sim is None:
-            continue
-        if "error" in sim:
-            log(f"   {name}: {sim['error']}")
-            continue
-        for label, key in ((f"host<->device copies at {sim['gbps']:g} GB/s", "host_device"),
-                           ("NVMe reads", "nvme_reads")):
-            f, median = sim[key], sim["median_hidden_fraction"][key]
-            if median is None:
-                log(f"   {name} {label}: none in a timed step")
-                continue
-            log(f"   {name} {label}: {median:.1%} of the transfer time hidden behind compute (median of "
-                f"{len(sim['per_step'])} timed steps; the last: {f['hidden_fraction']:.1%}, {f['busy_s']:.4f} s "
-                f"busy, {f['exposed_s']:.4f} s of it with compute blocked)")
-        f = sim["host_device"]
-        log(f"   {name}: {f['copies']} copies, {f['bytes'] / 1e9:.3f} GB, {f['modeled_s']:.4f} s at the "
-            f"modeled bandwidth (a sim copy also spends its memcpy and poison fill); compute blocked on "
-            f"the device {f['compute_blocked_s']:.4f} s of the {f['step_s']:.3f} s step")
-        if "note" in sim:
-            log(f"   {name}: {sim['note']}")
-
-
-def _plot_copies(results: dict, out_dir: str, title: str):
-    """The last step's copies per stream, per offload contender (--device sim)."""
-    from offload_bench.common import pyplot, save_png
-
-    runs = [(n, r["sim"]) for n, r in results.items() if "host_device" in r.get("sim", {})]
-    if not runs or not any(sim["host_device"]["timeline"] for _, sim in runs):
-        return None
-    plt = pyplot("train_copies.png")
-    if plt is None:
-        return None
-    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.5 + 1.2 * len(runs)), squeeze=False)
-    for ax, (name, sim) in zip(axes[:, 0], runs):
-        copies = sim["host_device"]["timeline"]
-        f = sim["host_device"]
-        streams = sorted({c["stream"] for c in copies})
-        for row, stream in enumerate(streams):
-            bars = [(c["start_s"], (f["step_s"] if c["end_s"] is None else c["end_s"]) - c["start_s"])
-                    for c in copies if c["stream"] == stream]
-            ax.broken_barh(bars, (row - 0.4, 0.8), color="#1f77b4")
-        ax.broken_barh([(start, end - start) for start, end in f["compute_blocked"]],
-                       (len(streams) - 0.4, 0.8), color="#d62728")
-        ax.set_yticks(range(len(streams) + 1), streams + ["compute blocked"])
-        ax.set_xlim(0, f["step_s"])
-        share = "n/a" if f["hidden_fraction"] is None else f"{f['hidden_fraction']:.0%}"
-        ax.set_title(f"{name}: {share} of the copies' busy time hidden behind compute", fontsize=9)
-    axes[-1, 0].set_xlabel("seconds from the step's start")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    return save_png(fig, out_dir, "train_copies.png")
-
-
 def run(args) -> int:
     from offload_bench.common import log, machine_info, write_json
 
@@ -496,12 +427,15 @@ def run(args) -> int:
     if args.deadline is not None and not args.deadline > 0:
         log(f"--deadline must be a number of seconds > 0, got {args.deadline:g}")
         return 2
+    if args.layers is not None and args.layers < 1:
+        log(f"--layers must be at least 1, got {args.layers}")
+        return 2
     settings = _settings(args)
     from offload_bench.gpt import GPTConfig
 
     gcfg = GPTConfig(**settings["model"])
     h, v = gcfg.hidden, gcfg.vocab_size
-    largest = max(v * h, gcfg.mlp_ratio * h * h)
+    largest = max(v * h, gcfg.mlp_width * h)
 
     own_nvme = args.nvme_dir is None
     nvme_root = Path(tempfile.mkdtemp(prefix="offload-train-nvme-", dir=os.getcwd())) if own_nvme \
@@ -509,7 +443,7 @@ def run(args) -> int:
     configs = {mode: ds_config(mode, batch=settings["batch"], lr=settings["lr"],
                                nvme_path=str(nvme_root / "swap") if mode == "nvme" else None,
                                largest_param=largest, buffer_count=args.buffer_count,
-                               buffer_size=args.buffer_size)
+                               buffer_size=args.buffer_size, precision=settings["precision"])
                for mode in ("cpu", "nvme")}
     report = {
         "benchmark": "train",
@@ -520,6 +454,7 @@ def run(args) -> int:
         "ds_config": configs,
         "device": args.device,
         "peak_rss_source": "VmHWM of the contender's own process (/proc/self/status)",
+        "timeline_per_step_doc": TIMELINE_PER_STEP_DOC,
         "results": {},
     }
     if args.device == "cuda":
@@ -554,7 +489,11 @@ def run(args) -> int:
                 timeout = args.timeout
                 if args.deadline is not None:
                     timeout = int(min(timeout, run_ends - time.monotonic() - DEADLINE_MARGIN_S))
-                if timeout < MIN_CONTENDER_S and args.deadline is not None:
+                unavailable = _unavailable(name, args.device)
+                if unavailable:
+                    r = {"name": name, "skipped": True, "reason": unavailable}
+                    log(f"-- {name} skipped: {unavailable}")
+                elif timeout < MIN_CONTENDER_S and args.deadline is not None:
                     r = {"name": name, "skipped": True,
                          "error": f"skipped: {max(timeout, 0)} s left of --deadline {args.deadline:g}"}
                     log(f"!! {name} {r['error']}")
@@ -563,7 +502,7 @@ def run(args) -> int:
                 rounds[name].append(r)
                 shutil.rmtree(nvme_root / "swap", ignore_errors=True)
                 if "median_s" in r:
-                    log(f"   {name} (round {round_index + 1}/{args.rounds}): {_figures_line(r)}")
+                    log(f"   {name} (round {round_index + 1}/{args.rounds}): {train_report.figures_line(r)}")
         results.update({name: _merge_rounds(rs) for name, rs in rounds.items()})
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -572,27 +511,32 @@ def run(args) -> int:
     report["ratios"] = _ratios(results)
     if any(n.endswith("-nvme") and "median_s" in r for n, r in results.items()):
         try:
-            report["io_roofline"] = _roofline(results, nvme_root)
+            report["io_roofline"] = train_report.roofline(results, nvme_root)
         finally:
             if own_nvme:  # the disk probe made the directory again
                 shutil.rmtree(nvme_root, ignore_errors=True)
-        _print_breakdown(results, report["io_roofline"])
-    _print_hidden(results)
+    train_report.print_breakdown(results, report.get("io_roofline"))
+    train_report.print_hidden(results)
     report["machine"]["load_average_end"] = list(os.getloadavg())
+    layers = f"{settings['layers']} layer{'' if settings['layers'] == 1 else 's'}"
+    title = (f"GPT {report['params'] / 1e6:.1f}M params ({settings['model_name']}, {layers}), batch "
+             f"{settings['batch']} x seq {settings['seq']}, {settings['precision']}, --device {args.device}; "
+             f"median of {settings['steps']} steps"
+             f"{f' x {args.rounds} rounds' if args.rounds > 1 else ''}; "
+             f"{report['machine']['cpu_model']}, {report['machine']['cpu_count']} cores")
+    train_report.print_table(results, title)
     if args.out:
-        title = (f"GPT {report['params'] / 1e6:.1f}M params, batch {settings['batch']} x seq "
-                 f"{settings['seq']}, fp32; median of {settings['steps']} steps"
-                 f"{f' x {args.rounds} rounds' if args.rounds > 1 else ''}; "
-                 f"{report['machine']['cpu_model']}, {report['machine']['cpu_count']} cores")
-        png = _plot(results, args.out, title)
+        png = train_report.plot(results, args.out, title)
         if png:
             report["png"] = str(png)
         if args.device == "sim":
-            png = _plot_copies(results, args.out, f"{title}; sim {report['sim_gbps']:g} GB/s")
+            png = train_report.plot_copies(results, args.out, f"{title}; sim {report['sim_gbps']:g} GB/s")
             if png:
                 report["copies_png"] = str(png)
     write_json(report, args.out, "train.json")
-    ok = all("median_s" in r for r in results.values())
+    # A contender that cannot run here (torchao-cpu without CUDA or torchao) is skipped
+    # with its reason, not failed; one skipped for --deadline has no figures: a failure.
+    ok = all("median_s" in r or "reason" in r for r in results.values())
     return 0 if ok else 1
 
 

@@ -15,6 +15,23 @@ contender's model, batches and step live:
                on cpu. On cpu the policy's pin_memory is off: torch pins for
                an accelerator and refuses without one. AdamW (foreach).
   deepspeed-*  deepspeed.initialize with the same config; nccl on cuda, gloo on cpu
+  torchao-cpu  the model and the batches on the GPU; torchao.optim.CPUOffloadOptimizer
+               (AdamW, fused, offload_gradients=False): fp32 parameters and
+               gradients stay on the GPU, a pinned host copy of each takes
+               AdamW's step there and is copied back. Parameters under its
+               minimal_size (4096 elements) step on the GPU. CUDA only: the
+               parent records it as skipped elsewhere; here, where torchao
+               does not import, the result is skipped with the import's error.
+
+settings["precision"] bf16 (fp32: nothing of this):
+  torch, torchao-cpu  fp32 parameters and AdamW; forward and loss under
+               torch.autocast(device type, torch.bfloat16), backward and the
+               step outside it (PyTorch's recipe for mixed precision)
+  fsdp2-cpu    fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=bf16,
+               reduce_dtype=fp32)); fp32 sharded parameters and AdamW
+  offload-*, deepspeed-*  the config's "bf16": {"enabled": true}, set by the
+               parent: bf16 parameters for compute, fp32 master and moments
+Each result names what it did under "precision_how".
 
 On cuda each step ends with torch.cuda.synchronize(), so a step's time is
 its work and not only its launches; peak GPU memory is
@@ -55,10 +72,16 @@ def _rank0_env(spec: dict) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
 
 
-def _torch_step(model, opt, lm_loss):
-    """One training step of a model a torch optimizer steps (the torch and FSDP2 contenders)."""
+def _torch_step(model, opt, lm_loss, autocast=None):
+    """One training step of a model a torch optimizer steps (torch, FSDP2, torchao);
+    `autocast`: the device type whose torch.autocast(bfloat16) the forward and loss run under."""
+    import contextlib
+
+    import torch
+
     def step(tokens):
-        loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        with torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -66,19 +89,31 @@ def _torch_step(model, opt, lm_loss):
     return step
 
 
-def _setup(name: str, model, spec: dict, device):
-    """(step function, engine or None, where the batches go) for one contender."""
+def _setup(name: str, model, spec: dict, device, res: dict):
+    """(step function, engine or None, where the batches go) for one contender;
+    writes how it applies the precision to res["precision_how"]."""
     import torch
 
     from offload_bench.gpt import lm_loss
 
     s = spec["settings"]
     cuda = device.type == "cuda"
+    bf16 = s.get("precision", "fp32") == "bf16"
+    autocast = device.type if bf16 else None
+    adamw = dict(lr=s["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    if bf16 and name in ("torch", "torchao-cpu"):
+        res["precision_how"] = f"fp32 parameters and AdamW; forward and loss under torch.autocast({autocast!r}, bf16)"
     if name == "torch":
         model.to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, 0.999), eps=1e-8,
-                                weight_decay=0.0, fused=True)
-        return _torch_step(model, opt, lm_loss), None, device
+        opt = torch.optim.AdamW(model.parameters(), **adamw, fused=True)
+        return _torch_step(model, opt, lm_loss, autocast), None, device
+    if name == "torchao-cpu":
+        from torchao.optim import CPUOffloadOptimizer  # run_contender checked that it imports
+
+        model.to(device)
+        opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=False, fused=True,
+                                  **adamw)
+        return _torch_step(model, opt, lm_loss, autocast), None, device
     if name == "fsdp2-cpu":
         import torch.distributed as dist
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -88,12 +123,16 @@ def _setup(name: str, model, spec: dict, device):
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
         policy = CPUOffloadPolicy(pin_memory=cuda)
+        shard = {"offload_policy": policy}
+        if bf16:
+            shard["mp_policy"], res["precision_how"] = _fsdp2_bf16()
         for block in model.blocks:
-            fully_shard(block, offload_policy=policy)
-        fully_shard(model, offload_policy=policy)
-        opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, 0.999), eps=1e-8,
-                                weight_decay=0.0)
+            fully_shard(block, **shard)
+        fully_shard(model, **shard)
+        opt = torch.optim.AdamW(model.parameters(), **adamw)
         return _torch_step(model, opt, lm_loss), None, device
+    if bf16:
+        res["precision_how"] = 'the config\'s "bf16": {"enabled": true}'
     if name.startswith("offload-"):
         import offload
 
@@ -114,6 +153,25 @@ def _setup(name: str, model, spec: dict, device):
         engine.step()
         return loss
     return step, engine, engine.device
+
+
+def _fsdp2_bf16():
+    """FSDP2's mixed precision: bf16 all-gathered parameters for compute, fp32 gradient
+    reduction; the sharded parameters and AdamW stay fp32."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            "fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))")
+
+
+def _torchao_missing() -> str | None:
+    """Why torchao's CPUOffloadOptimizer cannot be imported here, or None."""
+    try:
+        from torchao.optim import CPUOffloadOptimizer  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - an ImportError, or torchao failing against this torch
+        return f"torchao does not import here ({type(exc).__name__}: {exc}); pip install torchao to run it"
+    return None
 
 
 def _sim_overlap(engine, window: tuple[float, float]) -> dict:
@@ -149,13 +207,18 @@ def run_contender(name: str, spec: dict) -> dict:
     import torch
 
     from offload_bench.gpt import GPT, GPTConfig
+    from offload_bench.train_timeline import critical_path, median_path
 
     s = spec["settings"]
     # cuda:0, with its index: torch.cuda.set_device refuses a bare "cuda" (world size 1, LOCAL_RANK 0)
     device = torch.device("cuda", 0) if spec.get("device") == "cuda" else torch.device("cpu")
     cuda = device.type == "cuda"
     res: dict = {"name": name, "device": spec.get("device", "cpu"), "torch_threads": torch.get_num_threads(),
-                 "rss_after_import": _rss()}
+                 "precision": s.get("precision", "fp32"), "rss_after_import": _rss()}
+    if name == "torchao-cpu":
+        missing = _torchao_missing()
+        if missing:  # recorded as skipped with its reason, not as a failure
+            return {**res, "skipped": True, "reason": missing}
     torch.manual_seed(s["seed"])
     model = GPT(GPTConfig(**s["model"]))
     res["params"] = sum(p.numel() for p in model.parameters())
@@ -166,7 +229,7 @@ def run_contender(name: str, spec: dict) -> dict:
     res["rss_after_model"] = _rss()
 
     t0 = time.perf_counter()
-    step, engine, batch_device = _setup(name, model, spec, device)
+    step, engine, batch_device = _setup(name, model, spec, device, res)
     batches = [b.to(batch_device) for b in batches]
     res["init_s"] = round(time.perf_counter() - t0, 3)
     res["rss_after_init"] = _rss()
@@ -179,6 +242,7 @@ def run_contender(name: str, spec: dict) -> dict:
     stores = engine.swap_stores if name.startswith("offload-") else []
     moved = None
     sim_steps: list[dict] = []  # --device sim, ours: each timed step's hidden fractions
+    paths: list[dict] = []  # ours: each timed step (Note [critical path] in train_timeline.py)
     for i in range(s["warmup"] + s["steps"]):
         if i == s["warmup"]:
             moved = [(st.stats.bytes_read, st.stats.bytes_written) for st in stores]
@@ -194,6 +258,8 @@ def run_contender(name: str, spec: dict) -> dict:
             times.append(dt)
             if spec.get("device") == "sim" and engine is not None and name.startswith("offload-"):
                 sim_steps.append(_sim_overlap(engine, (t, end)))
+            if name.startswith("offload-"):
+                paths.append(critical_path(engine.timeline(), round(dt, 6), sim_steps[-1] if sim_steps else None))
         print(f"[{name}] step {i} {'warmup' if i < s['warmup'] else 'timed'} "
               f"{dt:.3f} s loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     # CPU seconds (user, system) and page faults per timed step: on 2 cores a
@@ -213,6 +279,8 @@ def run_contender(name: str, spec: dict) -> dict:
         tl = engine.timeline()
         res["timeline"] = {"wall_s": round(tl["wall_s"], 4),
                            "seconds": {k: round(v, 4) for k, v in tl["seconds"].items()}}
+        res["timeline_per_step"] = paths
+        res["critical_path_median"] = median_path(paths)
         if sim_steps:
             res["sim"] = _sim_summary(engine, sim_steps)
         if spec.get("trace_dir"):
