@@ -273,7 +273,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
 
     # Note [one store per thread]
     # A SwapStore is driven by one thread (it finishes transfers in submission
-    # order). The compute thread reads parameters while the optimizer thread
+    # order). The compute thread reads parameters while the host worker
     # reads and writes state and writes new parameter values (Note [optimizer
     # overlap]), so each gets its own stores, over the same files: the
     # optimizer writes a parameter's file only after its gradient is final,

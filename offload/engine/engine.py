@@ -26,13 +26,14 @@ from offload.engine.checkpoint_methods import CheckpointMethods
 from offload.engine.closed import EngineClosedError, close_off, weak_callback
 from offload.engine.deepspeed_api import DeepSpeedMethods
 from offload.engine.gradients import all_finite, clip_by_global_norm
+from offload.engine.teardown import Teardown
 from offload.engine.loss_scaler import LossScaler
 from offload.engine.memory import ProcessMemory, map_large_allocations, release_free_host_memory
 from offload.host_worker import HostWorker
 from offload.optim.sharded_adam import ShardedAdam
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
-from offload.partition.managed import manage, refuse_state_dict_larger_than_memory, unmanage
+from offload.partition.managed import manage, refuse_state_dict_larger_than_memory
 from offload.partition.manager import ParameterManager
 from offload.partition.prefetch import prefetch_scheduler
 from offload.partition.shard import ShardContext
@@ -44,7 +45,7 @@ from offload.torch_release import check_torch_release
 log = logging.getLogger("offload")
 
 
-class Engine(DeepSpeedMethods, CheckpointMethods):
+class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
     def __init__(self, model: torch.nn.Module, config: Config, *, builder=None, weights=None,
                  param_groups: list[dict] | None = None):
         """builder: the offload.init ModelBuilder the model was built in (its shards
@@ -493,72 +494,6 @@ class Engine(DeepSpeedMethods, CheckpointMethods):
                       "(engine.save_checkpoint, engine.save_pretrained)")
             close_off(self.optimizer, "engine.optimizer", reason)
             close_off(self, "engine", reason)
-
-    def _give_values_back(self) -> bool:
-        """At close: each parameter becomes a plain tensor holding its value (the
-        fp32 master, in its original dtype) when the model fits in half the memory
-        available; otherwise its values go with the swap files, and reading them
-        raises (Note [reading a parameter outside the engine])."""
-        need = sum(s.numel * max(4, s.original_dtype.itemsize) for s in self.shards if s.home is not Tier.DEVICE)
-        # Every rank decides alike: reading the values back is a collective.
-        if self.pg.any_flag(need > 0.5 * psutil.virtual_memory().available, self.device):
-            log.warning("engine.close(): the parameters (%.1f GiB) do not fit in memory and are not given "
-                        "back to the model; save them before closing", need / 2**30)
-            return False
-        try:
-            values = self.full_state_dict(master=True)
-        except Exception:  # noqa: BLE001 - closing after a failure: reads then raise instead
-            log.exception("engine.close(): could not read the parameters back")
-            return False
-        unmanage(self.shards)
-        for shard in self.shards:
-            shard.param.data = values[shard.name].to(shard.original_dtype)
-        return True
-
-    def _remove_swap_files(self) -> None:
-        for store in self._stores:
-            store.close()
-        # The engine closes its stores itself, not through ParamStore.close: the
-        # parameter staging pool's buffers and their host (and pinned) charge go here.
-        param_store = self.shard_context and self.shard_context.param_store
-        if param_store is not None and param_store.staging is not None:
-            param_store.staging.close()
-        self._run_dirs.remove()  # the files and this run's directory, whoever made nvme_path
-
-    def _abort(self) -> None:
-        unmanage(self.shards)
-        # Note [an interrupted initialize] (build.py): the shards not placed kept or got back their tensor.
-        for shard in self._placed:
-            if self.pg.world_size > 1:
-                break  # a partition is not the whole value
-            try:  # the master: the original value in fp32, not the compute-dtype copy
-                value = self.optimizer.master_partition(shard)
-            except Exception:  # noqa: BLE001 - best effort: the original error matters
-                log.warning("initialize failed and the fp32 value of %s could not be read back; it is "
-                            "restored from its %s copy", shard.name, shard.dtype, exc_info=True)
-                try:
-                    value = shard.home_partition()
-                except Exception:  # noqa: BLE001
-                    continue
-            shard.param.data = value[:shard.numel].view(shard.shape).to(shard.original_dtype)
-        if self.manager is not None:
-            self.manager.remove_hooks()
-        if self.optimizer is not None:
-            self.optimizer.close()
-        if self._host_worker is not None:
-            self._host_worker.shutdown()
-        if self.activation_checkpointing is not None:
-            self.activation_checkpointing.remove()
-        self._remove_swap_files()
-        self.pg.release()  # Note [releasing the process group] in partition/collectives.py
-        self._close_device()
-
-    def _close_device(self) -> None:
-        """The copy streams' pinned pool, then the layer (the sim's stream threads)."""
-        streams = self.shard_context and self.shard_context.streams
-        if streams is not None:
-            streams.close()
-        self.device_layer.close()
 
     def _check_open(self) -> None:
         if self._closed:  # engine.optimizer.step() reaches _update through its driver

@@ -36,6 +36,7 @@ the compute thread: state and homes on the host (Engine._can_defer).
 """
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -78,7 +79,7 @@ class DeferredUpdates:
     """The updates step() left running on the host worker (Note [updates under the next forward])."""
 
     def __init__(self, optimizer: "ShardedAdam", worker: HostWorker, *, kernel_threads: int):
-        self.optimizer = optimizer
+        self.optimizer = weakref.proxy(optimizer)  # no cycle: a deleted engine goes without the collector
         self.worker = worker
         self.kernel_threads = kernel_threads
         self.pending: list[ShardUpdate] = []
@@ -127,7 +128,7 @@ class OverlappedUpdates:
         """kernel_threads: Adam kernel threads while updates overlap backward (Note
         [optimizer threads] in offload/simd.py). pending_grad_elems: elements of final
         gradients queued for their update before submit() waits (at least the largest shard)."""
-        self.optimizer = optimizer
+        self.optimizer = weakref.proxy(optimizer)  # no cycle: a deleted engine goes without the collector
         self.worker = worker
         self.kernel_threads = kernel_threads
         self.pending_grad_elems = pending_grad_elems

@@ -16,7 +16,7 @@ order (one write of it at a time, as the memory budget counts): a model of
 many small parameters would otherwise wait out each small write's latency
 in turn before the next update (GPT 3.3M, deferred step: 117 -> 104 ms).
 
-All calls come from one thread: the optimizer thread while updates overlap
+All calls come from one thread: the host worker while updates overlap
 backward, the compute thread in a deferred step, never both at once.
 
 A write that fails is reported by close(), never by a later put() or take():
