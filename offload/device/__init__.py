@@ -6,8 +6,11 @@ choice]).
 
 `from_env()` picks the implementation: `OFFLOAD_DEVICE=cuda|sim|cpu`; unset is
 cuda where CUDA exists, else cpu; the simulator only when asked for, with
-`OFFLOAD_SIM_SEED` (an integer, default 0) and `OFFLOAD_SIM_GBPS` (host<->device
-bandwidth in GB/s, default 25).
+`OFFLOAD_SIM_SEED` (an integer, default 0), `OFFLOAD_SIM_GBPS` (host<->device
+bandwidth in GB/s, default 25), and `OFFLOAD_SIM_TFLOPS` with
+`OFFLOAD_SIM_DEVICE_GBPS` (the modeled compute rate and device memory
+bandwidth; unset or 0: compute takes the host's time; Note [sim modeled
+compute] in device/sim_compute.py).
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ from offload.device.layer import DeviceCounters, DeviceLayer, Event, Stream
 ENV_DEVICE = "OFFLOAD_DEVICE"
 ENV_SIM_SEED = "OFFLOAD_SIM_SEED"
 ENV_SIM_GBPS = "OFFLOAD_SIM_GBPS"
+ENV_SIM_TFLOPS = "OFFLOAD_SIM_TFLOPS"
+ENV_SIM_DEVICE_GBPS = "OFFLOAD_SIM_DEVICE_GBPS"
 LAYERS = ("cuda", "sim", "cpu")
 
 __all__ = ["DeviceCounters", "DeviceLayer", "Event", "Stream", "from_env", "selected_name", "make",
@@ -49,7 +54,7 @@ def selected_name() -> str:
     return value
 
 
-def _env_number(var: str, kind: type, default, expected: str):
+def _env_number(var: str, kind: type, default, expected: str, zero_ok: bool = False):
     raw = os.environ.get(var, "").strip()
     if not raw:
         return default
@@ -57,7 +62,7 @@ def _env_number(var: str, kind: type, default, expected: str):
         value = kind(raw)
     except ValueError:
         value = None
-    if value is None or (kind is float and not value > 0):
+    if value is None or (kind is float and not (value > 0 or (zero_ok and value == 0))):
         raise ValueError(f"{var}={raw!r}: expected {expected}")
     return value
 
@@ -79,8 +84,13 @@ def make(name: str) -> DeviceLayer:
         return CudaDevice(index=local_rank_gpu())
     if name == "sim":
         from offload.device.sim import DEFAULT_GBPS, SimDevice
+        from offload.device.sim_compute import ComputeRate
+        compute = ComputeRate(  # Note [sim modeled compute]; unset or 0: not modeled
+            tflops=_env_number(ENV_SIM_TFLOPS, float, 0.0, "a number of TFLOP/s >= 0", zero_ok=True),
+            device_gbps=_env_number(ENV_SIM_DEVICE_GBPS, float, 0.0, "a number of GB/s >= 0", zero_ok=True))
         return SimDevice(seed=_env_number(ENV_SIM_SEED, int, 0, "an integer"),
-                         gbps=_env_number(ENV_SIM_GBPS, float, DEFAULT_GBPS, "a number of GB/s > 0"))
+                         gbps=_env_number(ENV_SIM_GBPS, float, DEFAULT_GBPS, "a number of GB/s > 0"),
+                         compute=compute)
     if name == "cpu":
         from offload.device.cpu import CpuDevice
         return CpuDevice()

@@ -10,10 +10,13 @@ from when it is enqueued if nothing else still uses the destination, else
 from when the stream reaches it. Every access is also checked against the
 stream order (Note [sim stream order] in device/sim_memory.py), so a missing
 wait raises whatever the timing; `check_order=False` leaves only the poison,
-to show what a missing wait does to the numbers.
+to show what a missing wait does to the numbers. With a `ComputeRate`, device
+compute takes a modeled time too, slept on the calling thread (Note [sim
+modeled compute] in device/sim_compute.py).
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import random
 import threading
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from offload.device.layer import DeviceLayer, Event, Stream, nbytes
+from offload.device.sim_compute import ComputeClock, ComputeCounters, ComputeRate
 from offload.device.sim_memory import (
     DEFAULT_LANE, HOST_LANE, Access, SimDeviceTensor, SimPinnedTensor, SimRecord, SimTensor,
     StreamOrderError, VectorClock, check_access, note_access, plain, poison, record_of, wrap_buffer,
@@ -55,6 +59,8 @@ class SimEvent(Event):
 
     def record(self, stream: Stream) -> None:
         assert isinstance(stream, SimStream), f"not a sim stream: {stream!r}"
+        if stream.worker is None:
+            self._layer.settle_compute()  # the compute queued before it has run (Note [sim modeled compute])
         with self._layer.lock:
             self.clock = VectorClock(stream.clock)
             self.done = done = threading.Event()  # a re-record leaves earlier waiters on the old one
@@ -129,6 +135,7 @@ class SimStream(Stream):
             # orders later default-stream work, not the host's own reads (as on CUDA).
             done = event.done
             if not done.is_set():  # the caller blocks: recorded (Note [hidden transfer time])
+                self._layer.settle_compute()  # queued compute runs first (Note [sim modeled compute])
                 start = time.perf_counter()
                 done.wait()
                 self._layer.blocked.append((start, time.perf_counter(), threading.current_thread().name))
@@ -156,7 +163,7 @@ class SimDevice(DeviceLayer):
     name = "sim"
 
     def __init__(self, seed: int = 0, gbps: float = DEFAULT_GBPS, jitter_s: float = DEFAULT_JITTER_S,
-                 check_order: bool = True) -> None:
+                 check_order: bool = True, compute: ComputeRate | None = None) -> None:
         if not gbps > 0:
             raise ValueError(f"sim device: bandwidth {gbps!r} GB/s; expected a number > 0")
         if not jitter_s >= 0:
@@ -176,10 +183,33 @@ class SimDevice(DeviceLayer):
         # (start, end, thread name) of each wait that blocked a host thread: the default
         # stream's wait_event, Event/Stream/layer synchronize (Note [hidden transfer time]).
         self.blocked: list[tuple[float, float, str]] = []
+        # Device compute's modeled time, slept on this thread (Note [sim modeled compute]); None: not modeled.
+        self.compute = ComputeClock(self, compute) if compute is not None and compute.modeled else None
 
     def describe(self) -> str:
         return (f"sim (seed {self.seed}, {self.gbps:g} GB/s, jitter up to {self.jitter_s * 1e6:g} us, "
-                f"stream-order checks {'on' if self.check_order else 'off'})")
+                f"stream-order checks {'on' if self.check_order else 'off'}"
+                f"{', ' + self.compute.rate.describe() if self.compute else ''})")
+
+    # -- modeled compute (Note [sim modeled compute]) ---------------------------
+
+    @property
+    def modeled_compute_s(self) -> float:
+        """The modeled time of the device compute since the layer was built or last reset (0: off)."""
+        return self.compute.counters.modeled_s if self.compute else 0.0
+
+    def reset_modeled_compute(self) -> ComputeCounters:
+        """The compute counters so far (ops, FLOPs, bytes, modeled and slept seconds); restarts them."""
+        return self.compute.reset() if self.compute else ComputeCounters()
+
+    def settle_compute(self) -> None:
+        """Sleep what the compute queued so far still owes (on the compute thread)."""
+        if self.compute is not None:
+            self.compute.settle()
+
+    def _own_work(self):
+        """The layer's work on the compute thread, which is not device compute."""
+        return self.compute.unmodeled() if self.compute is not None else contextlib.nullcontext()
 
     # -- memory -----------------------------------------------------------
 
@@ -233,6 +263,7 @@ class SimDevice(DeviceLayer):
         return SimEvent(self)
 
     def synchronize(self) -> None:
+        self.settle_compute()
         for stream in list(self._streams):
             stream.synchronize()
         with self.lock:
@@ -245,6 +276,8 @@ class SimDevice(DeviceLayer):
                 from self.worker_errors[0]
 
     def close(self) -> None:
+        if self.compute is not None:
+            self.compute.stop()
         for stream in self._streams:
             stream.stop()
         self._streams.clear()
@@ -252,6 +285,10 @@ class SimDevice(DeviceLayer):
     # -- copies -------------------------------------------------------------
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream | None = None) -> Event:
+        with self._own_work():  # its time is bytes / gbps, and the poison is the sim's
+            return self._copy(dst, src, stream)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream | None) -> Event:
         stream = stream or self.default
         assert isinstance(stream, SimStream), f"not a sim stream: {stream!r}"
         self.raise_worker_error()
