@@ -159,6 +159,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what every contender computes in: fp32 (default) or bf16 (ours and DeepSpeed: the "
                         "config's bf16 section; torch, torchao: fp32 parameters and AdamW, forward and loss "
                         "under torch.autocast bf16; FSDP2: MixedPrecisionPolicy bf16, reduce fp32)")
+    p.add_argument("--grad-clip", type=float, default=0.0, metavar="NORM",
+                   help="clip gradients by their global 2-norm (0: off, the default): ours and DeepSpeed "
+                        "through the config's gradient_clipping, torch, torchao and FSDP2 with "
+                        "torch.nn.utils.clip_grad_norm_ (Hugging Face Trainer clips at 1.0 by default)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per contender before it is stopped")
     p.add_argument("--deadline", type=float, default=None, metavar="S",
                    help="seconds from now by which the whole run ends and train.json is written: each "
@@ -180,7 +184,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def ds_config(device: str, *, batch: int, lr: float, nvme_path: str | None = None,
               largest_param: int | None = None, buffer_count: int | None = None,
-              buffer_size: int | None = None, precision: str = "fp32") -> dict:
+              buffer_size: int | None = None, precision: str = "fp32", grad_clip: float = 0.0) -> dict:
     """The one config ours and DeepSpeed both get; nvme adds only what nvme needs,
     bf16 only its section (fp32 has none: both engines' default).
 
@@ -200,6 +204,8 @@ def ds_config(device: str, *, batch: int, lr: float, nvme_path: str | None = Non
     }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if grad_clip > 0:
+        cfg["gradient_clipping"] = grad_clip
     if device == "nvme":
         zero = cfg["zero_optimization"]
         zero["offload_param"]["nvme_path"] = nvme_path
@@ -229,6 +235,7 @@ def _settings(args) -> dict:
         "layers": model["layers"],
         "params": GPTConfig(**model).num_params(),
         "precision": args.precision,
+        "grad_clip": args.grad_clip,
         "warmup": args.warmup if args.warmup is not None else (1 if quick else 2),
         "steps": args.steps if args.steps is not None else (3 if quick else 10),
         "batch": args.batch if args.batch is not None else (2 if quick else 4),
@@ -443,7 +450,8 @@ def run(args) -> int:
     configs = {mode: ds_config(mode, batch=settings["batch"], lr=settings["lr"],
                                nvme_path=str(nvme_root / "swap") if mode == "nvme" else None,
                                largest_param=largest, buffer_count=args.buffer_count,
-                               buffer_size=args.buffer_size, precision=settings["precision"])
+                               buffer_size=args.buffer_size, precision=settings["precision"],
+                               grad_clip=settings["grad_clip"])
                for mode in ("cpu", "nvme")}
     report = {
         "benchmark": "train",

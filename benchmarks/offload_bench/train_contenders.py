@@ -72,9 +72,10 @@ def _rank0_env(spec: dict) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
 
 
-def _torch_step(model, opt, lm_loss, autocast=None):
+def _torch_step(model, opt, lm_loss, autocast=None, grad_clip: float = 0.0):
     """One training step of a model a torch optimizer steps (torch, FSDP2, torchao);
-    `autocast`: the device type whose torch.autocast(bfloat16) the forward and loss run under."""
+    `autocast`: the device type whose torch.autocast(bfloat16) the forward and loss run under;
+    grad_clip > 0: clip_grad_norm_ before the step."""
     import contextlib
 
     import torch
@@ -83,6 +84,8 @@ def _torch_step(model, opt, lm_loss, autocast=None):
         with torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
             loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -101,19 +104,20 @@ def _setup(name: str, model, spec: dict, device, res: dict):
     bf16 = s.get("precision", "fp32") == "bf16"
     autocast = device.type if bf16 else None
     adamw = dict(lr=s["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    clip = s.get("grad_clip", 0.0)  # ours and DeepSpeed: the config's gradient_clipping
     if bf16 and name in ("torch", "torchao-cpu"):
         res["precision_how"] = f"fp32 parameters and AdamW; forward and loss under torch.autocast({autocast!r}, bf16)"
     if name == "torch":
         model.to(device)
         opt = torch.optim.AdamW(model.parameters(), **adamw, fused=True)
-        return _torch_step(model, opt, lm_loss, autocast), None, device
+        return _torch_step(model, opt, lm_loss, autocast, clip), None, device
     if name == "torchao-cpu":
         from torchao.optim import CPUOffloadOptimizer  # run_contender checked that it imports
 
         model.to(device)
         opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=False, fused=True,
                                   **adamw)
-        return _torch_step(model, opt, lm_loss, autocast), None, device
+        return _torch_step(model, opt, lm_loss, autocast, clip), None, device
     if name == "fsdp2-cpu":
         import torch.distributed as dist
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -130,7 +134,7 @@ def _setup(name: str, model, spec: dict, device, res: dict):
             fully_shard(block, **shard)
         fully_shard(model, **shard)
         opt = torch.optim.AdamW(model.parameters(), **adamw)
-        return _torch_step(model, opt, lm_loss), None, device
+        return _torch_step(model, opt, lm_loss, grad_clip=clip), None, device
     if bf16:
         res["precision_how"] = 'the config\'s "bf16": {"enabled": true}'
     if name.startswith("offload-"):
@@ -247,6 +251,10 @@ def run_contender(name: str, spec: dict) -> dict:
         if i == s["warmup"]:
             moved = [(st.stats.bytes_read, st.stats.bytes_written) for st in stores]
             usage = resource.getrusage(resource.RUSAGE_SELF)
+        layer = engine.device_layer if engine is not None and name.startswith("offload-") else None
+        modeled = getattr(layer, "compute", None)  # --device sim with OFFLOAD_SIM_TFLOPS
+        if modeled is not None:
+            layer.reset_modeled_compute()
         t = time.perf_counter()
         loss = step(batches[i])
         if cuda:
@@ -260,6 +268,10 @@ def run_contender(name: str, spec: dict) -> dict:
                 sim_steps.append(_sim_overlap(engine, (t, end)))
             if name.startswith("offload-"):
                 paths.append(critical_path(engine.timeline(), round(dt, 6), sim_steps[-1] if sim_steps else None))
+                paths[-1]["optimizer_gparams_per_s"] = round(
+                    res["params"] / 1e9 / max(paths[-1]["optimizer_s"], 1e-9), 4)
+                if modeled is not None:  # the device compute's modeled time (Note [sim modeled compute])
+                    paths[-1]["modeled_compute_s"] = round(layer.reset_modeled_compute().modeled_s, 6)
         print(f"[{name}] step {i} {'warmup' if i < s['warmup'] else 'timed'} "
               f"{dt:.3f} s loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     # CPU seconds (user, system) and page faults per timed step: on 2 cores a

@@ -41,6 +41,9 @@ TIMELINE_PER_STEP_DOC = {
     "writes": "NVMe writes in the step",
     "copies": "--device sim: host<->device copies in the step (copies_busy_s: their union; "
               "copies_exposed_s: the part with compute blocked)",
+    "optimizer_gparams_per_s": "trainable parameters / optimizer_s: the optimizer's rate inside the step",
+    "modeled_compute_s": "--device sim with OFFLOAD_SIM_TFLOPS: the device compute's modeled time "
+                         "in the step (Note [sim modeled compute] in offload/device/sim_compute.py)",
     "critical_path": "the compute thread's wall_s split into parts that do not overlap: compute_s, "
                       "wait_s, optimizer_s (on the compute thread) and other_s (the rest: Python "
                       "between spans, the loss); inner spans win (Note [critical path])",

@@ -56,24 +56,40 @@ class SimEvent(Event):
         self._layer = layer
         self.clock: VectorClock | None = None  # None: never recorded
         self.done = threading.Event()
+        # On the default stream with modeled compute: when the modeled device reaches
+        # it (its data is there already; whoever waits it waits that long too).
+        self.ready_at = 0.0
 
     def record(self, stream: Stream) -> None:
         assert isinstance(stream, SimStream), f"not a sim stream: {stream!r}"
-        if stream.worker is None:
-            self._layer.settle_compute()  # the compute queued before it has run (Note [sim modeled compute])
         with self._layer.lock:
             self.clock = VectorClock(stream.clock)
             self.done = done = threading.Event()  # a re-record leaves earlier waiters on the old one
             if stream.worker is None:
-                done.set()  # the default stream's work is already done when the caller gets here
+                # The default stream's work is done when the caller gets here; with modeled
+                # compute the event completes when the modeled device has run it, and the
+                # host goes on queuing meanwhile (Note [sim modeled compute]).
+                self.ready_at = self._layer.compute_free_at()
+                done.set()
             else:
+                self.ready_at = 0.0
                 stream.enqueue(done.set)
+
+    def _ready(self) -> bool:
+        return self.done.is_set() and time.perf_counter() >= self.ready_at
+
+    def wait_ready(self) -> None:
+        """Blocks until the event completed (and the modeled device reached it)."""
+        self.done.wait()
+        delay = self.ready_at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
 
     def query(self) -> bool:
         self._layer.raise_worker_error()
         if self.clock is None:
             return True
-        if not self.done.is_set():
+        if not self._ready():
             return False
         with self._layer.lock:  # as on CUDA, a query that saw it done orders the host after it
             self._layer.host.clock.merge(self.clock)
@@ -82,10 +98,9 @@ class SimEvent(Event):
     def synchronize(self) -> None:
         if self.clock is None:
             return
-        done = self.done
-        if not done.is_set():  # the caller blocks: recorded (Note [hidden transfer time])
+        if not self._ready():  # the caller blocks: recorded (Note [hidden transfer time])
             start = time.perf_counter()
-            done.wait()
+            self.wait_ready()
             self._layer.blocked.append((start, time.perf_counter(), threading.current_thread().name))
         self._layer.raise_worker_error()
         with self._layer.lock:
@@ -133,12 +148,15 @@ class SimStream(Stream):
         if self.worker is None:
             # The default stream is the calling thread: its wait blocks the caller. It
             # orders later default-stream work, not the host's own reads (as on CUDA).
-            done = event.done
-            if not done.is_set():  # the caller blocks: recorded (Note [hidden transfer time])
-                self._layer.settle_compute()  # queued compute runs first (Note [sim modeled compute])
-                start = time.perf_counter()
-                done.wait()
-                self._layer.blocked.append((start, time.perf_counter(), threading.current_thread().name))
+            if not event.done.is_set():  # the caller blocks: recorded (Note [hidden transfer time])
+                # With modeled compute the device is busy until free_at: only the wait past
+                # it is the device's (Note [sim modeled compute]); the host's own is not.
+                start = max(time.perf_counter(), self._layer.compute_free_at())
+                event.done.wait()  # the data must be there: the host runs the compute after it
+                end = time.perf_counter()
+                if end > start:
+                    self._layer.blocked.append((start, end, threading.current_thread().name))
+                self._layer.compute_advance_to(end)  # the modeled device idled until the copy landed
             self._layer.raise_worker_error()
             with self._layer.lock:
                 self.clock.merge(event.clock)
@@ -146,7 +164,7 @@ class SimStream(Stream):
         with self._layer.lock:
             self.clock.merge(self._layer.host.clock)
             self.clock.merge(event.clock)
-            self.enqueue(event.done.wait)
+            self.enqueue(event.wait_ready)
 
     def wait_stream(self, other: Stream) -> None:
         marker = self._layer.event()
@@ -201,6 +219,15 @@ class SimDevice(DeviceLayer):
     def reset_modeled_compute(self) -> ComputeCounters:
         """The compute counters so far (ops, FLOPs, bytes, modeled and slept seconds); restarts them."""
         return self.compute.reset() if self.compute else ComputeCounters()
+
+    def compute_free_at(self) -> float:
+        """time.perf_counter() when the modeled device has run what was queued (0: not modeled)."""
+        return self.compute.free_at if self.compute is not None else 0.0
+
+    def compute_advance_to(self, when: float) -> None:
+        """The modeled device waited (a copy the default stream waited on) until `when`."""
+        if self.compute is not None:
+            self.compute.advance_to(when)
 
     def settle_compute(self) -> None:
         """Sleep what the compute queued so far still owes (on the compute thread)."""

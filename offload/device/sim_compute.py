@@ -41,16 +41,18 @@ takes a modeled time instead:
   a CPU kernel of its own (silu_backward) would change its rounding. The
   layer's own work on that thread (a copy, whose time its bandwidth models
   already, and the poison it writes) is not compute.
-- When it sleeps: each op adds its excess to a debt, paid in one sleep once
-  it reaches SLEEP_QUANTUM_S (time.sleep oversleeps by tens of microseconds,
-  which per small op would dwarf the model; an oversleep is credited to the
-  next ops), and paid in full wherever the default stream is observed: an
-  event recorded on it, the default stream waiting an event it would block
-  on (the kernels queued before the wait run during it, as on a GPU, so the
-  wait blocks only for what they do not cover: Note [hidden transfer
-  time]), the layer's synchronize. The host so runs at most a quantum ahead
-  of the modeled device, like a launch queue. Only the building thread
-  sleeps; a debt run up on another thread is paid by it.
+- When it sleeps: as a GPU runs kernels while its host queues more, each op
+  is placed on a modeled device timeline: it starts when the device is free
+  or when the host issued it, whichever is later, and lasts its modeled time
+  (the host's own run of the op counts as the time spent issuing it). The
+  host sleeps until the device is done only where it synchronizes with it
+  (the layer's synchronize, an event's synchronize) and when it runs more
+  than QUEUE_S ahead (a launch queue's depth). An event recorded on the
+  default stream completes when the modeled device reaches it: a copy stream
+  that waits it starts no sooner (SimEvent.ready_at). When the default
+  stream waits a copy still running, the modeled device idles until it lands. So the host's own work between ops
+  (hooks, Python, this mode's dispatch) hides under the modeled kernels, as
+  it does on a GPU. Only the building thread sleeps.
 - `SimDevice.modeled_compute_s` is the modeled time summed over ops, reset
   by `reset_modeled_compute()`; `compute.counters` also keeps ops, FLOPs,
   bytes and the time slept. A step's wall time against it shows what the
@@ -59,11 +61,10 @@ Not modeled: kernel launch latency; per-dtype rates (one rate for every
 dtype, no tensor-core speedup for bf16); the FLOPs of elementwise ops (their
 bytes only, when device_gbps is set); ops without a device operand (a factory
 such as torch.zeros inside the model) and ops on other threads; collectives'
-time; caches, kernel concurrency, and a host slower than the model. Nor a
-host running far ahead: a GPU's host thread queues kernels until it
-synchronizes, so its own work between ops (hooks, Python, this mode's
-dispatch, some tens of microseconds an op) hides under them; here it adds to
-them, beyond a quantum, so a step errs long against the modeled GPU.
+time; caches, kernel concurrency, and a host slower than the model. Nor the
+host's work that a GPU would not need: the sim's own copies and poison run on
+host threads and cores, so on a small host a step errs long against the
+modeled GPU.
 While the layer is open its mode is on the building thread's dispatch
 stack: a mode entered before the layer was built and left before its close
 would pop it instead of its own (TorchDispatchMode pops the top); a layer
@@ -86,7 +87,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from offload.device.sim_memory import SimDeviceTensor, record_of
 
-SLEEP_QUANTUM_S = 0.5e-3  # the debt paid in one sleep; how far the host may run ahead
+QUEUE_S = 0.25  # how far the host may run ahead of the modeled device before it waits
 
 _aten = torch.ops.aten
 # torch's formulas, by overload packet, and the CPU flash SDPA kernels that SDPA picks on
@@ -155,7 +156,7 @@ class ComputeClock:
         self._layer = weakref.ref(layer)  # weak: a mode left on a stack keeps no layer alive
         self._computed: weakref.WeakSet = weakref.WeakSet()  # storages device ops wrote
         self._lock = threading.Lock()
-        self._debt = 0.0  # modeled time not yet slept (negative: overslept)
+        self._free_at = 0.0  # time.perf_counter() when the modeled device has run what was queued
         self._paused = threading.local()
         self._owner = threading.get_ident()
         self._decomposes: dict = {}
@@ -177,16 +178,27 @@ class ComputeClock:
         finally:
             self._paused.depth -= 1
 
+    @property
+    def free_at(self) -> float:
+        return self._free_at
+
+    def advance_to(self, when: float) -> None:
+        with self._lock:
+            self._free_at = max(self._free_at, when)
+
     def settle(self) -> None:
         """Sleep the debt: the compute queued so far has run (on the building thread only)."""
-        if threading.get_ident() != self._owner or self._debt <= 0:
+        self._wait_until(self._free_at)
+
+    def _wait_until(self, when: float) -> None:
+        if threading.get_ident() != self._owner:
             return
         start = time.perf_counter()
-        time.sleep(self._debt)
-        slept = time.perf_counter() - start
+        if when <= start:
+            return
+        time.sleep(when - start)
         with self._lock:
-            self._debt -= slept
-            self.counters.slept_s += slept
+            self.counters.slept_s += time.perf_counter() - start
 
     def reset(self) -> ComputeCounters:
         """The counters so far; counting starts again from zero."""
@@ -247,7 +259,7 @@ class ComputeClock:
                                      keys.CompositeExplicitAutogradNonFunctional))
         return known
 
-    def spend(self, func, args, kwargs, out, elapsed: float) -> None:
+    def spend(self, func, args, kwargs, out, start: float, elapsed: float) -> None:
         formula = FLOP_FORMULAS.get(func.overloadpacket)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
         nbytes = 0
@@ -262,10 +274,12 @@ class ComputeClock:
             c.flops += flops
             c.bytes += nbytes
             c.modeled_s += modeled
-            self._debt += max(0.0, modeled - elapsed)
-            due = self._debt >= SLEEP_QUANTUM_S
-        if due:
-            self.settle()
+            # On the device from when the host issued it (or the device came free),
+            # for the longer of its modeled time and the host's run of it.
+            self._free_at = max(self._free_at, start) + max(modeled, elapsed)
+            ahead = self._free_at - time.perf_counter()
+        if ahead > QUEUE_S:  # the launch queue is full: the host waits for room
+            self._wait_until(self._free_at - QUEUE_S)
 
 
 class _ComputeMode(TorchDispatchMode):
@@ -291,7 +305,7 @@ class _ComputeMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         elapsed = time.perf_counter() - start
         clock.wrote(out)
-        clock.spend(func, args, kwargs, out, elapsed)
+        clock.spend(func, args, kwargs, out, start, elapsed)
         return out
 
 
