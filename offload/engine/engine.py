@@ -245,11 +245,11 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
     def _can_defer(self) -> bool:
         """Note [updates under the next forward]: a step that could not overlap backward
         leaves its updates running beside the next forward where nothing in them can
-        fail on a file or needs the compute thread: host Adam beside a separate device,
-        every home on the host."""
+        fail on a file: host Adam beside a separate device, every home on the host or
+        the device."""
         return (self.optim_tier is Tier.HOST and self.device_layer.separate_memory
                 and self.config.zero_optimization.overlap_comm
-                and all(s.home is Tier.HOST for s in self.shards))
+                and all(s.home is not Tier.NVME for s in self.shards))
 
     def _abandon_overlap(self) -> None:
         # A failed backward after some updates ran: wait for them so no thread

@@ -31,8 +31,10 @@ waits only for the update of the shard it needs, while the later updates run
 beside it. Each update computes exactly what the deferred step computed, on
 the same gradient: the results are the same bits; no copy of any state is
 kept, so the memory cost is nil (the gradients are held until their update,
-as they were). Only where nothing in the update can fail on a file or needs
-the compute thread: state and homes on the host (Engine._can_defer).
+as they were). Only where nothing in the update can fail on a file: state
+and homes on the host, or on the device for parameters under the
+persistence threshold, whose (small) updates step() runs itself, since their
+new values go up by the compute thread (Engine._can_defer).
 """
 from __future__ import annotations
 
@@ -94,6 +96,12 @@ class DeferredUpdates:
         self.settle()
         groups = [dict(g) for g in opt.param_groups]  # the LR schedule moves after step()
         opt.kernel_threads = self.kernel_threads  # the compute thread runs the next forward beside them
+        # Device homes (small: under the persistence threshold) are updated now: their
+        # new value goes up by the compute thread (a collective with several ranks).
+        for shard in order:
+            if shard.has_grad and shard.home is Tier.DEVICE:
+                opt.update_shard(shard, groups[opt.group_index(shard)], None)
+        opt.flush_publishes()
         for shard in order:
             if shard.has_grad:
                 done = self.worker.submit(opt.update_shard, shard, groups[opt.group_index(shard)], None)
