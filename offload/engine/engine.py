@@ -25,7 +25,7 @@ from offload.engine.build import build_shards
 from offload.engine.checkpoint_methods import CheckpointMethods
 from offload.engine.closed import EngineClosedError, close_off, weak_callback
 from offload.engine.deepspeed_api import DeepSpeedMethods
-from offload.engine.gradients import all_finite, clip_by_global_norm
+from offload.engine.gradients import all_finite, clip_by_global_norm, clip_coefficient, square_sum
 from offload.engine.teardown import Teardown
 from offload.engine.loss_scaler import LossScaler
 from offload.engine.memory import ProcessMemory, map_large_allocations, release_free_host_memory
@@ -165,6 +165,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         self._passes_at_update = 0  # ... when the last update ran (fp16: see _update)
         self._scaled_passes = 0  # backward passes through engine.backward since then
         self._in_engine_step = False
+        self._norm_terms: dict | None = None  # Note [norm terms during backward] (engine/gradients.py)
         # DeepSpeed's methods (deepspeed_api.py): set_gradient_accumulation_boundary (None: by micro_steps),
         # was_step_applied, get_global_grad_norm; step() calls since the last update (or skipped one).
         self._boundary, self._step_applied, self._global_grad_norm, self._micro_in_window = None, False, None, 0
@@ -217,6 +218,9 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
             self._before_update()
             self.optimizer.grad_sq = 0.0
             self.optimizer.overlap.begin()
+        # Note [norm terms during backward] (engine/gradients.py)
+        self._norm_terms = {} if (self.config.gradient_clipping > 0 and self.loss_scaler is None
+                                  and self.is_gradient_accumulation_boundary() and self._can_defer()) else None
         try:
             with self._timeline.span("backward"):
                 (loss * scale).backward()
@@ -356,13 +360,17 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
                 if s.has_grad:
                     s.grad_part.div_(self.loss_scaler.scale)
             self.loss_scaler.update(False, self.global_steps + self.skipped_steps + 1)
-        clipped_norm = None
-        if self.config.gradient_clipping > 0:
+        clipped_norm, coef, defer = None, None, self._can_defer()
+        terms, self._norm_terms = self._norm_terms, None
+        if self.config.gradient_clipping > 0 and defer:  # the coefficient goes with each update
+            clipped_norm, coef = clip_coefficient(self.shards, self.config.gradient_clipping, self.device,
+                                                  self.pg, terms)
+        elif self.config.gradient_clipping > 0:
             clipped_norm = clip_by_global_norm(self.shards, self.config.gradient_clipping, self.device, self.pg)
         self.optimizer.grad_sq = 0.0
         self._before_update()  # Note [consistent async checkpoint] (offload/checkpoint_io/save.py)
-        if self._can_defer():  # Note [updates under the next forward] (offload/optim/overlap.py)
-            self.optimizer.deferred.start(self.shards)
+        if defer:  # Note [updates under the next forward] (offload/optim/overlap.py)
+            self.optimizer.deferred.start(self.shards, grad_scale=coef)
         else:
             self._applying(self.optimizer.update, clipped_norm)
         self._finish_update(clipped_norm)
@@ -398,6 +406,9 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
     # ---- gradients -----------------------------------------------------------
     def _take_grad(self, shard, grad: torch.Tensor, owned: bool = False) -> None:
         shard.take_grad(grad, owned=owned)
+        terms = self._norm_terms
+        if terms is not None:  # on the host worker (Note [norm terms during backward])
+            terms[shard.index] = square_sum(shard.grad_part)
         if self.optimizer.overlapping:
             self.optimizer.overlap.submit(shard)
 

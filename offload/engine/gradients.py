@@ -1,5 +1,15 @@
 """Step-wide checks over every gradient partition: the fp16 overflow check and
-clipping by the global norm (the engine's deferred step, engine.py _update)."""
+clipping by the global norm (the engine's deferred step, engine.py _update).
+
+Note [norm terms during backward]
+Beside a separate device, a clipped step's per-shard sum of squares is taken
+on the host worker as each final gradient is taken in (Engine._take_grad),
+while backward goes on; step() then only adds the terms, in shard order, as
+it would have computed them, and the coefficient is applied by each shard's
+update on the host worker (DeferredUpdates.start). The same tensors and the
+same operations in the same order: the same bits, off the compute thread.
+Not with fp16 loss scaling, whose unscaling comes first.
+"""
 from __future__ import annotations
 
 import math
@@ -12,16 +22,31 @@ def all_finite(shards) -> bool:
     return all(bool(torch.isfinite(s.grad_part).all()) for s in shards if s.has_grad)
 
 
-def clip_by_global_norm(shards, max_norm: float, device: torch.device, pg) -> float:
-    """As torch.nn.utils.clip_grad_norm_: total 2-norm over every gradient,
-    coefficient max_norm / (norm + 1e-6), applied only when below 1. Returns the norm."""
+def square_sum(grad_part: torch.Tensor) -> torch.Tensor:
+    """One shard's term of the global norm."""
+    return grad_part.float().pow(2).sum()
+
+
+def clip_coefficient(shards, max_norm: float, device: torch.device, pg,
+                     terms: dict | None = None) -> tuple[float, float | None]:
+    """As torch.nn.utils.clip_grad_norm_: the total 2-norm over every gradient, and the
+    coefficient max_norm / (norm + 1e-6) where it is below 1 (else None). terms: shard
+    index -> square_sum already taken (Note [norm terms during backward])."""
+    terms = terms or {}
     sq = torch.zeros(1, dtype=torch.float32, device=device)
     for s in shards:
         if s.has_grad:
-            sq += s.grad_part.float().pow(2).sum().to(device)
+            term = terms.get(s.index)
+            sq += (term if term is not None else square_sum(s.grad_part)).to(device)
     total = math.sqrt(float(pg.sum_scalar(sq).item()))
     coef = max_norm / (total + 1e-6)
-    if coef < 1.0:
+    return total, (coef if coef < 1.0 else None)
+
+
+def clip_by_global_norm(shards, max_norm: float, device: torch.device, pg) -> float:
+    """Clips every pending gradient in place (clip_coefficient); returns the norm."""
+    total, coef = clip_coefficient(shards, max_norm, device, pg)
+    if coef is not None:
         for s in shards:
             if s.has_grad:
                 s.grad_part.mul_(coef)

@@ -90,8 +90,9 @@ class DeferredUpdates:
     def active(self) -> bool:
         return bool(self.pending)
 
-    def start(self, order: list[Shard]) -> None:
-        """Updates each shard of `order` that has a gradient, in that order, on the host worker."""
+    def start(self, order: list[Shard], grad_scale: float | None = None) -> None:
+        """Updates each shard of `order` that has a gradient, in that order, on the host worker;
+        grad_scale: the clipping coefficient, applied to each gradient first."""
         opt = self.optimizer
         self.settle()
         groups = [dict(g) for g in opt.param_groups]  # the LR schedule moves after step()
@@ -100,13 +101,18 @@ class DeferredUpdates:
         # new value goes up by the compute thread (a collective with several ranks).
         for shard in order:
             if shard.has_grad and shard.home is Tier.DEVICE:
-                opt.update_shard(shard, groups[opt.group_index(shard)], None)
+                self._update(shard, groups[opt.group_index(shard)], grad_scale)
         opt.flush_publishes()
         for shard in order:
             if shard.has_grad:
-                done = self.worker.submit(opt.update_shard, shard, groups[opt.group_index(shard)], None)
+                done = self.worker.submit(self._update, shard, groups[opt.group_index(shard)], grad_scale)
                 shard.pending_update = done
                 self.pending.append(ShardUpdate(shard, done, shard.part_numel, False))
+
+    def _update(self, shard: Shard, group: dict, grad_scale: float | None) -> None:
+        if grad_scale is not None:
+            shard.grad_part.mul_(grad_scale)  # as clip_by_global_norm would have, before the update
+        self.optimizer.update_shard(shard, group, None)
 
     def settle(self) -> None:
         """Waits for every update started; raises the first that failed."""

@@ -53,9 +53,9 @@ def _spy(monkeypatch):
         seen["during backward"] += 1
         return submit(self, shard)
 
-    def counted_start(self, order):
+    def counted_start(self, order, **kwargs):
         seen["under the next forward"] += sum(s.has_grad for s in order)
-        return start(self, order)
+        return start(self, order, **kwargs)
 
     monkeypatch.setattr(OverlappedUpdates, "submit", counted_submit)
     monkeypatch.setattr(DeferredUpdates, "start", counted_start)
@@ -95,15 +95,26 @@ def test_overlapped_on_the_sim_equals_the_cpu_engine_bit_for_bit(tmp_path, monke
         assert seen[how] > 0 and seen[other] == 0, seen
 
 
-def test_clipping_is_triggered_in_the_clipped_cases(tmp_path, monkeypatch):
-    """The clipped cases above clip: the norm exceeds 0.05 at every step."""
+def test_clipping_is_triggered_and_its_terms_are_taken_on_the_host_worker(tmp_path, monkeypatch):
+    """The clipped cases above clip: the norm exceeds 0.05 at every step; each shard's
+    term of the norm is taken on the host worker during backward (Note [norm terms
+    during backward]), none on the compute thread."""
+    import threading
+
+    from offload.engine import engine as engine_module
+
     monkeypatch.setenv("OFFLOAD_DEVICE", "sim")
+    threads = []
+    square_sum = engine_module.square_sum
+    monkeypatch.setattr(engine_module, "square_sum",
+                        lambda g: (threads.append(threading.current_thread().name), square_sum(g))[1])
     with offload.initialize(build("tiny_gpt"), _config(tmp_path, "cpu", "cpu", "fp32", 1, 0.05, None)) as engine:
         for per_rank in batches(2, seed=5):
             x, y = per_rank[0]
             engine.backward(lm_loss(engine(x), y))
             engine.step()
             assert engine.get_global_grad_norm() > 0.05
+        assert len(threads) == 2 * len(engine.shards) and set(threads) == {"offload-host"}, threads
 
 
 def test_the_next_forward_waits_for_each_shards_update(tmp_path, monkeypatch):
