@@ -25,7 +25,7 @@ from offload.engine.build import build_shards
 from offload.engine.checkpoint_methods import CheckpointMethods
 from offload.engine.closed import EngineClosedError, close_off, weak_callback
 from offload.engine.deepspeed_api import DeepSpeedMethods
-from offload.engine.gradients import all_finite, clip_by_global_norm, clip_coefficient, square_sum
+from offload.engine.gradients import NormTerms, all_finite, clip_by_global_norm, clip_coefficient
 from offload.engine.teardown import Teardown
 from offload.engine.loss_scaler import LossScaler
 from offload.engine.memory import ProcessMemory, map_large_allocations, release_free_host_memory
@@ -165,7 +165,9 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         self._passes_at_update = 0  # ... when the last update ran (fp16: see _update)
         self._scaled_passes = 0  # backward passes through engine.backward since then
         self._in_engine_step = False
-        self._norm_terms: dict | None = None  # Note [norm terms during backward] (engine/gradients.py)
+        # Note [norm terms during backward] (engine/gradients.py): this backward's terms, if taken.
+        self._norm_terms: NormTerms | None = None
+        self._norm_scratch: NormTerms | None = None
         # DeepSpeed's methods (deepspeed_api.py): set_gradient_accumulation_boundary (None: by micro_steps),
         # was_step_applied, get_global_grad_norm; step() calls since the last update (or skipped one).
         self._boundary, self._step_applied, self._global_grad_norm, self._micro_in_window = None, False, None, 0
@@ -219,8 +221,14 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
             self.optimizer.grad_sq = 0.0
             self.optimizer.overlap.begin()
         # Note [norm terms during backward] (engine/gradients.py)
-        self._norm_terms = {} if (self.config.gradient_clipping > 0 and self.loss_scaler is None
-                                  and self.is_gradient_accumulation_boundary() and self._can_defer()) else None
+        if self.config.gradient_clipping > 0 and self.loss_scaler is None and self._can_defer() \
+                and self.is_gradient_accumulation_boundary():
+            if self._norm_scratch is None:
+                self._norm_scratch = NormTerms(max(s.part_numel for s in self.shards), self.account)
+            self._norm_scratch.clear()
+            self._norm_terms = self._norm_scratch
+        else:
+            self._norm_terms = None
         try:
             with self._timeline.span("backward"):
                 (loss * scale).backward()
@@ -408,7 +416,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         shard.take_grad(grad, owned=owned)
         terms = self._norm_terms
         if terms is not None:  # on the host worker (Note [norm terms during backward])
-            terms[shard.index] = square_sum(shard.grad_part)
+            terms.take(shard)
         if self.optimizer.overlapping:
             self.optimizer.overlap.submit(shard)
 

@@ -22,9 +22,32 @@ def all_finite(shards) -> bool:
     return all(bool(torch.isfinite(s.grad_part).all()) for s in shards if s.has_grad)
 
 
-def square_sum(grad_part: torch.Tensor) -> torch.Tensor:
-    """One shard's term of the global norm."""
-    return grad_part.float().pow(2).sum()
+def square_sum(grad_part: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """One shard's term of the global norm. scratch: an fp32 buffer of at least its
+    elements for the squares (the same values as pow's own result, so the same sum)."""
+    g = grad_part.float()
+    if scratch is None or not g.is_contiguous() or g.device != scratch.device:
+        return g.pow(2).sum()
+    return torch.pow(g, 2, out=scratch[:g.numel()].view(g.shape)).sum()
+
+
+class NormTerms(dict):
+    """shard index -> square_sum, taken as final gradients arrive (Note [norm terms
+    during backward]), with one scratch buffer for the squares, made at the first
+    term and kept: a fresh temporary per shard cost a page fault per 4 KiB (849k
+    a step, GPT 0.94B on an H200 host)."""
+
+    def __init__(self, largest: int, account):
+        super().__init__()
+        self._largest, self._account, self._scratch = largest, account, None
+
+    def take(self, shard) -> None:
+        if self._scratch is None:
+            from offload.tiers import Tier
+
+            self._account.charge(Tier.HOST, self._largest * 4, "gradient norm scratch")
+            self._scratch = torch.empty(self._largest, dtype=torch.float32)
+        self[shard.index] = square_sum(shard.grad_part, self._scratch)
 
 
 def clip_coefficient(shards, max_norm: float, device: torch.device, pg,

@@ -101,13 +101,13 @@ def test_clipping_is_triggered_and_its_terms_are_taken_on_the_host_worker(tmp_pa
     during backward]), none on the compute thread."""
     import threading
 
-    from offload.engine import engine as engine_module
+    from offload.engine import gradients
 
     monkeypatch.setenv("OFFLOAD_DEVICE", "sim")
     threads = []
-    square_sum = engine_module.square_sum
-    monkeypatch.setattr(engine_module, "square_sum",
-                        lambda g: (threads.append(threading.current_thread().name), square_sum(g))[1])
+    square_sum = gradients.square_sum
+    monkeypatch.setattr(gradients, "square_sum",
+                        lambda g, *a: (threads.append(threading.current_thread().name), square_sum(g, *a))[1])
     with offload.initialize(build("tiny_gpt"), _config(tmp_path, "cpu", "cpu", "fp32", 1, 0.05, None)) as engine:
         for per_rank in batches(2, seed=5):
             x, y = per_rank[0]
