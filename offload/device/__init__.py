@@ -10,7 +10,9 @@ cuda where CUDA exists, else cpu; the simulator only when asked for, with
 bandwidth in GB/s, default 25), and `OFFLOAD_SIM_TFLOPS` with
 `OFFLOAD_SIM_DEVICE_GBPS` (the modeled compute rate and device memory
 bandwidth; unset or 0: compute takes the host's time; Note [sim modeled
-compute] in device/sim_compute.py).
+compute] in device/sim_compute.py), and `OFFLOAD_SIM_POISON=0` (for timing:
+no poison written into fresh memory and unfinished copies; the stream-order
+checks stay).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ ENV_SIM_SEED = "OFFLOAD_SIM_SEED"
 ENV_SIM_GBPS = "OFFLOAD_SIM_GBPS"
 ENV_SIM_TFLOPS = "OFFLOAD_SIM_TFLOPS"
 ENV_SIM_DEVICE_GBPS = "OFFLOAD_SIM_DEVICE_GBPS"
+ENV_SIM_POISON = "OFFLOAD_SIM_POISON"
 LAYERS = ("cuda", "sim", "cpu")
 
 __all__ = ["DeviceCounters", "DeviceLayer", "Event", "Stream", "from_env", "selected_name", "make",
@@ -88,9 +91,13 @@ def make(name: str) -> DeviceLayer:
         compute = ComputeRate(  # Note [sim modeled compute]; unset or 0: not modeled
             tflops=_env_number(ENV_SIM_TFLOPS, float, 0.0, "a number of TFLOP/s >= 0", zero_ok=True),
             device_gbps=_env_number(ENV_SIM_DEVICE_GBPS, float, 0.0, "a number of GB/s >= 0", zero_ok=True))
+        poison = os.environ.get(ENV_SIM_POISON, "1").strip()
+        if poison not in ("0", "1"):
+            raise ValueError(f"{ENV_SIM_POISON}={poison!r}: expected 1 (default: unfinished copies' "
+                             "destinations hold the poison pattern) or 0 (not filled: for timing)")
         return SimDevice(seed=_env_number(ENV_SIM_SEED, int, 0, "an integer"),
                          gbps=_env_number(ENV_SIM_GBPS, float, DEFAULT_GBPS, "a number of GB/s > 0"),
-                         compute=compute)
+                         compute=compute, poison_memory=poison == "1")
     if name == "cpu":
         from offload.device.cpu import CpuDevice
         return CpuDevice()

@@ -181,7 +181,7 @@ class SimDevice(DeviceLayer):
     name = "sim"
 
     def __init__(self, seed: int = 0, gbps: float = DEFAULT_GBPS, jitter_s: float = DEFAULT_JITTER_S,
-                 check_order: bool = True, compute: ComputeRate | None = None) -> None:
+                 check_order: bool = True, compute: ComputeRate | None = None, poison_memory: bool = True) -> None:
         if not gbps > 0:
             raise ValueError(f"sim device: bandwidth {gbps!r} GB/s; expected a number > 0")
         if not jitter_s >= 0:
@@ -189,6 +189,10 @@ class SimDevice(DeviceLayer):
         super().__init__()
         self.device = torch.device("cpu")  # compute runs here, on SimDeviceTensors
         self.seed, self.gbps, self.jitter_s, self.check_order = seed, gbps, jitter_s, check_order
+        # False: fresh memory and copies' destinations are not filled with the poison
+        # pattern (for timing with modeled compute: it is host work a GPU does not do);
+        # the stream-order checks still catch every missing wait.
+        self.poison_memory = poison_memory
         self.lock = threading.RLock()  # every record and clock (Note [sim stream order])
         self._rng = random.Random(seed)
         self.host = SimStream(self, "host", HOST_LANE, worker=False)  # host threads' own accesses
@@ -242,7 +246,8 @@ class SimDevice(DeviceLayer):
 
     def alloc(self, numel: int, dtype: torch.dtype, name: str) -> torch.Tensor:
         buf = torch.empty(numel, dtype=dtype)
-        poison(buf)  # fresh device memory is garbage; make reading it before a write visible
+        if self.poison_memory:
+            poison(buf)  # fresh device memory is garbage; make reading it before a write visible
         self.counters.allocated(buf)
         # Written by the default stream at the allocation (Note [sim stream order]).
         with self.lock:
@@ -347,13 +352,13 @@ class SimDevice(DeviceLayer):
                     record.in_flight += 1
             dst_plain, src_plain = plain(dst), plain(src)
             poisoned = dst_record is None or dst_record.in_flight == 1  # nothing else still uses dst
-            if poisoned:
+            if poisoned and self.poison_memory:
                 poison(dst_plain)
 
         def run() -> None:
             span.started = time.perf_counter()
             try:
-                if not poisoned:
+                if not poisoned and self.poison_memory:
                     poison(dst_plain)
                 time.sleep(span.modeled_s)
                 dst_plain.copy_(src_plain)

@@ -329,3 +329,28 @@ def test_the_host_runs_ahead_and_its_own_work_hides_under_modeled_compute(make_s
     assert modeled == pytest.approx(count * 0.01, rel=1e-9)
     assert issued < 0.6 * modeled  # the host did not wait for each op
     assert modeled <= took < modeled + 0.5 * count * host_work_s  # most of the host's work hid
+
+
+def test_poison_off_still_catches_a_missing_wait_and_skips_the_fill(monkeypatch):
+    """OFFLOAD_SIM_POISON=0 (for timing): no NaN fill, the stream-order check still raises."""
+    from offload.device.sim_memory import StreamOrderError
+
+    monkeypatch.setenv("OFFLOAD_DEVICE", "sim")
+    monkeypatch.setenv("OFFLOAD_SIM_POISON", "0")
+    layer = device.from_env()
+    try:
+        assert layer.poison_memory is False
+        buf = layer.alloc(1024, torch.float32, "w")
+        assert not torch.isnan(plain(buf)).any()  # fresh memory: not filled
+        stage = layer.pinned(1024, torch.float32, "stage")
+        stage.fill_(1.0)
+        h2d = layer.stream("h2d")
+        h2d.wait_stream(layer.current_stream())
+        layer.copy(buf, stage, h2d)
+        with pytest.raises(StreamOrderError):
+            (buf * 2).sum()  # read before waiting the copy's event
+    finally:
+        layer.close()
+    monkeypatch.setenv("OFFLOAD_SIM_POISON", "no")
+    with pytest.raises(ValueError, match="OFFLOAD_SIM_POISON"):
+        device.from_env()
