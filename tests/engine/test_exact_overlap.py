@@ -135,3 +135,23 @@ def test_the_next_forward_waits_for_each_shards_update(tmp_path, monkeypatch):
     monkeypatch.setattr(Shard, "await_update", lambda self: None)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(_run(model, data, cfg)[0], expected, rtol=0, atol=0)
+
+
+def test_bf16_moves_half_the_bytes_of_fp32_over_the_bus(tmp_path, monkeypatch):
+    """Gradients go down and parameters up in the compute dtype: a bf16 step copies
+    half an fp32 step's bytes between host and device (2 bytes a parameter each way)."""
+    monkeypatch.setenv("OFFLOAD_DEVICE", "sim")
+    moved = {}
+    for precision in ("fp32", "bf16"):
+        cfg = make_config("cpu", "cpu", tmp_path, precision=precision)
+        with offload.initialize(build("tiny_gpt"), cfg) as engine:
+            for i, per_rank in enumerate(batches(3, seed=1)):
+                if i == 2:
+                    before = engine.device_layer.counters.bytes_copied
+                x, y = per_rank[0]
+                engine.backward(lm_loss(engine(x), y))
+                engine.step()
+            moved[precision] = engine.device_layer.counters.bytes_copied - before
+    n = sum(p.numel() for p in build("tiny_gpt").parameters())
+    assert moved["fp32"] >= 8 * n  # at least each parameter up and its gradient down, 4 bytes each
+    assert moved["bf16"] * 2 == moved["fp32"], moved
