@@ -141,7 +141,7 @@ def plan_items(engine) -> list[_Item]:
 def check_can_save(engine) -> None:
     """Note [saving inside an accumulation window]: after any engine.step(), not between a
     backward and the step() that counts it."""
-    if engine.optimizer.overlapping or (engine.gradients_pending and (
+    if engine.steps.updating_in_backward or (engine.gradients_pending and (
             engine._micro_in_window == 0 or engine.manager.backward_passes != engine._passes_at_step)):
         raise RuntimeError(
             f"save_checkpoint between a backward and the engine.step() that counts it (micro-step "

@@ -85,8 +85,9 @@ class CheckpointMethods:
         if self._nothing_to_load(load_dir, tag, load_module_strict, custom_load_fn):  # deepspeed_api.py
             return None, None
         self.wait_checkpoint()
-        if self.optimizer.overlapping:  # no update may write while the files are rewritten
+        if self.steps.updating_in_backward:  # no update may write while the files are rewritten
             self._abandon_overlap()
+        self.optimizer.deferred.settle()  # nor one left running by the last step
         tag_dir, client_state = load_checkpoint(
             self, load_dir, tag, optimizer_states=load_optimizer_states,
             lr_scheduler_states=load_lr_scheduler_states, module_only=load_module_only,
@@ -94,7 +95,7 @@ class CheckpointMethods:
         # Every key was rewritten: a failed step's kept values and its retry are moot.
         for store in self._stores:
             store.discard_unwritten()
-        self._failed_update = None
+        self.steps.to_ready()
         return os.fspath(tag_dir), client_state
 
     def wait_checkpoint(self) -> None:

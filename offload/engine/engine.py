@@ -25,7 +25,9 @@ from offload.engine.build import build_shards
 from offload.engine.checkpoint_methods import CheckpointMethods
 from offload.engine.closed import EngineClosedError, close_off, weak_callback
 from offload.engine.deepspeed_api import DeepSpeedMethods
-from offload.engine.gradients import NormTerms, all_finite, clip_by_global_norm, clip_coefficient
+from offload.engine.gradients import (NormTerms, all_finite, clip_by_global_norm, clip_coefficient,
+                                     updates_from_staging)
+from offload.engine.step_phase import StepPhase, StepPhases
 from offload.engine.teardown import Teardown
 from offload.engine.loss_scaler import LossScaler
 from offload.engine.memory import ProcessMemory, map_large_allocations, release_free_host_memory
@@ -173,9 +175,9 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         self._boundary, self._step_applied, self._global_grad_norm, self._micro_in_window = None, False, None, 0
         self._closed = False
         self._checkpoint_job = None  # an async save in progress (offload/checkpoint_io)
-        # (error, clipped norm) of an update that raised, until retried or a checkpoint
-        # is loaded (Note [a failed step] in offload/optim/sharded_adam.py).
-        self._failed_update: tuple[BaseException, float | None] | None = None
+        # Note [step phases] (engine/step_phase.py); a failed update's (error, clipped norm)
+        # is kept there until retried or a checkpoint is loaded (Note [a failed step]).
+        self.steps = StepPhases()
 
     # ---- the training loop -------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -190,7 +192,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
     def _before_forward(self) -> None:
         self._check_open()
         self._refuse_after_failed_step("a forward")
-        if self.optimizer.overlapping:
+        if self.steps.updating_in_backward:
             raise RuntimeError(
                 "engine.step() must follow engine.backward() before the next forward: at a gradient "
                 "accumulation boundary the optimizer update runs during backward (Note [optimizer "
@@ -206,7 +208,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         if not loss.requires_grad:
             raise RuntimeError("loss does not require grad: was the forward run under "
                                "torch.no_grad() or with every parameter frozen?")
-        if self.optimizer.overlapping:
+        if self.steps.updating_in_backward:
             raise RuntimeError(
                 "engine.backward() called again before engine.step(): this window's last backward "
                 "already started the optimizer update (Note [optimizer overlap]); call step() first")
@@ -214,12 +216,15 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         self.optimizer.deferred.settle()  # the last step's updates, before new gradients arrive
+        if self.steps.phase is StepPhase.UPDATING_UNDER_FORWARD:
+            self.steps.to_ready()
         if self._can_overlap():
             # Updates start during this backward: an async checkpoint must have
             # read what it saves first (Note [consistent async checkpoint]).
             self._before_update()
             self.optimizer.grad_sq = 0.0
             self.optimizer.overlap.begin()
+            self.steps.to_updating_in_backward()
         # Note [norm terms during backward] (engine/gradients.py)
         if self.config.gradient_clipping > 0 and self.loss_scaler is None and self._can_defer() \
                 and self.is_gradient_accumulation_boundary():
@@ -234,7 +239,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
                 (loss * scale).backward()
         except BaseException:
             self.manager.abandon_backward()
-            if self.optimizer.overlapping:
+            if self.steps.updating_in_backward:
                 self._abandon_overlap()
             raise
         if self.loss_scaler is not None:
@@ -272,13 +277,15 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
             self.optimizer.overlap.abandon()
         except Exception:  # noqa: BLE001 - the backward error is the one to raise
             log.exception("while finishing optimizer updates after a failed backward")
+        finally:
+            self.steps.to_ready()
 
     def step(self) -> None:
         """DeepSpeed's step: counts a micro-step; at the end of an accumulation window
         applies the update (as engine.optimizer.step()) and clears the gradients.
         After an update that raised, step() again (no new backward) retries it."""
         self._check_open()
-        if self._failed_update is not None:
+        if self.steps.failed:
             self._boundary_update()
             return
         if self.manager.backward_passes == self._passes_at_step:
@@ -306,8 +313,8 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         self._zero_grads()
 
     def _refuse_after_failed_step(self, what: str) -> None:
-        if self._failed_update is not None:
-            error = self._failed_update[0]
+        if self.steps.failed:
+            error = self.steps.failure[0]
             raise RuntimeError(
                 f"{what} after a failed engine.step() ({type(error).__name__}: {error}): call engine.step() "
                 "again to retry it (the shards it did not update keep their gradients, values whose write "
@@ -318,7 +325,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         try:
             update()
         except BaseException as exc:
-            self._failed_update = (exc, clipped_norm)
+            self.steps.to_failed(exc, clipped_norm)
             exc.add_note("engine.step() again retries this step (after freeing disk space, say); "
                          "engine.load_checkpoint(...) restores the last checkpoint")
             raise
@@ -326,10 +333,10 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
     def _retry_update(self) -> None:
         """Note [a failed step]: the values whose write failed go to disk first, then the
         shards the failed step did not update are; the step then ends as it would have."""
-        _, clipped_norm = self._failed_update
+        _, clipped_norm = self.steps.failure
         self._applying(self._rewrite_unwritten, clipped_norm)
         self._applying(self.optimizer.update, clipped_norm)
-        self._failed_update = None
+        self.steps.to_ready()
         self._finish_update(clipped_norm)
 
     def _rewrite_unwritten(self) -> None:
@@ -341,11 +348,12 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         engine.optimizer.step() from a user's loop (Note [the optimizer users drive])."""
         self._check_open()
         from_engine_step = self._in_engine_step
-        if self._failed_update is not None:
+        if self.steps.failed:
             self._retry_update()
             return
-        if self.optimizer.overlapping:
+        if self.steps.updating_in_backward:
             self._applying(self.optimizer.update)  # waits for the updates that ran during backward
+            self.steps.to_ready()
             self._finish_update()
             return
         if self.loss_scaler is not None:
@@ -379,6 +387,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         self._before_update()  # Note [consistent async checkpoint] (offload/checkpoint_io/save.py)
         if defer:  # Note [updates under the next forward] (offload/optim/overlap.py)
             self.optimizer.deferred.start(self.shards, grad_scale=coef)
+            self.steps.to_updating_under_forward()
         else:
             self._applying(self.optimizer.update, clipped_norm)
         self._finish_update(clipped_norm)
@@ -413,8 +422,8 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
 
     # ---- gradients -----------------------------------------------------------
     def _take_grad(self, shard, grad: torch.Tensor, owned: bool = False) -> None:
-        if self.optimizer.overlapping and self._updates_from_staging(shard, grad):
-            # Note [updates from the staging buffer]: no copy into the partition.
+        if self.steps.updating_in_backward and updates_from_staging(shard, grad, self.optim_tier):
+            # Note [updates from the staging buffer] (engine/gradients.py): no copy into the partition.
             kept, shard.grad_part, shard.has_grad = shard.grad_part, grad, True
             try:
                 self.optimizer.overlap.submit(shard)  # on the host worker: updates now
@@ -428,23 +437,8 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         terms = self._norm_terms
         if terms is not None:  # on the host worker (Note [norm terms during backward])
             terms.take(shard)
-        if self.optimizer.overlapping:
+        if self.steps.updating_in_backward:
             self.optimizer.overlap.submit(shard)
-
-    # Note [updates from the staging buffer]
-    # Beside a separate device, a gradient the host worker has just taken in from
-    # its pinned staging buffer (Note [the host worker]) and that is the window's
-    # only one is updated from that buffer, which is released after the update:
-    # copying it into the fp32 partition first was a pass over 4 bytes a
-    # parameter on the worker's serial path (0.94B: 3.8 GB a step). fp32 only:
-    # the update's norm term reads the same tensor either way; state on the
-    # host and no home on NVMe, so the update cannot fail and leave the
-    # gradient in a buffer about to be reused (and if it did not run, the
-    # gradient goes into the partition after all).
-    def _updates_from_staging(self, shard, grad: torch.Tensor) -> bool:
-        return (shard.ctx.streams is not None and not shard.has_grad and self.optim_tier is Tier.HOST
-                and shard.home is not Tier.NVME and grad.dtype == torch.float32
-                and grad.dim() == 1 and grad.numel() == shard.part_numel and grad.is_contiguous())
 
     @property
     def gradients_pending(self) -> bool:
@@ -515,7 +509,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
             return
         try:
             self.wait_checkpoint()  # it may still be copying swap files
-            if self.optimizer.overlapping:
+            if self.steps.updating_in_backward:
                 self.optimizer.update()
         finally:
             self._closed = True

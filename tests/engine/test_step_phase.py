@@ -1,0 +1,38 @@
+"""The engine's step phases (Note [step phases] in offload/engine/step_phase.py):
+each transition checks where it starts, and a run goes through the phases
+the Note names, beside the sim device as beside the CPU."""
+import pytest
+
+import offload
+from offload.engine.step_phase import StepPhase, StepPhases
+
+from tests.engine.harness import batches, build, lm_loss, make_config
+
+
+def test_a_transition_from_the_wrong_phase_is_refused():
+    steps = StepPhases()
+    steps.to_updating_in_backward()
+    with pytest.raises(AssertionError, match="updating in backward"):
+        steps.to_updating_under_forward()
+    steps.to_failed(OSError("disk full"), 1.5)
+    assert steps.failed and steps.failure[1] == 1.5
+    with pytest.raises(AssertionError, match="failed"):
+        steps.to_updating_in_backward()
+    steps.to_ready()
+    assert steps.phase is StepPhase.READY and steps.failure is None
+
+
+@pytest.mark.parametrize("layer,clip,after_backward,after_step", [
+    ("cpu", 0.0, StepPhase.READY, StepPhase.READY),  # host Adam beside a CPU backward: in step
+    ("sim", 0.0, StepPhase.UPDATING_IN_BACKWARD, StepPhase.READY),
+    ("sim", 0.05, StepPhase.READY, StepPhase.UPDATING_UNDER_FORWARD),
+])
+def test_a_run_goes_through_the_phases(tmp_path, monkeypatch, layer, clip, after_backward, after_step):
+    monkeypatch.setenv("OFFLOAD_DEVICE", layer)
+    with offload.initialize(build("tiny_gpt"), make_config("cpu", "cpu", tmp_path, clip=clip)) as engine:
+        for per_rank in batches(2, seed=3):
+            x, y = per_rank[0]
+            engine.backward(lm_loss(engine(x), y))
+            assert engine.steps.phase is after_backward
+            engine.step()
+            assert engine.steps.phase is after_step
