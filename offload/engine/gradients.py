@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from offload.tiers import Tier
+
 
 def all_finite(shards) -> bool:
     """Whether every pending gradient is finite (fp16: an overflowed step is skipped)."""
@@ -43,8 +45,6 @@ class NormTerms(dict):
 
     def take(self, shard) -> None:
         if self._scratch is None:
-            from offload.tiers import Tier
-
             self._account.charge(Tier.HOST, self._largest * 4, "gradient norm scratch")
             self._scratch = torch.empty(self._largest, dtype=torch.float32)
         self[shard.index] = square_sum(shard.grad_part, self._scratch)
@@ -88,8 +88,6 @@ def clip_by_global_norm(shards, max_norm: float, device: torch.device, pg) -> fl
 # gradient goes into the partition after all).
 def updates_from_staging(shard, grad: torch.Tensor, optim_tier) -> bool:
     """Whether `grad`, just taken in from its staging buffer, is updated from it (Engine._take_grad)."""
-    from offload.tiers import Tier
-
     return (shard.ctx.streams is not None and not shard.has_grad and optim_tier is Tier.HOST
             and shard.home is not Tier.NVME and grad.dtype == torch.float32
             and grad.dim() == 1 and grad.numel() == shard.part_numel and grad.is_contiguous())

@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import offload
 from offload import device
-from offload.device.sim import SimDevice
+from tests.device.conftest import dispatch_modes
 from offload.device.sim_compute import ComputeRate
 from offload.device.sim_memory import StreamOrderError, plain
 
@@ -31,30 +31,6 @@ def _no_rate_from_the_environment(monkeypatch):
     """A user's OFFLOAD_SIM_TFLOPS or OFFLOAD_SIM_DEVICE_GBPS changes no test here."""
     monkeypatch.delenv(device.ENV_SIM_TFLOPS, raising=False)
     monkeypatch.delenv(device.ENV_SIM_DEVICE_GBPS, raising=False)
-
-
-def dispatch_modes() -> int:
-    """How many dispatch modes this thread has entered (a layer that models compute adds one
-    until it is closed). Counted, not asserted empty: a layer some earlier test failed to
-    close may have left its own (idle) mode."""
-    return torch._C._len_torch_dispatch_stack()
-
-
-@pytest.fixture
-def make_sim():
-    layers = []
-
-    def make(**kwargs):
-        kwargs.setdefault("jitter_s", 0.0)
-        layer = SimDevice(**kwargs)
-        layers.append(layer)
-        return layer
-
-    modes = dispatch_modes()
-    yield make
-    for layer in reversed(layers):  # last built, first closed: each leaves the dispatch stack
-        layer.close()
-    assert dispatch_modes() == modes, "a sim layer left its mode behind"
 
 
 def on_device(layer, *tensors):

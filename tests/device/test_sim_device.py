@@ -23,21 +23,6 @@ def gbps_for(seconds: float, numel: int = N, element_size: int = 4) -> float:
     return numel * element_size / seconds / 1e9
 
 
-@pytest.fixture
-def make_sim():
-    layers = []
-
-    def make(**kwargs):
-        kwargs.setdefault("jitter_s", 0.0)
-        layer = SimDevice(**kwargs)
-        layers.append(layer)
-        return layer
-
-    yield make
-    for layer in layers:
-        layer.close()
-
-
 def to_device(layer, values, name, stream=None):
     stage = layer.pinned(values.numel(), values.dtype, f"{name}-stage")
     stage.copy_(values)
