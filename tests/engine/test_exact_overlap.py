@@ -155,3 +155,28 @@ def test_bf16_moves_half_the_bytes_of_fp32_over_the_bus(tmp_path, monkeypatch):
     n = sum(p.numel() for p in build("tiny_gpt").parameters())
     assert moved["fp32"] >= 8 * n  # at least each parameter up and its gradient down, 4 bytes each
     assert moved["bf16"] * 2 == moved["fp32"], moved
+
+
+def test_a_users_own_loop_with_clipping_on_the_sim_equals_the_cpu_engine(tmp_path, monkeypatch):
+    """model(x), loss.backward(), optimizer.step(), optimizer.zero_grad(): the clipped
+    step's updates run under the next forward here too, with the same bits."""
+    def run(layer):
+        monkeypatch.setenv("OFFLOAD_DEVICE", layer)
+        cfg = make_config("cpu", "cpu", tmp_path / layer, clip=0.05)
+        with offload.initialize(build("tiny_gpt"), cfg) as engine:
+            model, opt, losses = engine.module, engine.optimizer, []
+            for per_rank in batches(STEPS, seed=2):
+                x, y = per_rank[0]
+                loss = lm_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+            return torch.stack(losses), engine_weights(engine), engine.steps.phase
+
+    losses_cpu, weights_cpu, _ = run("cpu")
+    losses_sim, weights_sim, phase = run("sim")
+    assert phase.value == "updating under the next forward"
+    torch.testing.assert_close(losses_sim, losses_cpu, rtol=0, atol=0)
+    for name, value in weights_cpu.items():
+        torch.testing.assert_close(weights_sim[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
