@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Mapping
 
 from offload.config import AUTO, Config, ConfigError, Precision, Tier
+from offload.placement import HOST_SHARE, Budgets, ParamSpec, Placement, plan_placement
 
 __all__ = ["Estimate", "ModelSizes", "add_arguments", "estimate", "model_sizes", "run"]
 
@@ -169,6 +170,15 @@ class Estimate:
     minimum_host: int
     minimum_nvme: int
     notes: tuple[str, ...] = ()
+    placement: Placement | None = None  # "auto": the plan (Note [automatic placement])
+    auto_param: bool = False  # offload_param.device "auto"
+    auto_optimizer: bool = False
+
+    def _side(self, which: str) -> str:
+        """DeepSpeed's spelling of offload_<which>.device: none, cpu, nvme or auto."""
+        if getattr(self, f"auto_{which}"):
+            return "auto"
+        return getattr(self, f"offload_{which}").offload_device
 
     @property
     def ranks_per_node(self) -> int:
@@ -185,17 +195,18 @@ class Estimate:
         return problems
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.update(precision=self.precision.value, offload_param=self.offload_param.offload_device,
-                 offload_optimizer=self.offload_optimizer.offload_device, notes=list(self.notes))
+        d = dataclasses.asdict(dataclasses.replace(self, placement=None))
+        d["placement"] = None if self.placement is None else self.placement.to_dict()
+        d.update(precision=self.precision.value, offload_param=self._side("param"),
+                 offload_optimizer=self._side("optimizer"), notes=list(self.notes))
         return d
 
     def format(self) -> str:
         lines = [
             f"offload estimate: {_count(self.num_params)} params, largest layer "
             f"{_count(self.largest_layer_params)}, persistent {_count(self.persistent_params)}; "
-            f"{self.precision.value}, offload_param={self.offload_param.offload_device}, "
-            f"offload_optimizer={self.offload_optimizer.offload_device}; "
+            f"{self.precision.value}, offload_param={self._side('param')}, "
+            f"offload_optimizer={self._side('optimizer')}; "
             f"{self.world_size} rank(s) on {self.num_nodes} node(s)",
             "",
             f"{'tier':<8}{'per rank':>12}   contributions",
@@ -208,6 +219,8 @@ class Estimate:
                   f"minimum: device {_gib(self.minimum_device)} per device, host {_gib(self.minimum_host)} "
                   f"per node, nvme {_gib(self.minimum_nvme)} per node",
                   "(model states only: activations, the CUDA context and allocator slack come on top)"]
+        if self.placement is not None:
+            lines += ["", self.placement.format()]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -315,6 +328,22 @@ def _estimate(num_params, *, model_config, config, largest_layer_params, persist
     if o_dev is Tier.NVME:
         group = min(zero.sub_group_size, shard)
         breakdown["host"][f"optimizer NVMe swap buffers (2 x {group} elements x 16 B)"] = 2 * group * 16
+    placement = None
+    if zero.offload_param.auto or zero.offload_optimizer.auto:
+        placement = _auto_plan(cfg, zero, num_params, largest_layer_params, persistent_params, world_size,
+                               model_config, notes)
+        for tier in TIERS:
+            breakdown[tier] = {k: v for k, v in breakdown[tier].items()
+                               if not k.startswith(("parameter shards", "fp32 master", "Adam exp_avg"))}
+        for t, n in placement.home_bytes().items():
+            if n:
+                breakdown[t.value][f"parameter shards, planned ({prec}, {c} B/param)"] = n
+        for t, n in placement.state_bytes().items():
+            if n:
+                breakdown[t.value]["optimizer state, planned (fp32 master + exp_avg + exp_avg_sq)"] = n
+        if any(s.home is Tier.NVME for s in placement.shards):
+            breakdown["host"][f"parameter NVMe bounce buffers (2 x largest layer, {prec})"] = \
+                2 * largest_layer_params * c
     totals = {t: sum(breakdown[t].values()) for t in TIERS}
     per_node = world_size // num_nodes
     return Estimate(
@@ -322,7 +351,54 @@ def _estimate(num_params, *, model_config, config, largest_layer_params, persist
         world_size=world_size, num_nodes=num_nodes, precision=cfg.precision,
         offload_param=p_dev, offload_optimizer=o_dev, breakdown=breakdown, **totals,
         minimum_device=totals["device"], minimum_host=totals["host"] * per_node,
-        minimum_nvme=totals["nvme"] * per_node, notes=tuple(notes))
+        minimum_nvme=totals["nvme"] * per_node, notes=tuple(notes), placement=placement,
+        auto_param=zero.offload_param.auto, auto_optimizer=zero.offload_optimizer.auto)
+
+
+def _auto_plan(cfg, zero, num_params, largest, persistent, world_size, model_config, notes) -> Placement:
+    """The plan an engine would make for "auto" (Note [automatic placement]): per
+    parameter from --model-config, else the model cut into layers of the largest
+    size; budgets from the memory section, else this machine's free host memory
+    (the device gets memory.device_budget, or nothing: estimate does not open a GPU)."""
+    import psutil
+
+    itemsize = cfg.precision.itemsize
+    if model_config is not None:
+        modules, tied, _ = _module_params(_load_model_config(model_config)[0])
+        numels = [(f"{name}.{i}", n) for name, sizes in modules if name not in tied for i, n in enumerate(sizes)]
+    else:
+        numels, left, i = [], num_params - persistent, 0
+        while left > 0:
+            numels.append((f"layer{i}", min(largest, left)))
+            left, i = left - numels[-1][1], i + 1
+        if persistent:
+            numels.append(("persistent", persistent))
+    threshold = zero.stage3_param_persistence_threshold
+    specs = [ParamSpec(name, -(-n // world_size), -(-n // world_size) * world_size,
+                       persistent=(n <= threshold if model_config is not None else name == "persistent"))
+             for name, n in numels]
+    mem = cfg.memory
+    host = mem.host_budget
+    if host is None:
+        host = int(HOST_SHARE * psutil.virtual_memory().available)
+        notes.append(f"auto placement: host budget {_gib(host)} ({HOST_SHARE:.0%} of this machine's available "
+                     "memory; give memory.host_budget for another machine)")
+    # What the engine holds besides homes and state comes first: the fp32
+    # gradients and the bounce buffers on the host, the gathered layers on the device.
+    shard = -(-num_params // world_size)
+    host -= shard * 4 + 2 * largest * itemsize + 2 * min(zero.sub_group_size, shard) * 16
+    device = max(0, (mem.device_budget or 0) - 2 * largest * itemsize - persistent * itemsize)
+    if mem.device_budget is None:
+        notes.append("auto placement: no memory.device_budget, so no parameter is planned on the device "
+                     "beyond the persistent ones (initialize takes half the GPU's free memory)")
+    if host < 0:
+        notes.append(f"auto placement: the host budget is {_gib(-host)} short of the gradients and buffers alone")
+    budgets = Budgets(device=device, host=max(0, host),
+                      nvme_homes=zero.offload_param.auto and zero.offload_param.nvme_path is not None,
+                      nvme_state=zero.offload_optimizer.auto and zero.offload_optimizer.nvme_path is not None)
+    return plan_placement(specs, budgets, itemsize=itemsize, separate_memory=True,
+                          home_tier=None if zero.offload_param.auto else zero.offload_param.device,
+                          state_tier=None if zero.offload_optimizer.auto else zero.offload_optimizer.device)
 
 
 # --------------------------------------------------------------------------- CLI

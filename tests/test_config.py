@@ -317,7 +317,7 @@ def test_max_grad_norm_points_to_gradient_clipping():
 
 @pytest.mark.parametrize("path, value, message", [
     ("zero_optimization.offload_param.device", "gpu",
-     r"^zero_optimization\.offload_param\.device: 'gpu' is not one of none, cpu, nvme$"),
+     r"^zero_optimization\.offload_param\.device: 'gpu' is not one of none, cpu, nvme, auto$"),
     ("zero_optimization.offload_optimizer.device", "CPU", r"offload_optimizer\.device: 'CPU' is not one of"),
     ("zero_optimization.stage", 2, r"^zero_optimization\.stage: 2 is not 3 \(offload implements ZeRO stage 3"),
     ("zero_optimization.stage", 0, r"zero_optimization\.stage: 0 is not 3"),

@@ -99,9 +99,11 @@ def describe_model(engine) -> dict:
     return {
         "world_size": engine.pg.world_size,
         "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
-        "optimizer_tier": engine.optim_tier.value,
+        # Where the state was: informative (a run resumes into its own plan's tiers).
+        "optimizer_tier": "/".join(sorted(t.value for t in engine.optimizer.state_tiers)),
         "parameters": [{"index": s.index, "name": s.name, "shape": list(s.shape),
-                        "part_numel": s.part_numel, "home": s.home.value} for s in engine.shards],
+                        "part_numel": s.part_numel, "home": s.home.value,
+                        "state": engine.optimizer.state_tier(s).value} for s in engine.shards],
         "buffers": buffers,
         "state_dict": state_dict,
     }

@@ -115,7 +115,7 @@ def plan_items(engine) -> list[_Item]:
     opt, items = engine.optimizer, []
     for s in engine.shards:
         n = (s.part_numel,)
-        state = None if opt.tier.value == "nvme" else opt.state_tensors(s)
+        state = None if opt.state_tier(s) is Tier.NVME else opt.state_tensors(s)
         if s.home is Tier.NVME:
             items.append(_Item(f"nvme/param.{s.index}.swp", copy_from=s.ctx.param_store.path_of(s)))
         else:

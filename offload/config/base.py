@@ -178,7 +178,7 @@ def _tier(key: str, value: Any) -> Tier:
         return value
     if isinstance(value, str) and value in ("none", "cpu", "nvme"):
         return Tier.from_offload_device(value)
-    raise _fail(key, value, "one of none, cpu, nvme")
+    raise _fail(key, value, "one of none, cpu, nvme, auto")
 
 
 def _enum(key: str, value: Any, cls: type[enum.Enum], *, casefold: bool = False):
@@ -268,6 +268,8 @@ class _Section:
     RENAMED: ClassVar[dict] = {}
     # Nested sections, by key, for `inert_keys`.
     CHILDREN: ClassVar[dict] = {}
+    # Fields derived from a key's value, not keys of their own (to_dict leaves them out).
+    NOT_KEYS: ClassVar[tuple] = ()
 
     def _key(self, name: str) -> str:
         return _join(self.SECTION, name)
@@ -277,7 +279,7 @@ class _Section:
 
     @classmethod
     def _accepted(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
+        return [f.name for f in dataclasses.fields(cls) if f.name not in cls.NOT_KEYS]
 
     @classmethod
     def from_dict(cls, d: Mapping | None):
@@ -306,6 +308,8 @@ class _Section:
     def to_dict(self) -> dict:
         out = {}
         for f in dataclasses.fields(self):
+            if f.name in self.NOT_KEYS:
+                continue
             v = _to_json(getattr(self, f.name))
             if v is not None:
                 out[f.name] = v

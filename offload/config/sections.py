@@ -208,11 +208,27 @@ _OFFLOAD_OPTIMIZER_INERT = {
 }
 
 
+class _OffloadSection(_Section):
+    """offload_param and offload_optimizer: `device` may be "auto" (held as `auto`)."""
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        if self.auto:
+            out["device"] = "auto"
+        return out
+
+
 def _check_offload(obj, nvme_only: tuple[str, ...]) -> None:
     """device (DeepSpeed's "none", "cpu", "nvme": a Tier), nvme_path, and the keys
     that only mean something for NVMe."""
     k = obj._key
-    obj._set("device", _tier(k("device"), obj.device))
+    if obj.device is AUTO or obj.device == "auto":
+        # Note [automatic placement] (offload/placement.py): the planner picks each
+        # parameter's tier at initialize; gradients wait on the host meanwhile.
+        obj._set("auto", True)
+        obj._set("device", Tier.HOST)
+    else:
+        obj._set("device", _tier(k("device"), obj.device))
     if obj.nvme_path is not None:
         if not isinstance(obj.nvme_path, (str, os.PathLike)) or str(obj.nvme_path) == "":
             raise _fail(k("nvme_path"), obj.nvme_path, "a directory path")
@@ -221,13 +237,13 @@ def _check_offload(obj, nvme_only: tuple[str, ...]) -> None:
         raise ConfigError(f"{k('nvme_path')}: required when {k('device')} is 'nvme'")
     for name in nvme_only:
         value = getattr(obj, name)
-        if value is not None and obj.device is not Tier.NVME:
+        if value is not None and obj.device is not Tier.NVME and not obj.auto:
             raise ConfigError(f"{k(name)}: {_show(value)} is only used when {k('device')} is 'nvme' "
                               f"(it is {_show(obj.device)}); remove it")
 
 
 @dataclass(frozen=True, kw_only=True)
-class OffloadParamConfig(_Section):
+class OffloadParamConfig(_OffloadSection):
     """`zero_optimization.offload_param`: where the compute-precision parameter shards live.
 
     buffer_count, buffer_size (elements) and max_in_cpu (elements) are optional: by
@@ -238,6 +254,9 @@ class OffloadParamConfig(_Section):
 
     SECTION: ClassVar[str] = "zero_optimization.offload_param"
     device: Tier = Tier.DEVICE
+    # "device": "auto" (Note [automatic placement]): set from `device`, not a key of its own.
+    auto: bool = False
+    NOT_KEYS: ClassVar[tuple] = ("auto",)
     nvme_path: Path | None = None
     buffer_count: int | None = None
     buffer_size: int | None = None
@@ -254,12 +273,14 @@ class OffloadParamConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
-class OffloadOptimizerConfig(_Section):
+class OffloadOptimizerConfig(_OffloadSection):
     """`zero_optimization.offload_optimizer`: where fp32 masters and Adam moments live."""
 
     SECTION: ClassVar[str] = "zero_optimization.offload_optimizer"
     INERT: ClassVar[dict] = _OFFLOAD_OPTIMIZER_INERT
     device: Tier = Tier.DEVICE
+    auto: bool = False  # "device": "auto", as offload_param's
+    NOT_KEYS: ClassVar[tuple] = ("auto",)
     nvme_path: Path | None = None
     buffer_count: int | None = None
     # DeepSpeed's key (SuperOffload's there): the share of this process's cores

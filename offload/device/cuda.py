@@ -109,3 +109,6 @@ class CudaDevice(DeviceLayer):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def free_memory(self) -> int | None:
+        return int(torch.cuda.mem_get_info(self.device)[0])

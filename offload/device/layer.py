@@ -181,6 +181,11 @@ class DeviceLayer(abc.ABC):
     def describe(self) -> str:
         return self.name
 
+    def free_memory(self) -> int | None:
+        """Bytes of device memory free now, where the layer can tell (an auto
+        placement's default device budget: Note [automatic placement]); None else."""
+        return None
+
     def close(self) -> None:
         """Release what the layer holds (the sim's worker threads)."""
 

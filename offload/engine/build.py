@@ -38,25 +38,39 @@ from offload.partition.collectives import ProcessGroupInfo
 from offload.partition import nvme_home
 from offload.partition.device_copies import CopyStreams
 from offload.partition.nvme_home import ParamStore
+from offload.engine import budgets
 from offload.partition.shard import PartitionStore, Shard, ShardContext, partition_numel
+from offload.placement import Placement
 from offload.tiers import Tier
 
 
 class HomePolicy:
-    """Where a parameter lives: the device when offload_param is none or it is
-    under stage3_param_persistence_threshold elements, else host or NVMe."""
+    """Where a parameter lives, decided one parameter at a time: the device when
+    offload_param is none or it is under stage3_param_persistence_threshold
+    elements, else host or NVMe. With offload_param "auto" (a model built under
+    offload.init, one parameter at a time): the host while `host_room` bytes
+    last, head first, then NVMe (Note [automatic placement])."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, host_room: int | None = None):
         zero = config.zero_optimization
         self.param_tier = zero.offload_param.device
         self.threshold = zero.stage3_param_persistence_threshold
         # offload_param.max_in_cpu (DeepSpeed's meaning): with NVMe offload, keep
         # the first parameters, up to this many elements, in host memory instead.
         self.in_cpu_left = zero.offload_param.max_in_cpu or 0
+        self.auto_nvme = zero.offload_param.auto and zero.offload_param.nvme_path is not None
+        self.host_left = host_room
+        self.itemsize = config.precision.dtype.itemsize
 
     def home_of(self, p: torch.Tensor) -> Tier:
         if self.param_tier is Tier.DEVICE or p.numel() <= self.threshold:
             return Tier.DEVICE
+        if self.auto_nvme:
+            need = p.numel() * self.itemsize
+            if self.host_left is None or need <= self.host_left:
+                self.host_left = None if self.host_left is None else self.host_left - need
+                return Tier.HOST
+            return Tier.NVME
         if self.param_tier is Tier.HOST:
             return Tier.HOST
         if p.numel() <= self.in_cpu_left:
@@ -67,7 +81,7 @@ class HomePolicy:
 
 def shard_context(config: Config, layer: DeviceLayer, pg: ProcessGroupInfo, account: MemoryAccount, *,
                   param_store: PartitionStore | None = None, buffers: BufferCache | None = None,
-                  streams: CopyStreams | None = None) -> ShardContext:
+                  streams: CopyStreams | None = None, lazy_grads: bool | None = None) -> ShardContext:
     """The one way a ShardContext is made: compute on the layer's device (Note [one
     device choice] in offload/device/__init__.py); gradients live where the
     config's optimizer tier puts them (`OffloadOptimizerConfig.grad_tier`)."""
@@ -75,7 +89,8 @@ def shard_context(config: Config, layer: DeviceLayer, pg: ProcessGroupInfo, acco
     if streams is None and layer.separate_memory:
         streams = CopyStreams(layer)
     return ShardContext(device=layer.device, pg=pg, account=account, param_store=param_store,
-                        grad_tier=optimizer.grad_tier, lazy_grads=optimizer.device is Tier.NVME,
+                        grad_tier=optimizer.grad_tier,
+                        lazy_grads=optimizer.device is Tier.NVME if lazy_grads is None else lazy_grads,
                         buffers=buffers, layer=layer, streams=streams)
 
 
@@ -87,11 +102,13 @@ class _Planned:
     index: int
     name: str
     param: torch.nn.Parameter
-    home: Tier
+    given_home: Tier | None  # HomePolicy's or the builder's; None: the auto placement decides
     part_numel: int
     padded_numel: int
     built: Shard | None  # its build-time shard (offload.init), reused as it is when `reuse`
     reuse: bool = False
+    home: Tier | None = None  # where it lives: set by the placement (Note [automatic placement])
+    state: Tier = Tier.HOST  # where its optimizer state lives: set by the placement
 
 
 @dataclass
@@ -111,6 +128,7 @@ class Built:
     _plan: object = None
     placed: list[Shard] = field(default_factory=list)  # homed, master taken (Note [an interrupted initialize])
     pin_home: Callable[[Shard], None] | None = None  # pins a host home when the budget allows
+    placement: Placement | None = None  # every home and state tier (Note [automatic placement])
 
     def place(self, take_master: Callable[[Shard, torch.Tensor], None]) -> None:
         """Moves every parameter home, in order, one at a time: take_master(shard,
@@ -247,6 +265,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
     # Nothing has moved yet. Meta parameters get placeholder parameters,
     # installed in their modules once the budgets are known to hold.
     policy = builder.policy if builder is not None else HomePolicy(config)
+    auto_homes = zero.offload_param.auto and builder is None
     next_index = builder.next_index if builder is not None else 0
     planned: list[_Planned] = []
     sources, replacements = {}, {}
@@ -263,7 +282,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
                                          requires_grad=p.requires_grad)
                 replacements[id(p)] = new
                 p = new
-            index, home = next_index, policy.home_of(p)
+            index, home = next_index, None if auto_homes else policy.home_of(p)
             next_index += 1
             if key is not None:
                 sources[index] = (key, None)
@@ -271,42 +290,30 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
         planned.append(_Planned(index, name, p, home, part, part * pg.world_size, built,
                                 reuse=built is not None and key is None and built.dtype == dtype))
 
-    # Note [one store per thread]
-    # A SwapStore is driven by one thread (it finishes transfers in submission
-    # order). The compute thread reads parameters while the host worker
-    # reads and writes state and writes new parameter values (Note [optimizer
-    # overlap]), so each gets its own stores, over the same files: the
-    # optimizer writes a parameter's file only after its gradient is final,
-    # and the compute thread reads it again only after step() has waited.
-    # A model built under offload.init brings its parameter store along.
-    nvme_sizes = [pl.part_numel * dtype.itemsize for pl in planned if pl.home is Tier.NVME]
-    optim_tier = zero.offload_optimizer.device
-    param_path = os.fspath(zero.offload_param.nvme_path) if nvme_sizes else None
-    state_path = os.fspath(zero.offload_optimizer.nvme_path) if optim_tier is Tier.NVME else None
     have_param_store = builder is not None and builder.store is not None
-    configs = {}
-    if nvme_sizes and not have_param_store:
-        op = zero.offload_param
-        staging = op.buffer_count * op.buffer_size * dtype.itemsize if op.buffer_count and op.buffer_size else None
-        configs["param"] = _swap_config(param_path, nvme_sizes, staging, config, pg)
-    if state_path is not None:
-        oo = zero.offload_optimizer
-        staging = oo.buffer_count * max(pl.part_numel for pl in planned) * 4 if oo.buffer_count else None
-        configs["state"] = _swap_config(state_path, [3 * pl.part_numel * 4 for pl in planned], staging, config, pg)
-    if nvme_sizes and state_path != param_path:
-        # Writes the same files as the parameter store, which holds their disk
-        # space: no capacity of its own, but the same staging budget. Sized from
-        # no tensors it had 8 KiB, and a new value not aligned for a direct
-        # write went through in 4 KiB pieces (GPT 67M, optimizer state on the
-        # host: a 7 s step).
-        writer = _swap_config(param_path, nvme_sizes, None, config, pg)
-        configs["writer"] = dataclasses.replace(writer, capacity_bytes=0)
-    staging = _staging_plan(planned, config, dtype, layer, pg.world_size)
-    notes = _preflight_budgets(planned, config, dtype, sum(c.buffer_bytes for c in configs.values()),
-                               separate_memory=layer.separate_memory, world_size=pg.world_size,
-                               param_staging_bytes=staging[0] * staging[1] if staging else 0,
-                               on_demand=_largest_module_group(model, named, planned, layer.separate_memory,
-                                                               pg.world_size))
+    placement = budgets.plan(planned, config, layer, pg, threshold=zero.stage3_param_persistence_threshold)
+
+    def stores_and_needs():
+        configs = _store_configs(planned, config, pg, have_param_store)
+        staging = _staging_plan(planned, config, dtype, layer, pg.world_size)
+        need = budgets.tier_needs(planned, config, dtype, sum(c.buffer_bytes for c in configs.values()),
+                                  separate_memory=layer.separate_memory, world_size=pg.world_size,
+                                  param_staging_bytes=staging[0] * staging[1] if staging else 0,
+                                  on_demand=budgets.largest_module_group(model, named, planned,
+                                                                         layer.separate_memory, pg.world_size))
+        return configs, staging, need
+
+    configs, staging, need = stores_and_needs()
+    for _ in range(8 if placement.budgets is not None else 0):
+        # An auto plan leaves room for what the engine holds besides homes and
+        # state; where that was more than it left, plan again with less.
+        replanned = budgets.replan_within(placement, need, config)
+        if replanned is None:
+            break
+        placement = budgets.plan(planned, config, layer, pg, threshold=zero.stage3_param_persistence_threshold,
+                                 within=replanned)
+        configs, staging, need = stores_and_needs()
+    notes = budgets.check_needs(need, config)
     account.budget_notes.update(notes)
     check_free_space(configs)  # before anything is written or moved
     if builder is not None:
@@ -331,7 +338,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
                                   what="parameter staging buffer" + (" (pinned)" if pin else ""),
                                   register=layer.register_pinned if pin else None)
         staging_pool.fill()
-    if nvme_sizes:
+    if any(pl.home is Tier.NVME for pl in planned):
         param_store = ParamStore(builder.store if have_param_store else stores["param"], pg, timeline,
                                  staging=staging_pool)
         param_writer = ParamStore(stores.get("writer") or stores["state"], pg, timeline)
@@ -342,7 +349,8 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
         buffers = BufferCache(3 * max(offloaded),
                               charge=lambda n: account.charge(Tier.HOST, n, "idle gathered buffers"),
                               credit=lambda n: account.credit(Tier.HOST, n))
-    ctx = shard_context(config, layer, pg, account, param_store=param_store, buffers=buffers)
+    ctx = shard_context(config, layer, pg, account, param_store=param_store, buffers=buffers,
+                        lazy_grads=Tier.NVME in placement.state_tiers)
     device_homes = [pl.padded_numel * dtype.itemsize for pl in planned if pl.home is Tier.DEVICE]
     if ctx.streams is not None and device_homes and pin:
         # Device homes' new values go up through pinned buffers (Note [copy streams]).
@@ -357,7 +365,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
         else:
             shards.append(Shard(pl.index, pl.name, pl.param, compute_dtype=dtype, home=pl.home, ctx=ctx))
     return Built(shards, ctx, stores.get("state"), param_writer, _sources=sources, _plan=plan,
-                 pin_home=_home_pinner(pinned, layer) if pin else None)
+                 pin_home=_home_pinner(pinned, layer) if pin else None, placement=placement)
 
 
 def _home_pinner(pinned: PinnedLedger, layer: DeviceLayer) -> Callable[[Shard], None]:
@@ -424,101 +432,38 @@ def _set_buffers(model: torch.nn.Module, plan, dtype: torch.dtype, device: torch
             buf.data = buf.data.to(device, target)
 
 
-def _gathers_to_a_buffer(pl: _Planned, separate_memory: bool, world_size: int) -> bool:
-    """Whether gathering this parameter allocates a device-tier buffer: every
-    offloaded home but a host one on a CPU-only single rank (Note [zero-copy
-    gather] in offload/partition/shard.py). separate_memory: the device layer's."""
-    if pl.home is Tier.DEVICE:
-        return False
-    return not (pl.home is Tier.HOST and world_size == 1 and not separate_memory)
-
-
-def _largest_module_group(model: torch.nn.Module, named, planned: list[_Planned], separate_memory: bool,
-                          world_size: int) -> int:
-    """Elements of the largest set of parameters one module gathers at once (its
-    own, held together by its forward pre-hook: Note [when parameters are
-    gathered]): the least any step holds."""
-    by_id = {id(p): pl for (_, p), pl in zip(named, planned)}
-    largest = 0
-    for mod in model.modules():
-        own = {id(p) for p in mod._parameters.values() if p is not None}
-        largest = max(largest, sum(by_id[i].padded_numel for i in own
-                                   if i in by_id and _gathers_to_a_buffer(by_id[i], separate_memory, world_size)))
-    return largest
-
-
-def _preflight_budgets(planned: list[_Planned], config: Config, dtype: torch.dtype,
-                       staging_bytes: int = 0, *, separate_memory: bool = False,
-                       world_size: int = 1, on_demand: int = 0, param_staging_bytes: int = 0) -> dict[Tier, str]:
-    """Refuses, before any parameter moves, a configuration whose budgets cannot hold
-    what the engine itself will hold at once; returns, per budgeted tier, a line
-    saying what was reserved (for TierBudgetError's message at a step).
-
-    Device tier: the parameters homed there, and the offloaded ones gathered at
-    once: what one module gathers together (on_demand, elements) or the
-    prefetcher's live limit if larger, plus its one read ahead
-    (`working_set_elems`, Note [prefetch within the device budget]). Host tier:
-    homes, fp32 gradients, optimizer state, the swap stores' staging buffers
-    (staging_bytes), idle gathered buffers kept for reuse (on a CPU device: the
-    BufferCache made below, 3 x the largest), and with NVMe optimizer state
-    what its update keeps in flight (docs/ARCHITECTURE.md, "Memory budget").
-    Saved activations are the model's and depend on the inputs: they get what
-    the device budget leaves, which the returned line states."""
-    from offload.partition.prefetch import working_set_elems
-
-    need = {Tier.DEVICE: {}, Tier.HOST: {}}
-    if staging_bytes:
-        need[Tier.HOST]["swap staging buffers"] = staging_bytes
-    if param_staging_bytes:
-        need[Tier.HOST]["parameter staging buffers"] = param_staging_bytes
-
-    def add(tier, what, nbytes):
-        if tier in need and nbytes:
-            need[tier][what] = need[tier].get(what, 0) + nbytes
-
+def _store_configs(planned: list[_Planned], config: Config, pg: ProcessGroupInfo, have_param_store: bool) -> dict:
+    """The swap stores' settings, by role (Note [one store per thread]): the
+    compute thread reads parameters through "param"; the host worker reads and
+    writes state through "state" and writes new parameter values through
+    "writer" (or "state" where both share a path), over the same files: the
+    optimizer writes a parameter's file only after its gradient is final, and
+    the compute thread reads it again only after step() has waited. A model
+    built under offload.init brings its parameter store along."""
     zero = config.zero_optimization
-    optimizer = zero.offload_optimizer
-    for s in planned:
-        home_bytes = s.padded_numel * dtype.itemsize if s.home is Tier.DEVICE else s.part_numel * dtype.itemsize
-        add(s.home, "parameters", home_bytes)
-        add(optimizer.grad_tier, "fp32 gradients", s.part_numel * 4)
-        add(optimizer.device, "optimizer state", 3 * s.part_numel * 4)
-    gathered = [s.padded_numel for s in planned if _gathers_to_a_buffer(s, separate_memory, world_size)]
-    if gathered:
-        largest = max(gathered)
-        # Prefetching is on where a transfer is read ahead (Shard.reads_ahead).
-        reads_ahead = any(s.home is Tier.NVME or (separate_memory and s.home is Tier.HOST) for s in planned)
-        working = working_set_elems(zero, gathered, reads_ahead, max(on_demand, largest))
-        add(Tier.DEVICE, "offloaded parameters gathered at once (working set)", working * dtype.itemsize)
-    offloaded = [s.padded_numel for s in planned if s.home is not Tier.DEVICE]
-    if offloaded and not separate_memory:
-        add(Tier.HOST, "idle gathered buffers kept for reuse", 3 * max(offloaded) * dtype.itemsize)
-    if optimizer.device is Tier.NVME and planned:
-        part = max(s.part_numel for s in planned)
-        add(Tier.HOST, "optimizer state buffers in flight", 3 * 12 * part)
-        add(Tier.HOST, "fp32 masters taken from gathered parameters", 3 * 4 * part)
-        if dtype != torch.float32 and any(s.home is Tier.NVME for s in planned):
-            add(Tier.HOST, "new parameter values on their way to NVMe", 3 * dtype.itemsize * part)
-    budgets = {Tier.DEVICE: config.memory.device_budget, Tier.HOST: config.memory.host_budget}
-    notes = {}
-    for tier, parts in need.items():
-        budget, total = budgets[tier], sum(parts.values())
-        if budget is None:
-            continue
-        detail = ", ".join(f"{what} {n}" for what, n in parts.items()) or "nothing"
-        if total > budget:
-            change = ("offload more (zero_optimization.offload_param / offload_optimizer)" if tier is Tier.HOST
-                      else "lower zero_optimization.stage3_max_live_parameters (the prefetcher's live limit) "
-                           "or stage3_prefetch_bucket_size (0: no prefetch), or offload more")
-            raise MemoryError(
-                f"{tier.value} tier budget exceeded: this configuration needs at least {total} bytes "
-                f"on the {tier.value} tier ({detail}) but memory.{tier.value}_budget is {budget}; "
-                f"raise memory.{tier.value}_budget to at least {total}, or {change}")
-        notes[tier] = (f"initialize reserved {total} of memory.{tier.value}_budget {budget} bytes ({detail})"
-                       + (f", leaving {budget - total} for saved activations; raise "
-                          "memory.device_budget or checkpoint activations (activation_checkpointing)"
-                          if tier is Tier.DEVICE else ""))
-    return notes
+    dtype = config.precision.dtype
+    nvme_sizes = [pl.part_numel * dtype.itemsize for pl in planned if pl.home is Tier.NVME]
+    nvme_state = [pl.part_numel for pl in planned if pl.state is Tier.NVME]
+    param_path = os.fspath(zero.offload_param.nvme_path) if nvme_sizes else None
+    state_path = os.fspath(zero.offload_optimizer.nvme_path) if nvme_state else None
+    configs = {}
+    if nvme_sizes and not have_param_store:
+        op = zero.offload_param
+        staging = op.buffer_count * op.buffer_size * dtype.itemsize if op.buffer_count and op.buffer_size else None
+        configs["param"] = _swap_config(param_path, nvme_sizes, staging, config, pg)
+    if state_path is not None:
+        oo = zero.offload_optimizer
+        staging = oo.buffer_count * max(nvme_state) * 4 if oo.buffer_count else None
+        configs["state"] = _swap_config(state_path, [3 * n * 4 for n in nvme_state], staging, config, pg)
+    if nvme_sizes and state_path != param_path:
+        # Writes the same files as the parameter store, which holds their disk
+        # space: no capacity of its own, but the same staging budget. Sized from
+        # no tensors it had 8 KiB, and a new value not aligned for a direct
+        # write went through in 4 KiB pieces (GPT 67M, optimizer state on the
+        # host: a 7 s step).
+        writer = _swap_config(param_path, nvme_sizes, None, config, pg)
+        configs["writer"] = dataclasses.replace(writer, capacity_bytes=0)
+    return configs
 
 
 def _swap_config(nvme_path, sizes, staging_bytes, config: Config, pg: ProcessGroupInfo):

@@ -39,6 +39,7 @@ from offload.partition.managed import manage, refuse_state_dict_larger_than_memo
 from offload.partition.manager import ParameterManager
 from offload.partition.prefetch import prefetch_scheduler
 from offload.partition.shard import ShardContext
+from offload.placement import Placement
 from offload.tiers import Tier
 from offload.simd import overlap_threads
 from offload.timeline import Timeline
@@ -71,9 +72,6 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         self.device_layer = builder.ctx.layer if builder is not None else offload.device.from_env()
         self.device = self.device_layer.device
         self.compute_dtype = config.precision.dtype
-        zero = config.zero_optimization
-        self.param_tier = zero.offload_param.device
-        self.optim_tier = zero.offload_optimizer.device
         if builder is not None:  # its shards already charge its account
             self.account = builder.account
         else:
@@ -97,7 +95,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
             self._abort()
             raise
         release_free_host_memory()  # the build's temporaries (Note [engine bytes and the OS])
-        if Tier.NVME in (self.param_tier, self.optim_tier):
+        if self._placement.uses(Tier.NVME):
             map_large_allocations()  # host memory is what an NVMe run is short of
 
     def _build(self, model: torch.nn.Module, config: Config) -> None:
@@ -112,6 +110,8 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         self._builder = self._weights = None
         self.shard_context = built.ctx
         self.shards = built.shards
+        self._placement = built.placement
+        log.info("%s", built.placement.summary())
         self._stores = built.stores()
         self._placed = built.placed  # filled as built.place() moves them (Note [an interrupted initialize])
         # Weak: no cycle through the engine (Note [a closed engine] in engine/closed.py).
@@ -133,7 +133,9 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
             groups = [{**g, "params": [by_name[n] for n in g["params"]]} for g in self._param_groups]
         self.optimizer = ShardedAdam(
             self.shards, lr=opt.lr, betas=opt.betas, eps=opt.eps,
-            weight_decay=opt.weight_decay, adamw_mode=opt.decoupled_weight_decay, tier=self.optim_tier,
+            weight_decay=opt.weight_decay, adamw_mode=opt.decoupled_weight_decay,
+            tier=config.zero_optimization.offload_optimizer.device,
+            state_tiers={s.index: p.state for s, p in zip(self.shards, built.placement.shards)},
             device=self.device, account=self.account, state_store=built.state_store,
             param_store=built.param_writer,
             sub_group_size=config.zero_optimization.sub_group_size, timeline=self._timeline,
@@ -253,8 +255,8 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         beside a separate device's backward (a GPU, or the sim standing in for
         one). Host Adam beside a CPU backward only takes cores from it
         (measured: backward 0.79 s -> 1.06 s, GPT 67M, 2 cores)."""
-        worth_it = self.optim_tier is Tier.NVME or (self.optim_tier is Tier.HOST
-                                                    and self.device_layer.separate_memory)
+        states = self.optimizer.state_tiers
+        worth_it = Tier.NVME in states or (Tier.HOST in states and self.device_layer.separate_memory)
         return (worth_it and self.config.zero_optimization.overlap_comm
                 and self.is_gradient_accumulation_boundary()
                 and self.loss_scaler is None and not self.config.gradient_clipping > 0)
@@ -264,7 +266,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         leaves its updates running beside the next forward where nothing in them can
         fail on a file: host Adam beside a separate device, every home on the host or
         the device."""
-        return (self.optim_tier is Tier.HOST and self.device_layer.separate_memory
+        return (self.optimizer.state_tiers == {Tier.HOST} and self.device_layer.separate_memory
                 and self.config.zero_optimization.overlap_comm
                 and all(s.home is not Tier.NVME for s in self.shards))
 
@@ -394,7 +396,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
 
     def _finish_update(self, grad_norm: float | None = None) -> None:
         self._record_grad_norm(grad_norm)  # Note [global gradient norm] (engine/deepspeed_api.py)
-        if Tier.NVME in (self.param_tier, self.optim_tier):
+        if self._placement.uses(Tier.NVME):
             # Host memory is what an NVMe run is short of, and its step waits on
             # the disk anyway (Note [engine bytes and the OS]).
             release_free_host_memory()
@@ -422,7 +424,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
 
     # ---- gradients -----------------------------------------------------------
     def _take_grad(self, shard, grad: torch.Tensor, owned: bool = False) -> None:
-        if self.steps.updating_in_backward and updates_from_staging(shard, grad, self.optim_tier):
+        if self.steps.updating_in_backward and updates_from_staging(shard, grad, self.optimizer.state_tier(shard)):
             # Note [updates from the staging buffer] (engine/gradients.py): no copy into the partition.
             kept, shard.grad_part, shard.has_grad = shard.grad_part, grad, True
             try:
@@ -482,6 +484,12 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         """The NVMe swap stores (offload.aio.SwapStore), each once: `store.io.config` is
         the `aio` config its transfers run with (Note [one store per thread] in build.py)."""
         return tuple(self._stores)
+
+    def placement(self) -> Placement:
+        """Where each parameter's home and optimizer state live, and the bytes per
+        tier and per step per link that follow (Note [automatic placement] in
+        offload/placement.py): the auto plan, or the config's explicit tiers."""
+        return self._placement
 
     def memory_report(self) -> dict:
         """Bytes per tier the engine holds (now, peak, budget), under "pinned" its

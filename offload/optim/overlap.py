@@ -165,7 +165,7 @@ class OverlappedUpdates:
         stream_order = [s for s in order if s.has_grad or s.param.requires_grad]
         stream = None
         try:
-            if opt.tier is Tier.NVME:
+            if Tier.NVME in opt.state_tiers:
                 stream = self.worker.submit(opt.open_stream, stream_order, self.masters_from_gather).result()
         except BaseException:
             opt.kernel_threads = None  # no step in progress: a later backward may start one

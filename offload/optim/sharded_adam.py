@@ -43,6 +43,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
     def __init__(self, shards: list[Shard], *,
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  adamw_mode: bool, tier: Tier, device: torch.device, account: MemoryAccount,
+                 state_tiers: dict[int, Tier] | None = None,
                  state_store=None, param_store=None, sub_group_size: int | None = None,
                  timeline: Timeline | None = None, pending_grad_elems: int | None = None,
                  param_groups: list[dict] | None = None, overlap_threads: int = 1,
@@ -57,11 +58,18 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         overlap_threads: Adam kernel threads while updates overlap backward
         (Note [optimizer threads] in offload/simd.py).
         host_worker: the thread host-side updates run on (Note [the host worker] in
-        offload/host_worker.py); None: one of its own (closed with it)."""
+        offload/host_worker.py); None: one of its own (closed with it).
+        tier: where every shard's state lives, but for those `state_tiers` (shard.index
+        -> Tier, host or NVMe: an auto placement, Note [automatic placement] in
+        offload/placement.py) puts elsewhere."""
         if not shards:
             raise ValueError("optimizer got an empty parameter list")
         self.shards = shards
         self.tier = tier
+        self._state_tiers = {s.index: (state_tiers or {}).get(s.index, tier) for s in shards}
+        if Tier.DEVICE in self._state_tiers.values() and set(self._state_tiers.values()) != {Tier.DEVICE}:
+            raise ValueError("optimizer state on the device for some shards and off it for others is not "
+                             "supported: give offload_optimizer.device 'none' for all, or 'cpu'/'nvme'/'auto'")
         self.state_device = device if tier is Tier.DEVICE else torch.device("cpu")
         self.account = account
         self.state_store = state_store
@@ -117,7 +125,8 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         """Takes `init`, this rank's fp32 partition of the shard's initial weights,
         as its master (moments zero). The shard is already home."""
         nbytes = 3 * shard.part_numel * 4
-        if self.tier is Tier.NVME:
+        tier = self.state_tier(shard)
+        if tier is Tier.NVME:
             shared = self.shares_master(shard)  # then the parameter's file holds `init`
             nbytes = (2 if shared else 3) * shard.part_numel * 4
             self.account.charge(Tier.NVME, nbytes, f"optimizer state of {shard.name}")
@@ -136,7 +145,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
             master = aligned_tensor(shard.part_numel, torch.float32).copy_(init.reshape(-1))
         else:
             master = init.to(self.state_device, torch.float32, copy=True)
-        self.account.charge(self.tier, nbytes, f"optimizer state of {shard.name}")
+        self.account.charge(tier, nbytes, f"optimizer state of {shard.name}")
         m = torch.zeros_like(master)
         v = torch.zeros_like(master)
         self._states[shard.index] = (master, m, v)
@@ -193,8 +202,17 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         by_param = {id(s.param): s for s in self.shards}
         return list(enumerate(by_param[id(p)] for g in self.param_groups for p in g["params"]))
 
+    def state_tier(self, shard: Shard) -> Tier:
+        """Where `shard`'s optimizer state lives."""
+        return self._state_tiers[shard.index]
+
+    @property
+    def state_tiers(self) -> frozenset:
+        """Every tier some shard's state lives on."""
+        return frozenset(self._state_tiers.values())
+
     def _aliases_home(self, shard: Shard) -> bool:
-        return (self.tier is Tier.HOST and shard.home is Tier.HOST
+        return (self.state_tier(shard) is Tier.HOST and shard.home is Tier.HOST
                 and shard.dtype == torch.float32)
 
     # Note [shared fp32 master]
@@ -208,7 +226,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
     # The stream learns which shards arrive so (as it learns their order),
     # and reads the master of any that does not.
     def shares_master(self, shard: Shard) -> bool:
-        return (self.tier is Tier.NVME and shard.home is Tier.NVME
+        return (self.state_tier(shard) is Tier.NVME and shard.home is Tier.NVME
                 and shard.dtype == torch.float32 and self.param_store is not None)
 
     def _layout(self, shard: Shard) -> StateLayout:
@@ -279,8 +297,10 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         return [s for s in self.shards if s.has_grad]
 
     def open_stream(self, order: list[Shard], skip_master: frozenset = frozenset()) -> StateStream | None:
-        """The NVMe state of `order`'s shards, read ahead of their updates (None off NVMe)."""
-        if self.tier is not Tier.NVME:
+        """The NVMe state of `order`'s shards, read ahead of their updates (None where
+        none of them has its state on NVMe)."""
+        order = [s for s in order if self.state_tier(s) is Tier.NVME]
+        if not order:
             return None
         stream = StateStream(self.state_store, self._key, order, account=self.account,
                              timeline=self.timeline, cap_elems=self.sub_group_size, buffers=self.buffers,
@@ -342,7 +362,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
             # Note [global gradient norm] (engine/deepspeed_api.py): the gradients this update applies
             # (added once it is applied: Note [a failed step]).
             grad_sq = float(torch.linalg.vector_norm(shard.grad_part, dtype=torch.float32)) ** 2
-            if stream is None:
+            if self.state_tier(shard) is not Tier.NVME:
                 master, m, v = self._states[shard.index]
                 self._update(shard, master, m, v, group)
             else:
@@ -415,7 +435,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
             self.buffers.give(part)
 
     def flush_publishes(self) -> None:
-        if self.tier is Tier.NVME:
+        if Tier.NVME in self.state_tiers:
             # Idle state buffers are reused within a step, not across steps: kept,
             # they would sit resident through the next forward, on top of its
             # activations (300 MiB of a 0.9 GiB peak, GPT 67M on NVMe).

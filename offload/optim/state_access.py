@@ -72,7 +72,7 @@ class StateAccess:
     def _host_state(self, shard: Shard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Host copies of (master, exp_avg, exp_avg_sq), this rank's partition."""
         n = shard.part_numel
-        if self.tier is Tier.NVME:
+        if self.state_tier(shard) is Tier.NVME:
             shared = self.shares_master(shard)
             packed = torch.empty((2 if shared else 3) * n, dtype=torch.float32)
             self.state_store.swap_in(self._key(shard), out=packed).wait()
@@ -87,7 +87,7 @@ class StateAccess:
         self.deferred.settle()  # Note [updates under the next forward]
         if self.shares_master(shard):
             return shard.home_partition()
-        if self.tier is Tier.NVME:
+        if self.state_tier(shard) is Tier.NVME:
             buf = torch.empty(3 * shard.part_numel, dtype=torch.float32)
             self.state_store.swap_in(self._key(shard), out=buf).wait()
             return buf[:shard.part_numel].clone()
@@ -100,7 +100,7 @@ class StateAccess:
     def state_tensors(self, shard: Shard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The live (master, exp_avg, exp_avg_sq) of a DEVICE/HOST-tier shard: not copies."""
         self.deferred.settle()  # Note [updates under the next forward]
-        if self.tier is Tier.NVME:
+        if self.state_tier(shard) is Tier.NVME:
             raise ValueError(f"optimizer state of {shard.name} is in a file on the NVMe tier: "
                              "use state_file()")
         return self._states[shard.index]
@@ -108,8 +108,8 @@ class StateAccess:
     def state_file(self, shard: Shard):
         """The NVMe-tier swap file holding [master | exp_avg | exp_avg_sq] of `shard`, or
         [exp_avg | exp_avg_sq] where shares_master(shard) (the master is the parameter's file)."""
-        if self.tier is not Tier.NVME:
-            raise ValueError(f"optimizer state of {shard.name} is on the {self.tier.value} tier, "
+        if self.state_tier(shard) is not Tier.NVME:
+            raise ValueError(f"optimizer state of {shard.name} is on the {self.state_tier(shard).value} tier, "
                              "not in a file: use state_tensors()")
         return self.state_store.path_of(self._key(shard))
 
@@ -120,7 +120,7 @@ class StateAccess:
         self.deferred.settle()  # Note [updates under the next forward]
         if self.shares_master(shard):
             shard.ctx.param_store.write(shard, master.cpu().contiguous()).wait()
-        elif self.tier is Tier.NVME:
+        elif self.state_tier(shard) is Tier.NVME:
             packed = torch.empty(3 * shard.part_numel, dtype=torch.float32)
             self.state_store.swap_in(self._key(shard), out=packed).wait()
             packed[:shard.part_numel].copy_(master)
@@ -141,7 +141,7 @@ class StateAccess:
             packed = torch.cat([exp_avg.cpu(), exp_avg_sq.cpu()])
             self.state_store.swap_out(self._key(shard), packed).wait()
             return
-        if self.tier is Tier.NVME:
+        if self.state_tier(shard) is Tier.NVME:
             packed = torch.cat([master.cpu(), exp_avg.cpu(), exp_avg_sq.cpu()])
             self.state_store.swap_out(self._key(shard), packed).wait()
             return

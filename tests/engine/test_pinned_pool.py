@@ -249,8 +249,10 @@ def test_a_pinned_budget_below_two_of_the_largest_partition_is_refused_at_initia
     from offload.engine.build import HomePolicy, _Planned
     from offload.partition.shard import partition_numel
     policy = HomePolicy(cfg)
-    planned = [_Planned(i, n, p, policy.home_of(p), partition_numel(p.numel(), 1), p.numel(), None)
-               for i, (n, p) in enumerate(model.named_parameters())]
+    planned = []
+    for i, (n, p) in enumerate(model.named_parameters()):
+        home = policy.home_of(p)
+        planned.append(_Planned(i, n, p, home, partition_numel(p.numel(), 1), p.numel(), None, home=home))
     from offload.device.sim import SimDevice
     cuda = SimDevice()
     largest = memory.round_up(max(pl.part_numel for pl in planned) * 4)

@@ -1,0 +1,201 @@
+"""What the engine itself holds on each budgeted tier, checked before anything
+moves (`preflight_budgets`): an impossible configuration fails at initialize
+with the numbers, and an auto placement is planned within what is left
+(Note [automatic placement] in offload/placement.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from offload.config import Config
+from offload.placement import (DEVICE_SHARE, HOST_SHARE, Budgets, ParamSpec, Placement, plan_placement,
+                               uniform)
+from offload.tiers import Tier
+
+
+def gathers_to_a_buffer(pl, separate_memory: bool, world_size: int) -> bool:
+    """Whether gathering this parameter allocates a device-tier buffer: every
+    offloaded home but a host one on a CPU-only single rank (Note [zero-copy
+    gather] in offload/partition/shard.py). separate_memory: the device layer's."""
+    if pl.home is Tier.DEVICE:
+        return False
+    return not (pl.home is Tier.HOST and world_size == 1 and not separate_memory)
+
+
+def largest_module_group(model: torch.nn.Module, named, planned: list, separate_memory: bool,
+                          world_size: int) -> int:
+    """Elements of the largest set of parameters one module gathers at once (its
+    own, held together by its forward pre-hook: Note [when parameters are
+    gathered]): the least any step holds."""
+    by_id = {id(p): pl for (_, p), pl in zip(named, planned)}
+    largest = 0
+    for mod in model.modules():
+        own = {id(p) for p in mod._parameters.values() if p is not None}
+        largest = max(largest, sum(by_id[i].padded_numel for i in own
+                                   if i in by_id and gathers_to_a_buffer(by_id[i], separate_memory, world_size)))
+    return largest
+
+
+def preflight_budgets(planned: list, config: Config, dtype: torch.dtype,
+                       staging_bytes: int = 0, *, separate_memory: bool = False,
+                       world_size: int = 1, on_demand: int = 0, param_staging_bytes: int = 0) -> dict[Tier, str]:
+    """`tier_needs`, checked: refuses a configuration its budgets cannot hold."""
+    need = tier_needs(planned, config, dtype, staging_bytes, separate_memory=separate_memory,
+                      world_size=world_size, on_demand=on_demand, param_staging_bytes=param_staging_bytes)
+    return check_needs(need, config)
+
+
+def tier_needs(planned: list, config: Config, dtype: torch.dtype,
+               staging_bytes: int = 0, *, separate_memory: bool = False,
+               world_size: int = 1, on_demand: int = 0, param_staging_bytes: int = 0) -> dict[Tier, dict]:
+    """Per budgeted tier, {what: bytes} the engine will hold at once. Each of `planned`
+    has its home and its optimizer state's tier (`state`).
+
+    Refuses, before any parameter moves, a configuration whose budgets cannot hold
+    what the engine itself will hold at once; returns, per budgeted tier, a line
+    saying what was reserved (for TierBudgetError's message at a step).
+
+    Device tier: the parameters homed there, and the offloaded ones gathered at
+    once: what one module gathers together (on_demand, elements) or the
+    prefetcher's live limit if larger, plus its one read ahead
+    (`working_set_elems`, Note [prefetch within the device budget]). Host tier:
+    homes, fp32 gradients, optimizer state, the swap stores' staging buffers
+    (staging_bytes), idle gathered buffers kept for reuse (on a CPU device: the
+    BufferCache made below, 3 x the largest), and with NVMe optimizer state
+    what its update keeps in flight (docs/ARCHITECTURE.md, "Memory budget").
+    Saved activations are the model's and depend on the inputs: they get what
+    the device budget leaves, which the returned line states."""
+    from offload.partition.prefetch import working_set_elems
+
+    need = {Tier.DEVICE: {}, Tier.HOST: {}}
+    if staging_bytes:
+        need[Tier.HOST]["swap staging buffers"] = staging_bytes
+    if param_staging_bytes:
+        need[Tier.HOST]["parameter staging buffers"] = param_staging_bytes
+
+    def add(tier, what, nbytes):
+        if tier in need and nbytes:
+            need[tier][what] = need[tier].get(what, 0) + nbytes
+
+    zero = config.zero_optimization
+    optimizer = zero.offload_optimizer
+    for s in planned:
+        home_bytes = s.padded_numel * dtype.itemsize if s.home is Tier.DEVICE else s.part_numel * dtype.itemsize
+        if s.home is Tier.HOST and s.state is Tier.HOST and dtype == torch.float32:
+            home_bytes = 0  # the fp32 host home is the master itself (ShardedAdam._aliases_home)
+        add(s.home, "parameters", home_bytes)
+        add(optimizer.grad_tier, "fp32 gradients", s.part_numel * 4)
+        add(s.state, "optimizer state", 3 * s.part_numel * 4)
+    gathered = [s.padded_numel for s in planned if gathers_to_a_buffer(s, separate_memory, world_size)]
+    if gathered:
+        largest = max(gathered)
+        # Prefetching is on where a transfer is read ahead (Shard.reads_ahead).
+        reads_ahead = any(s.home is Tier.NVME or (separate_memory and s.home is Tier.HOST) for s in planned)
+        working = working_set_elems(zero, gathered, reads_ahead, max(on_demand, largest))
+        add(Tier.DEVICE, "offloaded parameters gathered at once (working set)", working * dtype.itemsize)
+    offloaded = [s.padded_numel for s in planned if s.home is not Tier.DEVICE]
+    if offloaded and not separate_memory:
+        add(Tier.HOST, "idle gathered buffers kept for reuse", 3 * max(offloaded) * dtype.itemsize)
+    nvme_state = [s.part_numel for s in planned if s.state is Tier.NVME]
+    if nvme_state:
+        part = max(nvme_state)
+        add(Tier.HOST, "optimizer state buffers in flight", 3 * 12 * part)
+        add(Tier.HOST, "fp32 masters taken from gathered parameters", 3 * 4 * part)
+        if dtype != torch.float32 and any(s.home is Tier.NVME for s in planned):
+            add(Tier.HOST, "new parameter values on their way to NVMe", 3 * dtype.itemsize * part)
+    return need
+
+
+def check_needs(need: dict[Tier, dict], config: Config) -> dict[Tier, str]:
+    """Raises MemoryError where a tier's needs exceed its budget; else, per budgeted
+    tier, the line saying what was reserved."""
+    budgets = {Tier.DEVICE: config.memory.device_budget, Tier.HOST: config.memory.host_budget}
+    notes = {}
+    for tier, parts in need.items():
+        budget, total = budgets[tier], sum(parts.values())
+        if budget is None:
+            continue
+        detail = ", ".join(f"{what} {n}" for what, n in parts.items()) or "nothing"
+        if total > budget:
+            zero = config.zero_optimization
+            auto = zero.offload_param.auto or zero.offload_optimizer.auto
+            change = (("offload more (zero_optimization.offload_param / offload_optimizer)" if not auto else
+                       "give offload_param and offload_optimizer an nvme_path (the auto plan already puts "
+                       "on NVMe everything a path allows)") if tier is Tier.HOST
+                      else "lower zero_optimization.stage3_max_live_parameters (the prefetcher's live limit) "
+                           "or stage3_prefetch_bucket_size (0: no prefetch), or offload more")
+            raise MemoryError(
+                f"{tier.value} tier budget exceeded: this configuration needs at least {total} bytes "
+                f"on the {tier.value} tier ({detail}) but memory.{tier.value}_budget is {budget}; "
+                f"raise memory.{tier.value}_budget to at least {total}, or {change}")
+        notes[tier] = (f"initialize reserved {total} of memory.{tier.value}_budget {budget} bytes ({detail})"
+                       + (f", leaving {budget - total} for saved activations; raise "
+                          "memory.device_budget or checkpoint activations (activation_checkpointing)"
+                          if tier is Tier.DEVICE else ""))
+    return notes
+
+
+def auto_budgets(config: Config, layer, pg) -> Budgets:
+    """What an auto plan may give homes and state on each tier (Note [automatic
+    placement]): the host gets memory.host_budget where set, else HOST_SHARE of
+    the host memory available now; device homes get DEVICE_SHARE of
+    memory.device_budget, else of the device's free memory (none where the
+    device has no memory of its own or cannot say how much is free): the rest
+    is for saved activations and the gathered working set. The smallest over
+    ranks, so every rank makes the same plan."""
+    import psutil
+
+    mem = config.memory
+    zero = config.zero_optimization
+    host = mem.host_budget if mem.host_budget is not None else int(HOST_SHARE * psutil.virtual_memory().available)
+    device = 0
+    if layer.separate_memory:
+        total = mem.device_budget if mem.device_budget is not None else layer.free_memory()
+        device = int(DEVICE_SHARE * total) if total is not None else 0
+    if pg.world_size > 1:
+        both = torch.tensor([float(host), float(device)], dtype=torch.float64, device=layer.device)
+        torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MIN, group=pg.group)
+        host, device = int(both[0].item()), int(both[1].item())
+    return Budgets(device=device, host=host,
+                   nvme_homes=zero.offload_param.auto and zero.offload_param.nvme_path is not None,
+                   nvme_state=zero.offload_optimizer.auto and zero.offload_optimizer.nvme_path is not None)
+
+
+def plan(planned: list, config: Config, layer, pg, *, threshold: int, within: Budgets | None = None) -> Placement:
+    """Every home and optimizer state tier of `planned` (set on each): the auto plan
+    where a side is "auto" (within `within`, default `auto_budgets`), else the
+    config's tiers, as HomePolicy already decided the homes."""
+    zero = config.zero_optimization
+    param, optimizer = zero.offload_param, zero.offload_optimizer
+    itemsize = config.precision.dtype.itemsize
+    specs = [ParamSpec(pl.name, pl.part_numel, pl.padded_numel, persistent=pl.param.numel() <= threshold,
+                       fixed_home=pl.given_home) for pl in planned]
+    if param.auto or optimizer.auto:
+        placement = plan_placement(specs, within or auto_budgets(config, layer, pg), itemsize=itemsize,
+                                   separate_memory=layer.separate_memory,
+                                   home_tier=None if param.auto else param.device,
+                                   state_tier=None if optimizer.auto else optimizer.device)
+    else:
+        placement = uniform(specs, home_tier=param.device, state=optimizer.device, itemsize=itemsize,
+                            separate_memory=layer.separate_memory)
+    for pl, sp in zip(planned, placement.shards):
+        pl.home, pl.state = sp.home, sp.state
+    return placement
+
+
+def replan_within(placement: Placement, need: dict[Tier, dict], config: Config) -> Budgets | None:
+    """Smaller auto budgets where the engine's needs under `placement` exceed a
+    tier's budget (its buffers, gradients and working set came out larger than
+    the room the plan left them), or None where they fit."""
+    b = placement.budgets
+    limits = {Tier.DEVICE: config.memory.device_budget, Tier.HOST: config.memory.host_budget}
+    held = placement.held_bytes()
+    changes = {}
+    for tier, field_name in ((Tier.DEVICE, "device"), (Tier.HOST, "host")):
+        limit = limits[tier] if limits[tier] is not None else getattr(b, field_name)
+        total = sum(need.get(tier, {}).values())
+        room = getattr(b, field_name)
+        if limit is not None and room is not None and total > limit:
+            changes[field_name] = max(0, min(room, held[tier]) - (total - limit))
+    return dataclasses.replace(b, **changes) if changes else None

@@ -1,0 +1,189 @@
+"""`"device": "auto"` (Note [automatic placement] in offload/placement.py): the
+engine trains like plain PyTorch under budgets that split the model between
+host memory and NVMe at several points, resumes exactly into another plan,
+refuses an impossible budget before anything moves, and on the sim keeps
+its planned device share off the bus."""
+import copy
+import logging
+import re
+
+import pytest
+import torch
+
+import offload
+from offload.tiers import Tier
+from tests.engine.models import TinyGPT
+from tests.engine.harness import (batches, build, engine_weights, make_config, run_engine, run_reference,
+                                  run_reference_mixed, train_engine)
+
+STEPS = 6
+
+
+def deep_gpt():
+    """Deep enough that its homes and state outweigh what NVMe's buffers take
+    (tiny_gpt's do not: all of it on NVMe would need more host memory)."""
+    torch.manual_seed(0)
+    return TinyGPT(hidden=48, layers=8)
+
+
+def auto_config(tmp_path, *, host_budget=None, device_budget=None, precision="fp32", gas=1, clip=0.0):
+    cfg = make_config("cpu", "cpu", tmp_path, precision=precision, gas=gas, clip=clip)
+    zero = cfg["zero_optimization"]
+    zero["offload_param"] = {"device": "auto", "nvme_path": str(tmp_path)}
+    zero["offload_optimizer"] = {"device": "auto", "nvme_path": str(tmp_path)}
+    cfg["memory"] = {"host_budget": host_budget, "device_budget": device_budget}
+    return cfg
+
+
+def run_auto(model, data, cfg):
+    """run_engine, also returning the plan and the host tier's peak."""
+    with offload.initialize(copy.deepcopy(model), cfg) as engine:
+        losses = train_engine(engine, data)
+        return engine_weights(engine), losses, engine.placement(), engine.memory_report()["host"]["peak"]
+
+
+def reserved(model, cfg) -> int:
+    """The host bytes initialize reserves for `cfg` (its budget line)."""
+    cfg = copy.deepcopy(cfg)
+    cfg["memory"] = {"host_budget": 1 << 40}
+    with offload.initialize(copy.deepcopy(model), cfg) as engine:
+        note = engine.account.budget_notes[Tier.HOST]
+    return int(re.match(r"initialize reserved (\d+) of", note).group(1))
+
+
+def split_budgets(model, tmp_path, precision="fp32"):
+    """Host budgets between the least an auto plan needs (everything it may move on
+    NVMe) and what keeps everything on the host."""
+    least = reserved(model, make_config("nvme", "nvme", tmp_path, precision=precision))
+    most = reserved(model, make_config("cpu", "cpu", tmp_path, precision=precision))
+    assert least < most
+    return [least + (most - least) * k // 8 for k in (2, 4, 7)]
+
+
+def test_ample_ram_plans_everything_on_the_host_and_trains_as_cpu_offload_bit_for_bit(tmp_path, caplog):
+    model, data = build("tiny_gpt"), batches(STEPS)
+    with caplog.at_level(logging.INFO, logger="offload"):
+        auto_weights, auto_losses, engine = run_engine(model, data, auto_config(tmp_path))
+    plan = engine.placement()
+    assert all((s.home, s.state) == (Tier.HOST, Tier.HOST) for s in plan.shards)
+    assert plan.moved_per_step()["nvme"] == 0 and plan.budgets is not None
+    assert any(r.getMessage().startswith("placement (auto): homes and optimizer state") for r in caplog.records)
+    cpu_weights, cpu_losses, _ = run_engine(model, data, make_config("cpu", "cpu", tmp_path))
+    torch.testing.assert_close(auto_losses, cpu_losses, rtol=0, atol=0)
+    for name, value in cpu_weights.items():
+        torch.testing.assert_close(auto_weights[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_budgets_that_split_the_model_train_like_plain_pytorch(tmp_path, precision):
+    model, data = deep_gpt(), batches(STEPS)
+    if precision == "fp32":
+        ref_model, ref_losses = run_reference(model, data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01)
+        ref_losses = ref_losses[:, 0]
+    else:
+        ref_model, ref_losses = run_reference_mixed(model, data, dtype=torch.bfloat16, gas=1, lr=1e-2,
+                                                    weight_decay=0.01)
+        ref_losses = ref_losses[:, 0]
+    cpu_weights, cpu_losses, _ = run_engine(model, data, make_config("cpu", "cpu", tmp_path / "cpu",
+                                                                      precision=precision))
+    mixed_sides = 0
+    for i, budget in enumerate(split_budgets(model, tmp_path / "probe", precision)):
+        weights, losses, plan, peak = run_auto(model, data, auto_config(tmp_path / str(i), host_budget=budget,
+                                                                        precision=precision))
+        tiers = {t for s in plan.shards for t in (s.home, s.state)}
+        assert tiers == {Tier.HOST, Tier.NVME}, plan.format()  # a split, not one tier
+        assert peak <= budget
+        mixed_sides += sum(s.home is not s.state for s in plan.shards)
+        torch.testing.assert_close(losses, ref_losses)
+        for name, p in ref_model.named_parameters():
+            torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{name}: {m}")
+        # the same operations in the same order as all on the host: the same bits
+        torch.testing.assert_close(losses, cpu_losses, rtol=0, atol=0)
+        for name, value in cpu_weights.items():
+            torch.testing.assert_close(weights[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    assert mixed_sides > 0  # some parameter's home and its state were on different tiers
+
+
+def test_clipping_and_accumulation_under_a_split_plan_equal_plain_pytorch(tmp_path):
+    model, data = deep_gpt(), batches(8, seed=3)
+    ref_model, ref_losses = run_reference(model, data, gas=2, clip=0.05, lr=1e-2, weight_decay=0.01)
+    budget = split_budgets(model, tmp_path / "probe")[1]
+    weights, losses, _ = run_engine(model, data, auto_config(tmp_path, host_budget=budget, gas=2, clip=0.05))
+    torch.testing.assert_close(losses, ref_losses[:, 0])
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{name}: {m}")
+
+
+def test_resume_into_a_run_with_another_plan_is_exact(tmp_path):
+    model, data = deep_gpt(), batches(8, seed=5)
+    roomy, tight = split_budgets(model, tmp_path / "probe")[2], split_budgets(model, tmp_path / "probe")[0]
+    whole_weights, whole_losses, _ = run_engine(model, data, make_config("cpu", "cpu", tmp_path / "whole"))
+    with offload.initialize(copy.deepcopy(model), auto_config(tmp_path / "a", host_budget=roomy)) as first:
+        plan_a = first.placement()
+        losses_a = train_engine(first, data[:4])
+        first.save_checkpoint(tmp_path / "ck")
+    with offload.initialize(copy.deepcopy(model), auto_config(tmp_path / "b", host_budget=tight)) as second:
+        plan_b = second.placement()
+        second.load_checkpoint(tmp_path / "ck")
+        losses_b = train_engine(second, data[4:])
+        weights = engine_weights(second)
+    moved = [a.name for a, b in zip(plan_a.shards, plan_b.shards) if (a.home, a.state) != (b.home, b.state)]
+    assert moved, "the two plans should differ"
+    torch.testing.assert_close(torch.cat([losses_a, losses_b]), whole_losses, rtol=0, atol=0)
+    for name, value in whole_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_budget_below_the_least_plan_is_refused_at_initialize_with_the_numbers(tmp_path):
+    model = deep_gpt()
+    least = reserved(model, make_config("nvme", "nvme", tmp_path / "probe"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(MemoryError, match=rf"host tier budget exceeded: this configuration needs at least "
+                                          rf"{least} bytes .* memory.host_budget is {least - 1}"):
+        offload.initialize(model, auto_config(tmp_path, host_budget=least - 1))
+    for name, p in model.named_parameters():  # nothing moved
+        torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0)
+
+
+def test_without_an_nvme_path_auto_keeps_everything_on_the_host_or_refuses(tmp_path):
+    model = build("tiny_gpt")
+    cfg = auto_config(tmp_path)
+    for side in ("offload_param", "offload_optimizer"):
+        del cfg["zero_optimization"][side]["nvme_path"]
+    with offload.initialize(copy.deepcopy(model), cfg) as engine:
+        assert not engine.placement().uses(Tier.NVME)
+    cfg["memory"] = {"host_budget": 1000}
+    with pytest.raises(MemoryError, match="give offload_param and offload_optimizer an nvme_path"):
+        offload.initialize(copy.deepcopy(model), cfg)
+
+
+def test_on_the_sim_the_planned_device_share_stays_off_the_bus(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_DEVICE", "sim")
+    model, data = deep_gpt(), batches(4, seed=2)
+    device_budget = 1_200_000  # half of it for homes: a part of its 0.9 MB of fp32 parameters
+
+    def bytes_per_step(cfg):
+        with offload.initialize(copy.deepcopy(model), cfg) as engine:
+            train_engine(engine, data[:2])
+            counters = engine.device_layer.counters
+            before = counters.bytes_copied
+            losses = train_engine(engine, data[2:3])
+            return counters.bytes_copied - before, engine.placement(), losses, engine_weights(engine)
+
+    cpu_cfg = make_config("cpu", "cpu", tmp_path / "cpu")
+    cpu_cfg["memory"] = {"device_budget": device_budget}
+    cpu_bytes, cpu_plan, cpu_losses, cpu_weights = bytes_per_step(cpu_cfg)
+    auto_bytes, plan, losses, weights = bytes_per_step(auto_config(tmp_path / "auto", device_budget=device_budget))
+    on_device = [s for s in plan.shards if s.home is Tier.DEVICE]
+    assert on_device and len(on_device) < len(plan.shards)
+    assert plan.moved_per_step()["bus"] < cpu_plan.moved_per_step()["bus"]
+    assert auto_bytes < cpu_bytes
+    # Each planned device home saves one upload of its compute-dtype value a step
+    # (its new value goes up once instead of a gather for forward and another for
+    # backward), less where the host-homed run kept a tail parameter gathered
+    # across the turn from forward to backward (Note [prefetch order]: one upload).
+    saved = sum(s.padded_numel * plan.itemsize for s in on_device)
+    assert 0.8 * saved <= cpu_bytes - auto_bytes <= saved, (cpu_bytes, auto_bytes, saved)
+    torch.testing.assert_close(losses, cpu_losses, rtol=0, atol=0)
+    for name, value in cpu_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
