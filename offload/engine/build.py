@@ -48,10 +48,11 @@ class HomePolicy:
     """Where a parameter lives, decided one parameter at a time: the device when
     offload_param is none or it is under stage3_param_persistence_threshold
     elements, else host or NVMe. With offload_param "auto" (a model built under
-    offload.init, one parameter at a time): the host while `host_room` bytes
-    last, head first, then NVMe (Note [automatic placement])."""
+    offload.init, before the whole model is known): NVMe where a path is given,
+    else the host; initialize then moves each to its planned home (Note
+    [automatic placement])."""
 
-    def __init__(self, config: Config, host_room: int | None = None):
+    def __init__(self, config: Config):
         zero = config.zero_optimization
         self.param_tier = zero.offload_param.device
         self.threshold = zero.stage3_param_persistence_threshold
@@ -59,17 +60,11 @@ class HomePolicy:
         # the first parameters, up to this many elements, in host memory instead.
         self.in_cpu_left = zero.offload_param.max_in_cpu or 0
         self.auto_nvme = zero.offload_param.auto and zero.offload_param.nvme_path is not None
-        self.host_left = host_room
-        self.itemsize = config.precision.dtype.itemsize
 
     def home_of(self, p: torch.Tensor) -> Tier:
         if self.param_tier is Tier.DEVICE or p.numel() <= self.threshold:
             return Tier.DEVICE
         if self.auto_nvme:
-            need = p.numel() * self.itemsize
-            if self.host_left is None or need <= self.host_left:
-                self.host_left = None if self.host_left is None else self.host_left - need
-                return Tier.HOST
             return Tier.NVME
         if self.param_tier is Tier.HOST:
             return Tier.HOST
@@ -265,7 +260,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
     # Nothing has moved yet. Meta parameters get placeholder parameters,
     # installed in their modules once the budgets are known to hold.
     policy = builder.policy if builder is not None else HomePolicy(config)
-    auto_homes = zero.offload_param.auto and builder is None
+    auto_homes = zero.offload_param.auto
     next_index = builder.next_index if builder is not None else 0
     planned: list[_Planned] = []
     sources, replacements = {}, {}
@@ -274,7 +269,8 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
         built = adopted.get(id(p))
         if built is not None:
             built.name = name
-            index, home = built.index, built.home
+            # Under "auto" the plan, made now the whole model is known, may move it.
+            index, home = built.index, None if zero.offload_param.auto else built.home
             sources[index] = (key, built)
         else:
             if p.device.type == "meta":
@@ -287,8 +283,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
             if key is not None:
                 sources[index] = (key, None)
         part = partition_numel(p.numel(), pg.world_size)
-        planned.append(_Planned(index, name, p, home, part, part * pg.world_size, built,
-                                reuse=built is not None and key is None and built.dtype == dtype))
+        planned.append(_Planned(index, name, p, home, part, part * pg.world_size, built))
 
     have_param_store = builder is not None and builder.store is not None
     placement = budgets.plan(planned, config, layer, pg, threshold=zero.stage3_param_persistence_threshold)
@@ -314,6 +309,11 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
                                  within=replanned)
         configs, staging, need = stores_and_needs()
     notes = budgets.check_needs(need, config)
+    for pl in planned:
+        # A build-time shard is kept as it is where it already sits at its planned
+        # home in the compute dtype, and no weights replace it.
+        pl.reuse = (pl.built is not None and sources[pl.index][0] is None and pl.built.dtype == dtype
+                    and pl.built.home is pl.home)
     account.budget_notes.update(notes)
     check_free_space(configs)  # before anything is written or moved
     if builder is not None:

@@ -35,9 +35,10 @@ def auto_config(tmp_path, *, host_budget=None, device_budget=None, precision="fp
     return cfg
 
 
-def run_auto(model, data, cfg):
-    """run_engine, also returning the plan and the host tier's peak."""
-    with offload.initialize(copy.deepcopy(model), cfg) as engine:
+def run_auto(model, data, cfg, *, copied=True):
+    """run_engine, also returning the plan and the host tier's peak. copied=False:
+    train `model` itself (one built under offload.init is its builder's, not copied)."""
+    with offload.initialize(copy.deepcopy(model) if copied else model, cfg) as engine:
         losses = train_engine(engine, data)
         return engine_weights(engine), losses, engine.placement(), engine.memory_report()["host"]["peak"]
 
@@ -187,3 +188,27 @@ def test_on_the_sim_the_planned_device_share_stays_off_the_bus(tmp_path, monkeyp
     torch.testing.assert_close(losses, cpu_losses, rtol=0, atol=0)
     for name, value in cpu_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_model_built_under_offload_init_moves_to_its_planned_homes_and_trains_exactly(tmp_path, precision):
+    # offload.init homes each parameter on NVMe as it is built (the model is not
+    # known whole yet); initialize plans and moves the chosen ones to the host.
+    data = batches(STEPS, seed=4)
+    budget = split_budgets(deep_gpt(), tmp_path / "probe", precision)[1]
+    cfg = auto_config(tmp_path / "built", host_budget=budget, precision=precision)
+    torch.manual_seed(0)
+    with offload.init(cfg) as builder:
+        model = TinyGPT(hidden=48, layers=8)
+        assert {s.home for s in builder.shards} == {Tier.NVME}
+    weights, losses, plan, peak = run_auto(model, data, cfg, copied=False)
+    assert Tier.HOST in {s.home for s in plan.shards}  # moved from where offload.init put it
+    assert {t for s in plan.shards for t in (s.home, s.state)} == {Tier.HOST, Tier.NVME}
+    assert peak <= budget
+    # every plan computes the same bits: the model built plainly, all on the host
+    plain_weights, plain_losses, _ = run_engine(deep_gpt(), data, make_config("cpu", "cpu", tmp_path / "plain",
+                                                                              precision=precision))
+    torch.testing.assert_close(losses, plain_losses, rtol=0, atol=0)
+    for name, value in plain_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    assert len(list((tmp_path / "built").rglob("param.*.swp"))) <= sum(s.home is Tier.NVME for s in plan.shards)
