@@ -1,6 +1,6 @@
 """Training a model whose training state is larger than this machine's RAM.
 
-    python benchmarks/large_model.py [--layers 12 --hidden 4096] [--steps 3] [--out DIR]
+    python benchmarks/large_model.py [--layers 12 --hidden 4096] [--steps 3] [--placement nvme|auto] [--out DIR]
 
 A GPT (vocab 8192, hidden 4096, 12 layers by default: 2.48B parameters) is
 built under `offload.init` straight onto NVMe (parameters) and trained for a
@@ -9,6 +9,8 @@ few steps with AdamW state on NVMe too, fp32 throughout. Its training state,
 1.5x this machine's 24 GiB of RAM; the whole run must stay under a quarter of
 RAM. Sizes are kept to the machine by the config: reads ahead of one shard
 (sub_group_size), a gradient backlog of one shard (reduce_bucket_size).
+--placement auto plans instead (Note [automatic placement]): what the default
+host budget holds stays in RAM, the overflow on NVMe.
 
 Prints JSON (parameters, training-state bytes, RAM, build time, step times,
 bytes moved per step, peak RSS, the last step's timeline) and writes
@@ -48,6 +50,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--nvme-dir", default=None, help="swap directory (default: a temporary one here)")
+    p.add_argument("--placement", choices=("nvme", "auto"), default="nvme",
+                   help="nvme: everything on NVMe (default); auto: the planner's split")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -64,8 +68,8 @@ def main(argv=None) -> int:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": {
             "stage": 3,
-            "offload_param": {"device": "nvme", "nvme_path": str(nvme)},
-            "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)},
+            "offload_param": {"device": args.placement, "nvme_path": str(nvme)},
+            "offload_optimizer": {"device": args.placement, "nvme_path": str(nvme)},
             "sub_group_size": largest,
             "reduce_bucket_size": largest,
         },
@@ -87,6 +91,8 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         engine = offload.initialize(model, config)
         result["initialize_s"] = round(time.perf_counter() - t, 1)
+        result["placement"] = {k: v for k, v in engine.placement().to_dict().items() if k != "shards"}
+        print(engine.placement().summary(), file=sys.stderr, flush=True)
         print(f"built in {result['build_s']} s, initialized in {result['initialize_s']} s", file=sys.stderr,
               flush=True)
         gen = torch.Generator().manual_seed(1)
@@ -145,7 +151,9 @@ def _plot(result: dict, path: Path) -> None:
     for b, v in zip(bars, vals):
         a2.annotate(f"{v:.1f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom")
     a2.set_ylabel("GiB")
-    fig.suptitle(f"GPT {result['params'] / 1e9:.2f}B params, parameters and Adam state on NVMe, fp32")
+    where = ("planned over RAM and NVMe ('auto')" if result["config"]["zero_optimization"]["offload_param"]["device"]
+             == "auto" else "on NVMe")
+    fig.suptitle(f"GPT {result['params'] / 1e9:.2f}B params, parameters and Adam state {where}, fp32")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Mapping
 
 from offload.config import AUTO, Config, ConfigError, Precision, Tier
-from offload.placement import HOST_SHARE, Budgets, ParamSpec, Placement, plan_placement
+from offload.placement import DEVICE_SHARE, HOST_SHARE, Budgets, ParamSpec, Placement, plan_placement
 
 __all__ = ["Estimate", "ModelSizes", "add_arguments", "estimate", "model_sizes", "run"]
 
@@ -344,6 +344,9 @@ def _estimate(num_params, *, model_config, config, largest_layer_params, persist
         if any(s.home is Tier.NVME for s in placement.shards):
             breakdown["host"][f"parameter NVMe bounce buffers (2 x largest layer, {prec})"] = \
                 2 * largest_layer_params * c
+        if any(s.state is Tier.NVME for s in placement.shards):
+            breakdown["host"][f"optimizer state in flight ({_STATE_IN_FLIGHT} B x largest layer)"] = \
+                _STATE_IN_FLIGHT * largest_layer_params
     totals = {t: sum(breakdown[t].values()) for t in TIERS}
     per_node = world_size // num_nodes
     return Estimate(
@@ -353,6 +356,12 @@ def _estimate(num_params, *, model_config, config, largest_layer_params, persist
         minimum_device=totals["device"], minimum_host=totals["host"] * per_node,
         minimum_nvme=totals["nvme"] * per_node, notes=tuple(notes), placement=placement,
         auto_param=zero.offload_param.auto, auto_optimizer=zero.offload_optimizer.auto)
+
+
+# An auto plan's NVMe optimizer state in flight on the host: three of the
+# largest partitions' state (12 B/param) and their masters (4), as initialize
+# reserves them (offload/engine/budgets.py).
+_STATE_IN_FLIGHT = 3 * 16
 
 
 def _auto_plan(cfg, zero, num_params, largest, persistent, world_size, model_config, notes) -> Placement:
@@ -386,8 +395,8 @@ def _auto_plan(cfg, zero, num_params, largest, persistent, world_size, model_con
     # What the engine holds besides homes and state comes first: the fp32
     # gradients and the bounce buffers on the host, the gathered layers on the device.
     shard = -(-num_params // world_size)
-    host -= shard * 4 + 2 * largest * itemsize + 2 * min(zero.sub_group_size, shard) * 16
-    device = max(0, (mem.device_budget or 0) - 2 * largest * itemsize - persistent * itemsize)
+    host -= shard * 4 + 2 * largest * itemsize + _STATE_IN_FLIGHT * largest
+    device = max(0, int(DEVICE_SHARE * (mem.device_budget or 0)) - persistent * itemsize)
     if mem.device_budget is None:
         notes.append("auto placement: no memory.device_budget, so no parameter is planned on the device "
                      "beyond the persistent ones (initialize takes half the GPU's free memory)")

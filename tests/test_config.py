@@ -497,3 +497,19 @@ def test_check_batch():
     Config.load({"train_batch_size": 32}).check_batch(3)  # partial: nothing to check
     with pytest.raises(ConfigError, match=r"check_batch: world_size: 0"):
         c.check_batch(0)
+
+
+def test_offload_device_auto_round_trips_and_keeps_the_nvme_keys():
+    """"device": "auto" (Note [automatic placement]): a value of `device`, not a key of its own."""
+    d = {"zero_optimization": {"offload_param": {"device": "auto", "nvme_path": "/nvme", "buffer_count": 4},
+                               "offload_optimizer": {"device": "auto"}}}
+    cfg = Config.from_dict(d)
+    zero = cfg.zero_optimization
+    assert zero.offload_param.auto and zero.offload_optimizer.auto
+    assert zero.offload_param.buffer_count == 4  # an nvme-only key, for the overflow
+    assert zero.offload_optimizer.grad_tier is Tier.HOST  # gradients wait on the host
+    out = cfg.to_dict()["zero_optimization"]
+    assert out["offload_param"]["device"] == "auto" and "auto" not in out["offload_param"]
+    assert Config.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError, match=r"unknown key 'zero_optimization\.offload_param\.auto'"):
+        Config.from_dict({"zero_optimization": {"offload_param": {"auto": True}}})

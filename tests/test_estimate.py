@@ -237,3 +237,27 @@ def test_model_config_counts_match_deepspeed_model_to_params(ds_stage3, model_co
         total, largest, 1, 1, cpu_offload=True, cpu_offload_params=True, zero_init=True)
     assert ours.minimum_device - ds_device == 2 * sizes.persistent_params
     assert ds_host == int(ours.minimum_host * 1.5)
+
+
+def test_cli_prints_the_auto_plan_per_tier_within_the_budgets(tmp_path, capsys):
+    """"auto" (Note [automatic placement]): the plan an engine would make, per tier."""
+    parser = argparse.ArgumentParser()
+    est_mod.add_arguments(parser)
+    d = cfg("auto", "auto", precision="fp32")
+    for key in ("offload_param", "offload_optimizer"):
+        d["zero_optimization"][key]["nvme_path"] = "/nvme"
+    d["memory"] = {"host_budget": "60GB", "device_budget": "24GB"}
+    (tmp_path / "auto.json").write_text(json.dumps(d))
+    (tmp_path / "m.json").write_text(json.dumps(LLAMA_7B))
+    args = ["--model-config", str(tmp_path / "m.json"), "--config", str(tmp_path / "auto.json")]
+    assert est_mod.run(parser.parse_args(args + ["--json"])) == 0
+    out = json.loads(capsys.readouterr().out)
+    plan = out["placement"]
+    assert out["offload_param"] == out["offload_optimizer"] == "auto" and plan["auto"]
+    held = plan["held_bytes"]
+    assert held["device"] > 0 and held["host"] > 0 and held["nvme"] > 0  # a 7B model over three tiers
+    assert out["host"] <= 60 * 10**9 and out["device"] <= 24 * 10**9  # the budgets hold, with everything else
+    assert {s["state"] for s in plan["shards"]} <= {"host", "nvme"}  # state never planned on the device
+    assert est_mod.run(parser.parse_args(args)) == 0
+    text = capsys.readouterr().out
+    assert "offload_param=auto" in text and "placement (auto)" in text and "moved per step nvme" in text

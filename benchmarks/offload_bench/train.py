@@ -83,7 +83,7 @@ from offload_bench import train_report
 from offload_bench.train_timeline import TIMELINE_PER_STEP_DOC
 
 DEFAULT_CONTENDERS = ("torch", "offload-cpu", "offload-nvme", "deepspeed-cpu", "deepspeed-nvme")
-CONTENDERS = DEFAULT_CONTENDERS + ("offload-nvme-unchecked", "fsdp2-cpu", "torchao-cpu")
+CONTENDERS = DEFAULT_CONTENDERS + ("offload-nvme-unchecked", "offload-auto", "fsdp2-cpu", "torchao-cpu")
 DEVICES = ("cpu", "cuda", "sim")
 PRECISIONS = ("fp32", "bf16")
 # The default run per --device: the GPU run adds FSDP2; the sim concerns ours
@@ -92,7 +92,7 @@ DEVICE_CONTENDERS = {"cpu": DEFAULT_CONTENDERS,
                      "cuda": ("torch", "offload-cpu", "offload-nvme", "fsdp2-cpu", "deepspeed-cpu", "deepspeed-nvme"),
                      "sim": ("torch", "offload-cpu", "offload-nvme")}
 # torchao-cpu is let through to be recorded as skipped (it needs CUDA), as on --device cpu.
-SIM_CONTENDERS = ("torch", "offload-cpu", "offload-nvme", "offload-nvme-unchecked", "torchao-cpu")
+SIM_CONTENDERS = ("torch", "offload-cpu", "offload-nvme", "offload-nvme-unchecked", "offload-auto", "torchao-cpu")
 DEFAULT_SIM_GBPS = 25.0
 
 # The benchmark models (--model), and the --quick one; --layers overrides any
@@ -159,6 +159,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what every contender computes in: fp32 (default) or bf16 (ours and DeepSpeed: the "
                         "config's bf16 section; torch, torchao: fp32 parameters and AdamW, forward and loss "
                         "under torch.autocast bf16; FSDP2: MixedPrecisionPolicy bf16, reduce fp32)")
+    p.add_argument("--device-budget", default=None, metavar="BYTES",
+                   help="the offload contenders' memory.device_budget (\"24GB\", an int): what offload-auto "
+                        "plans half of for device homes (default: none, so the GPU's free memory for auto)")
     p.add_argument("--grad-clip", type=float, default=0.0, metavar="NORM",
                    help="clip gradients by their global 2-norm (0: off, the default): ours and DeepSpeed "
                         "through the config's gradient_clipping, torch, torchao and FSDP2 with "
@@ -188,7 +191,8 @@ def ds_config(device: str, *, batch: int, lr: float, nvme_path: str | None = Non
     """The one config ours and DeepSpeed both get; nvme adds only what nvme needs,
     bf16 only its section (fp32 has none: both engines' default).
 
-    device "none" is not used here (the torch contender has no config)."""
+    device "none" is not used here (the torch contender has no config); "auto" is
+    ours alone (Note [automatic placement]): the default budgets, NVMe for the overflow."""
     cfg = {
         "train_batch_size": batch,
         "train_micro_batch_size_per_gpu": batch,
@@ -206,6 +210,10 @@ def ds_config(device: str, *, batch: int, lr: float, nvme_path: str | None = Non
         cfg["bf16"] = {"enabled": True}
     if grad_clip > 0:
         cfg["gradient_clipping"] = grad_clip
+    if device == "auto":
+        zero = cfg["zero_optimization"]
+        zero["offload_param"]["nvme_path"] = nvme_path
+        zero["offload_optimizer"]["nvme_path"] = nvme_path
     if device == "nvme":
         zero = cfg["zero_optimization"]
         zero["offload_param"]["nvme_path"] = nvme_path
@@ -236,6 +244,7 @@ def _settings(args) -> dict:
         "params": GPTConfig(**model).num_params(),
         "precision": args.precision,
         "grad_clip": args.grad_clip,
+        "device_budget": args.device_budget,
         "warmup": args.warmup if args.warmup is not None else (1 if quick else 2),
         "steps": args.steps if args.steps is not None else (3 if quick else 10),
         "batch": args.batch if args.batch is not None else (2 if quick else 4),
@@ -365,6 +374,10 @@ def _ratios(results: dict) -> dict:
                                 "peak_rss": _ratio(get(ours, "peak_rss_bytes"), get("torch", "peak_rss_bytes"))}
         out[f"{ds}/torch"] = {"time": _ratio(get(ds, "median_s"), get("torch", "median_s")),
                               "peak_rss": _ratio(get(ds, "peak_rss_bytes"), get("torch", "peak_rss_bytes"))}
+    if "offload-auto" in results:
+        out["offload-auto/offload-cpu"] = {"time": _ratio(get("offload-auto", "median_s"), get("offload-cpu", "median_s")),
+                                           "peak_rss": _ratio(get("offload-auto", "peak_rss_bytes"),
+                                                              get("offload-cpu", "peak_rss_bytes"))}
     for anchor in ("fsdp2-cpu", "torchao-cpu"):
         if anchor in results:
             out[f"offload-cpu/{anchor}"] = {key: _ratio(get("offload-cpu", f), get(anchor, f)) for key, f in
@@ -448,11 +461,15 @@ def run(args) -> int:
     nvme_root = Path(tempfile.mkdtemp(prefix="offload-train-nvme-", dir=os.getcwd())) if own_nvme \
         else Path(args.nvme_dir)
     configs = {mode: ds_config(mode, batch=settings["batch"], lr=settings["lr"],
-                               nvme_path=str(nvme_root / "swap") if mode == "nvme" else None,
+                               nvme_path=str(nvme_root / "swap") if mode in ("nvme", "auto") else None,
                                largest_param=largest, buffer_count=args.buffer_count,
                                buffer_size=args.buffer_size, precision=settings["precision"],
                                grad_clip=settings["grad_clip"])
-               for mode in ("cpu", "nvme")}
+               for mode in ("cpu", "nvme", "auto")}
+    if settings["device_budget"] is not None:  # ours only: DeepSpeed has no such key
+        ours = {mode: {**cfg, "memory": {"device_budget": settings["device_budget"]}} for mode, cfg in configs.items()}
+    else:
+        ours = configs
     report = {
         "benchmark": "train",
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
@@ -486,11 +503,11 @@ def run(args) -> int:
                         "device": args.device, "sim_gbps": _sim_gbps(args)}
                 if name.startswith(("offload-", "deepspeed-")):
                     mode = name.split("-")[1]
-                    spec["config"] = configs[mode]
+                    spec["config"] = (ours if name.startswith("offload-") else configs)[mode]
                     if name.endswith("-unchecked"):
-                        spec["config"] = {**configs[mode], "aio": {**configs[mode]["aio"],
+                        spec["config"] = {**spec["config"], "aio": {**spec["config"]["aio"],
                                                                    "verify_swap_checksums": False}}
-                    if mode == "nvme":
+                    if mode in ("nvme", "auto"):
                         (nvme_root / "swap").mkdir(parents=True, exist_ok=True)
                 if name.startswith(("deepspeed-", "fsdp2-")):
                     spec["port"] = _free_port()

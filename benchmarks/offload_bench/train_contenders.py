@@ -324,6 +324,8 @@ def run_contender(name: str, spec: dict) -> dict:
 
     if name.startswith("offload-"):
         res["memory_report"] = engine.memory_report()
+        plan = engine.placement().to_dict()
+        res["placement"] = {k: plan[k] for k in ("auto", "held_bytes", "moved_per_step", "budgets")}
         engine.close()
     if name == "fsdp2-cpu":
         import torch.distributed as dist

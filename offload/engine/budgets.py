@@ -48,9 +48,12 @@ def preflight_budgets(planned: list, config: Config, dtype: torch.dtype,
 
 def tier_needs(planned: list, config: Config, dtype: torch.dtype,
                staging_bytes: int = 0, *, separate_memory: bool = False,
-               world_size: int = 1, on_demand: int = 0, param_staging_bytes: int = 0) -> dict[Tier, dict]:
+               world_size: int = 1, on_demand: int = 0, param_staging_bytes: int = 0,
+               grad_backlog_elems: int | None = None) -> dict[Tier, dict]:
     """Per budgeted tier, {what: bytes} the engine will hold at once. Each of `planned`
-    has its home and its optimizer state's tier (`state`).
+    has its home and its optimizer state's tier (`state`). grad_backlog_elems: the
+    most gradient elements held at once where gradients live only until their
+    overlapped update (`grad_backlog`); None: every gradient partition.
 
     Refuses, before any parameter moves, a configuration whose budgets cannot hold
     what the engine itself will hold at once; returns, per budgeted tier, a line
@@ -85,8 +88,12 @@ def tier_needs(planned: list, config: Config, dtype: torch.dtype,
         if s.home is Tier.HOST and s.state is Tier.HOST and dtype == torch.float32:
             home_bytes = 0  # the fp32 host home is the master itself (ShardedAdam._aliases_home)
         add(s.home, "parameters", home_bytes)
-        add(optimizer.grad_tier, "fp32 gradients", s.part_numel * 4)
+        if grad_backlog_elems is None:
+            add(optimizer.grad_tier, "fp32 gradients", s.part_numel * 4)
         add(s.state, "optimizer state", 3 * s.part_numel * 4)
+    if grad_backlog_elems is not None and planned:
+        elems = min(sum(s.part_numel for s in planned), grad_backlog_elems)
+        add(optimizer.grad_tier, "fp32 gradients awaiting their overlapped update", elems * 4)
     gathered = [s.padded_numel for s in planned if gathers_to_a_buffer(s, separate_memory, world_size)]
     if gathered:
         largest = max(gathered)
@@ -101,6 +108,9 @@ def tier_needs(planned: list, config: Config, dtype: torch.dtype,
     if nvme_state:
         part = max(nvme_state)
         add(Tier.HOST, "optimizer state buffers in flight", 3 * 12 * part)
+        # ShardedAdam.buffers: the idle ones kept within a step, up to its cap
+        # (measured: in flight and idle together reached 5.6 x 12 B x the largest).
+        add(Tier.HOST, "idle optimizer buffers kept within a step", 4 * 12 * part)
         add(Tier.HOST, "fp32 masters taken from gathered parameters", 3 * 4 * part)
         if dtype != torch.float32 and any(s.home is Tier.NVME for s in planned):
             add(Tier.HOST, "new parameter values on their way to NVMe", 3 * dtype.itemsize * part)
@@ -184,18 +194,46 @@ def plan(planned: list, config: Config, layer, pg, *, threshold: int, within: Bu
     return placement
 
 
+PLAN_SLACK = 16  # bytes per element of the largest partition: one more shard's state and master in flight
+
+
 def replan_within(placement: Placement, need: dict[Tier, dict], config: Config) -> Budgets | None:
     """Smaller auto budgets where the engine's needs under `placement` exceed a
     tier's budget (its buffers, gradients and working set came out larger than
-    the room the plan left them), or None where they fit."""
+    the room the plan left them), or None where they fit.
+
+    The plan keeps PLAN_SLACK x the largest partition's bytes of the host budget
+    unclaimed: one more shard's state and master in flight than the reservation
+    counts."""
     b = placement.budgets
     limits = {Tier.DEVICE: config.memory.device_budget, Tier.HOST: config.memory.host_budget}
     held = placement.held_bytes()
+    slack = PLAN_SLACK * max((s.part_numel for s in placement.shards), default=0)
     changes = {}
     for tier, field_name in ((Tier.DEVICE, "device"), (Tier.HOST, "host")):
         limit = limits[tier] if limits[tier] is not None else getattr(b, field_name)
-        total = sum(need.get(tier, {}).values())
+        total = sum(need.get(tier, {}).values()) + (slack if tier is Tier.HOST else 0)
         room = getattr(b, field_name)
         if limit is not None and room is not None and total > limit:
             changes[field_name] = max(0, min(room, held[tier]) - (total - limit))
     return dataclasses.replace(b, **changes) if changes else None
+
+
+def grad_backlog(config: Config, planned: list) -> int | None:
+    """The most fp32 gradient elements held at once when every step's updates run
+    during backward and gradients exist only until their update (Note [gradient
+    partitions]: some optimizer state on NVMe; Note [optimizer overlap]: one
+    micro-batch a step, no clipping, no fp16 loss scaling): the backlog cap
+    (reduce_bucket_size, else two of the largest) plus the one being made and
+    the one being updated. None where all may be held (accumulation keeps them
+    across micro-batches, clipping and overflow checks need them all first)."""
+    zero = config.zero_optimization
+    if not planned or not any(s.state is Tier.NVME for s in planned):
+        return None
+    clip = config.gradient_clipping
+    if (config.gradient_accumulation_steps != 1 or not isinstance(clip, (int, float)) or clip > 0
+            or config.precision.value == "fp16" or not zero.overlap_comm):
+        return None
+    largest = max(s.part_numel for s in planned)
+    pending = max(zero.reduce_bucket_size or 2 * largest, largest)
+    return pending + 2 * largest

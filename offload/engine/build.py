@@ -295,7 +295,8 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
                                   separate_memory=layer.separate_memory, world_size=pg.world_size,
                                   param_staging_bytes=staging[0] * staging[1] if staging else 0,
                                   on_demand=budgets.largest_module_group(model, named, planned,
-                                                                         layer.separate_memory, pg.world_size))
+                                                                         layer.separate_memory, pg.world_size),
+                                  grad_backlog_elems=budgets.grad_backlog(config, planned))
         return configs, staging, need
 
     configs, staging, need = stores_and_needs()

@@ -486,9 +486,8 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         return tuple(self._stores)
 
     def placement(self) -> Placement:
-        """Where each parameter's home and optimizer state live, and the bytes per
-        tier and per step per link that follow (Note [automatic placement] in
-        offload/placement.py): the auto plan, or the config's explicit tiers."""
+        """Each parameter's home and optimizer state tier, bytes per tier and per step
+        per link: the auto plan or the config's tiers (Note [automatic placement])."""
         return self._placement
 
     def memory_report(self) -> dict:

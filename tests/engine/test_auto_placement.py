@@ -102,7 +102,8 @@ def test_budgets_that_split_the_model_train_like_plain_pytorch(tmp_path, precisi
         torch.testing.assert_close(losses, cpu_losses, rtol=0, atol=0)
         for name, value in cpu_weights.items():
             torch.testing.assert_close(weights[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
-    assert mixed_sides > 0  # some parameter's home and its state were on different tiers
+    if precision == "bf16":  # homes go up first: some home and its state on different tiers
+        assert mixed_sides > 0
 
 
 def test_clipping_and_accumulation_under_a_split_plan_equal_plain_pytorch(tmp_path):
