@@ -39,12 +39,15 @@ state. The planner:
    2), its state after. Moves that no longer fit are skipped; a smaller one
    may still fit.
 Budgets are what the tier may hold for homes and state: the engine's own
-buffers (staging, gathered working set, gradients) are reserved first
-(build.py plans, checks the budgets, and replans once with the room lowered
-by any shortfall). The plan depends only on the parameters' sizes and
-order, the dtype and the budgets, so every rank with the same budgets makes
-the same plan (each rank's defaults differ with its free memory: ranks take
-the smallest). Optimizer state stays off the device in an auto plan (the
+buffers (staging, gathered working set, gradients, optimizer buffers) come
+first. build.py plans, reserves what the engine holds beside the plan
+(engine/budgets.py), and plans again with the room lowered by any shortfall
+and one shard's state to spare, until it fits. The plan depends only on the
+parameters' sizes and order, the dtype and the budgets, so every rank with
+the same budgets makes the same plan (each rank's defaults differ with its
+free memory: ranks take the smallest). A model built under offload.init is
+built on NVMe (the whole model is not known yet) and moved home at
+initialize. Optimizer state stays off the device in an auto plan (a
 device-side Adam for some shards beside host Adam for others is not built).
 """
 from __future__ import annotations
