@@ -197,21 +197,23 @@ def plan(planned: list, config: Config, layer, pg, *, threshold: int, within: Bu
 PLAN_SLACK = 16  # bytes per element of the largest partition: one more shard's state and master in flight
 
 
-def replan_within(placement: Placement, need: dict[Tier, dict], config: Config) -> Budgets | None:
+def replan_within(placement: Placement, need: dict[Tier, dict], config: Config, first: Budgets) -> Budgets | None:
     """Smaller auto budgets where the engine's needs under `placement` exceed a
     tier's budget (its buffers, gradients and working set came out larger than
     the room the plan left them), or None where they fit.
 
     The plan keeps PLAN_SLACK x the largest partition's bytes of the host budget
     unclaimed: one more shard's state and master in flight than the reservation
-    counts."""
+    counts. `first`: the budgets of the first plan (without memory.host_budget,
+    the host's default share is the limit, not the room a replan lowered)."""
     b = placement.budgets
-    limits = {Tier.DEVICE: config.memory.device_budget, Tier.HOST: config.memory.host_budget}
+    limits = {Tier.DEVICE: config.memory.device_budget,
+              Tier.HOST: config.memory.host_budget if config.memory.host_budget is not None else first.host}
     held = placement.held_bytes()
     slack = PLAN_SLACK * max((s.part_numel for s in placement.shards), default=0)
     changes = {}
     for tier, field_name in ((Tier.DEVICE, "device"), (Tier.HOST, "host")):
-        limit = limits[tier] if limits[tier] is not None else getattr(b, field_name)
+        limit = limits[tier]
         total = sum(need.get(tier, {}).values()) + (slack if tier is Tier.HOST else 0)
         room = getattr(b, field_name)
         if limit is not None and room is not None and total > limit:

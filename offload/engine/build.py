@@ -270,7 +270,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
         if built is not None:
             built.name = name
             # Under "auto" the plan, made now the whole model is known, may move it.
-            index, home = built.index, None if zero.offload_param.auto else built.home
+            index, home = built.index, None if auto_homes else built.home
             sources[index] = (key, built)
         else:
             if p.device.type == "meta":
@@ -300,10 +300,11 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
         return configs, staging, need
 
     configs, staging, need = stores_and_needs()
-    for _ in range(8 if placement.budgets is not None else 0):
+    first = placement.budgets
+    for _ in range(8 if first is not None else 0):
         # An auto plan leaves room for what the engine holds besides homes and
         # state; where that was more than it left, plan again with less.
-        replanned = budgets.replan_within(placement, need, config)
+        replanned = budgets.replan_within(placement, need, config, first)
         if replanned is None:
             break
         placement = budgets.plan(planned, config, layer, pg, threshold=zero.stage3_param_persistence_threshold,
@@ -433,14 +434,18 @@ def _set_buffers(model: torch.nn.Module, plan, dtype: torch.dtype, device: torch
             buf.data = buf.data.to(device, target)
 
 
+# Note [one store per thread]
+# A SwapStore is driven by one thread (it finishes transfers in submission
+# order). The compute thread reads parameters while the host worker
+# reads and writes state and writes new parameter values (Note [optimizer
+# overlap]), so each gets its own stores, over the same files: the
+# optimizer writes a parameter's file only after its gradient is final,
+# and the compute thread reads it again only after step() has waited.
+# A model built under offload.init brings its parameter store along.
 def _store_configs(planned: list[_Planned], config: Config, pg: ProcessGroupInfo, have_param_store: bool) -> dict:
-    """The swap stores' settings, by role (Note [one store per thread]): the
-    compute thread reads parameters through "param"; the host worker reads and
-    writes state through "state" and writes new parameter values through
-    "writer" (or "state" where both share a path), over the same files: the
-    optimizer writes a parameter's file only after its gradient is final, and
-    the compute thread reads it again only after step() has waited. A model
-    built under offload.init brings its parameter store along."""
+    """The swap stores' settings, by role (Note [one store per thread]): "param"
+    for the compute thread's reads, "state" for the optimizer's state, "writer"
+    for new parameter values (where state and parameters have different paths)."""
     zero = config.zero_optimization
     dtype = config.precision.dtype
     nvme_sizes = [pl.part_numel * dtype.itemsize for pl in planned if pl.home is Tier.NVME]
