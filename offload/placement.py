@@ -104,7 +104,8 @@ class Placement:
     shards: tuple[ShardPlacement, ...]
     itemsize: int  # the compute dtype's bytes
     separate_memory: bool
-    budgets: Budgets | None = None  # the auto budgets it was made within (None: explicit)
+    budgets: Budgets | None = None  # the room an auto plan filled with homes and state (None: explicit)
+    host_limit: int | None = None  # an auto plan's host budget, the engine's buffers included
     notes: tuple[str, ...] = field(default=())
 
     def home(self, name: str) -> Tier:
@@ -172,6 +173,7 @@ class Placement:
                 "moved_per_step": self.moved_per_step(),
                 "budgets": None if self.budgets is None else {"device": self.budgets.device,
                                                               "host": self.budgets.host},
+                "host_limit": self.host_limit,
                 "shards": [{"name": s.name, "home": s.home.value, "state": s.state.value,
                             "part_numel": s.part_numel} for s in self.shards],
                 "notes": list(self.notes)}
