@@ -204,11 +204,13 @@ def replan_within(placement: Placement, need: dict[Tier, dict], config: Config, 
 
     The plan keeps PLAN_SLACK x the largest partition's bytes of the host budget
     unclaimed: one more shard's state and master in flight than the reservation
-    counts. `first`: the budgets of the first plan (without memory.host_budget,
-    the host's default share is the limit, not the room a replan lowered)."""
+    counts. `first`: the budgets of the first plan, the same on every rank (the
+    limits: not the room a replan lowered, nor one rank's own budget)."""
     b = placement.budgets
-    limits = {Tier.DEVICE: config.memory.device_budget,
-              Tier.HOST: config.memory.host_budget if config.memory.host_budget is not None else first.host}
+    device_limit = None
+    if config.memory.device_budget is not None:
+        device_limit = int(first.device / DEVICE_SHARE)
+    limits = {Tier.DEVICE: device_limit, Tier.HOST: first.host}
     held = placement.held_bytes()
     slack = PLAN_SLACK * max((s.part_numel for s in placement.shards), default=0)
     changes = {}

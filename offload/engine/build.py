@@ -311,8 +311,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
                                  within=replanned)
         configs, staging, need = stores_and_needs()
     if first is not None:
-        limit = config.memory.host_budget if config.memory.host_budget is not None else first.host
-        placement = dataclasses.replace(placement, host_limit=limit)
+        placement = dataclasses.replace(placement, host_limit=first.host)
     notes = budgets.check_needs(need, config)
     for pl in planned:
         # A build-time shard is kept as it is where it already sits at its planned
