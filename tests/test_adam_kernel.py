@@ -576,3 +576,42 @@ def test_detected_level_is_reported(monkeypatch):
     assert simd.selected_level() == detected
     monkeypatch.setenv(simd.ENV_VAR, " Auto ")
     assert simd.selected_level() == detected
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 15, 4096, 4097, SPLIT_BLOCK + 17, 1_000_003])
+def test_the_sum_of_grad_squares_comes_with_the_update_and_changes_none_of_it(simd_level, sqrt_mode,
+                                                                            grad_dtype, n):
+    """sum_grad_squares (Note [global gradient norm]): the kernel's sum of the
+    gradient's squares equals torch's to fp32 rounding, on every level, sqrt path
+    and thread count; the update itself stays bit for bit what it is without it."""
+    gen = torch.Generator().manual_seed(n)
+    p0 = torch.randn(n, generator=gen)
+    grad = (torch.randn(n, generator=gen) * 3).to(grad_dtype)
+    expected = float(torch.linalg.vector_norm(grad.float(), dtype=torch.float64)) ** 2
+    plain, summed = [], []
+    for threads in (1, 3):
+        for record, want in ((plain, False), (summed, True)):
+            state = [p0.clone(), torch.zeros(n), torch.zeros(n)]
+            out = torch.empty(n, dtype=torch.bfloat16)
+            got = adam_step(*state[:1], grad, *state[1:], step=3, lr=1e-3, beta1=0.9, beta2=0.999,
+                            eps=1e-8, weight_decay=0.1, out=out, num_threads=threads,
+                            sum_grad_squares=want)
+            if want:
+                assert got == pytest.approx(expected, rel=1e-5)
+            else:
+                assert got is None
+            record.append(state + [out])
+    for a, b in zip(plain, summed):
+        for x, y in zip(a, b):
+            assert torch.equal(_bits(x), _bits(y))
+
+
+def test_the_sum_of_grad_squares_without_the_extension(monkeypatch):
+    monkeypatch.setattr(_native, "native", None)
+    monkeypatch.setattr(_native, "_warned", set())
+    grad = torch.randn(1031)
+    with pytest.warns(RuntimeWarning, match="pure-PyTorch fallback"):
+        got = adam_step(torch.randn(1031), grad, torch.zeros(1031), torch.zeros(1031), step=1, lr=1e-3,
+                        beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, sum_grad_squares=True)
+    assert got == pytest.approx(float(grad.double().square().sum()), rel=1e-5)

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "adam_kernels.h"
+#include "float_convert.h"
 
 #define OFFLOAD_AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -124,7 +125,32 @@ OFFLOAD_AVX2 void avx2_sqrt(const float* in, float* out, size_t n) {
   for (; i < n; ++i) _mm_store_ss(out + i, _mm_sqrt_ss(_mm_load_ss(in + i)));
 }
 
+OFFLOAD_AVX2 double avx2_sum_squares(const AdamBuffers& b, size_t begin, size_t end) {
+  __m256 acc = _mm256_setzero_ps();
+  size_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    const __m256 g = load_grad8(b, i);
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(g, g));  // not an FMA: g*g rounds to fp32 first, as torch's
+  }
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, acc);
+  double total = 0.0;
+  for (float lane : lanes) total += lane;
+  for (; i < end; ++i) {
+    float g;
+    switch (b.grad_type) {
+      case ElementType::kBFloat16: g = bf16_to_f32(static_cast<const uint16_t*>(b.grad)[i]); break;
+      case ElementType::kFloat16: g = f16_to_f32(static_cast<const uint16_t*>(b.grad)[i]); break;
+      default: g = static_cast<const float*>(b.grad)[i];
+    }
+    total += static_cast<double>(g * g);
+  }
+  return total;
+}
+
 }  // namespace
+
+SumSquaresKernel adam_avx2_sum_squares() { return &avx2_sum_squares; }
 
 AdamKernel adam_avx2_kernel(AdamPass pass, SqrtSource sqrt) {
   switch (pass) {

@@ -14,6 +14,7 @@
 #include <cmath>
 
 #include "adam_kernels.h"
+#include "float_convert.h"
 
 #define OFFLOAD_AVX512 __attribute__((target("avx512f")))
 
@@ -201,7 +202,32 @@ OFFLOAD_AVX512 void avx512_sqrt(const float* in, float* out, size_t n) {
   }
 }
 
+OFFLOAD_AVX512 double avx512_sum_squares(const AdamBuffers& b, size_t begin, size_t end) {
+  __m512 acc = _mm512_setzero_ps();
+  size_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    const __m512 g = load_grad16(b, i);
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(g, g));  // not an FMA: g*g rounds to fp32 first, as torch's
+  }
+  alignas(64) float lanes[kLanes];
+  _mm512_store_ps(lanes, acc);
+  double total = 0.0;
+  for (float lane : lanes) total += lane;
+  for (; i < end; ++i) {
+    float g;
+    switch (b.grad_type) {
+      case ElementType::kBFloat16: g = bf16_to_f32(static_cast<const uint16_t*>(b.grad)[i]); break;
+      case ElementType::kFloat16: g = f16_to_f32(static_cast<const uint16_t*>(b.grad)[i]); break;
+      default: g = static_cast<const float*>(b.grad)[i];
+    }
+    total += static_cast<double>(g * g);
+  }
+  return total;
+}
+
 }  // namespace
+
+SumSquaresKernel adam_avx512_sum_squares() { return &avx512_sum_squares; }
 
 AdamKernel adam_avx512_kernel(AdamPass pass, SqrtSource sqrt) {
   switch (pass) {

@@ -44,13 +44,13 @@ ElementType parse_type(const std::string& name) {
   throw std::invalid_argument("unsupported element type '" + name + "'");
 }
 
-void update(uintptr_t master, uintptr_t grad, const std::string& grad_type, uintptr_t exp_avg,
+double update(uintptr_t master, uintptr_t grad, const std::string& grad_type, uintptr_t exp_avg,
             uintptr_t exp_avg_sq, uintptr_t out, const std::string& out_type, size_t n,
             double neg_step_size, double bias2_sqrt, double beta1, double beta2,
             double one_minus_beta1, double one_minus_beta2, double eps, double decay,
             bool adamw_mode, bool has_weight_decay, const std::string& simd_level,
             int num_threads, const std::string& pass_name, const std::string& sqrt_name,
-            uintptr_t root) {
+            uintptr_t root, bool grad_sq) {
   // Scalars arrive as Python's doubles and are rounded to fp32 here, once,
   // as ATen rounds a Python scalar for a fp32 op (Note [bitwise torch order]).
   const auto f = [](double x) { return static_cast<float>(x); };
@@ -75,8 +75,12 @@ void update(uintptr_t master, uintptr_t grad, const std::string& grad_type, uint
   const SimdLevel level = parse_level(simd_level);
   const SqrtSource sqrt = parse_sqrt(sqrt_name);
   adam_kernel_for(level, pass, sqrt);  // throws, with the GIL held, if the CPU lacks the level
-  py::gil_scoped_release release;
-  adam_update(params, buffers, n, level, pass, sqrt, num_threads);
+  double sum = 0.0;
+  {
+    py::gil_scoped_release release;
+    adam_update(params, buffers, n, level, pass, sqrt, num_threads, grad_sq ? &sum : nullptr);
+  }
+  return sum;
 }
 
 // The kernel's own square root over a fp32 buffer (what the probe compares
@@ -98,9 +102,10 @@ void bind_adam(py::module_& m) {
         py::arg("beta2"), py::arg("one_minus_beta1"), py::arg("one_minus_beta2"), py::arg("eps"),
         py::arg("decay"), py::arg("adamw_mode"),
         py::arg("has_weight_decay"), py::arg("simd_level"), py::arg("num_threads"),
-        py::arg("adam_pass"), py::arg("sqrt_source"), py::arg("root"),
+        py::arg("adam_pass"), py::arg("sqrt_source"), py::arg("root"), py::arg("grad_sq") = false,
         "Adam/AdamW update over raw fp32 buffers, whole (adam_pass='fused') or one half of "
-        "the update split around torch's sqrt (see adam_kernels.h).");
+        "the update split around torch's sqrt (see adam_kernels.h). Returns, with grad_sq, the "
+        "sum of the gradient's squares (0.0 without, or for the apply pass).");
   m.def("bind_vml_sqrt", &bind_vml_sqrt, py::arg("library"),
         "Finds MKL's vsSqrt in `library` (already loaded by this process) for the mkl-vml "
         "square root; False if it is not there.");

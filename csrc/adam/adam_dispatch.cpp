@@ -1,6 +1,9 @@
 // Kernel selection, the shared tail handling, and the threaded driver.
 #include <algorithm>
 #include <cstring>
+#include <mutex>
+#include <utility>
+#include <vector>
 #include <string>
 #include <stdexcept>
 
@@ -115,17 +118,61 @@ void adam_sqrt(const float* in, float* out, size_t n, SimdLevel level, SqrtSourc
   kernel(in, out, n);
 }
 
+namespace {
+
+SumSquaresKernel sum_squares_for(SimdLevel level) {
+  switch (level) {
+#if defined(__x86_64__)
+    case SimdLevel::kAvx512: return adam_avx512_sum_squares();
+    case SimdLevel::kAvx2: return adam_avx2_sum_squares();
+#endif
+    default: return adam_scalar_sum_squares();
+  }
+}
+
+}  // namespace
+
 void adam_update(const AdamParams& params, const AdamBuffers& buffers, size_t n, SimdLevel level,
-                 AdamPass pass, SqrtSource sqrt, int num_threads) {
+                 AdamPass pass, SqrtSource sqrt, int num_threads, double* grad_sq) {
   const AdamKernel kernel = adam_kernel_for(level, pass, sqrt);
   // Below this many elements a second thread costs more than it saves.
   constexpr size_t kMinPerThread = 1 << 15;
   const int useful = static_cast<int>(std::max<size_t>(1, n / kMinPerThread));
-  // Ranges start on 64-element (256-byte) boundaries: whole cache lines and
-  // whole vectors for every kernel, so threads never share a line.
-  ThreadPool::instance().parallel_for(
-      n, 64, std::min(num_threads, useful),
-      [&](size_t begin, size_t end) { kernel(params, buffers, begin, end); });
+  const int threads = std::min(num_threads, useful);
+  if (grad_sq == nullptr || pass == AdamPass::kApply) {
+    if (grad_sq != nullptr) *grad_sq = 0.0;
+    // Ranges start on 64-element (256-byte) boundaries: whole cache lines and
+    // whole vectors for every kernel, so threads never share a line.
+    ThreadPool::instance().parallel_for(
+        n, 64, threads, [&](size_t begin, size_t end) { kernel(params, buffers, begin, end); });
+    return;
+  }
+  // The norm's term read from cache: each range in blocks of 16 KiB of fp32
+  // gradient, each block's squares summed right after its update read it (a
+  // second pass over the whole gradient read it from memory again: 23% of the
+  // update's time, 16M elements on one core). Blocks start on multiples of
+  // 64 elements from a range's start, so the kernel computes what one call
+  // over the range would: every element alone, tails padded the same way.
+  // Ranges' sums are added in the order of their starts: the same value
+  // for the same thread count.
+  constexpr size_t kBlock = 4096;
+  const SumSquaresKernel squares = sum_squares_for(level);
+  std::mutex lock;
+  std::vector<std::pair<size_t, double>> parts;
+  ThreadPool::instance().parallel_for(n, 64, threads, [&](size_t begin, size_t end) {
+    double sum = 0.0;
+    for (size_t b = begin; b < end; b += kBlock) {
+      const size_t e = std::min(end, b + kBlock);
+      kernel(params, buffers, b, e);
+      sum += squares(buffers, b, e);
+    }
+    std::lock_guard<std::mutex> guard(lock);
+    parts.emplace_back(begin, sum);
+  });
+  std::sort(parts.begin(), parts.end());
+  double total = 0.0;
+  for (const auto& part : parts) total += part.second;
+  *grad_sq = total;
 }
 
 }  // namespace offload

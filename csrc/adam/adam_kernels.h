@@ -151,10 +151,25 @@ void adam_padded_tail(const AdamParams& a, const AdamBuffers& b, size_t i, size_
 // this CPU lacks the level or the level cannot compute that sqrt.
 AdamKernel adam_kernel_for(SimdLevel level, AdamPass pass, SqrtSource sqrt);
 
+// The sum of the squares of grad[begin, end) (each element as fp32, squared
+// in fp32, summed in fp32 lanes, the lanes' total in double): one term of the
+// global gradient norm (Note [global gradient norm] in
+// offload/engine/deepspeed_api.py), read while the update's block is in cache.
+using SumSquaresKernel = double (*)(const AdamBuffers& b, size_t begin, size_t end);
+SumSquaresKernel adam_scalar_sum_squares();
+#if defined(__x86_64__)
+SumSquaresKernel adam_avx2_sum_squares();
+SumSquaresKernel adam_avx512_sum_squares();
+#endif
+
 // Runs `pass` over n elements on `num_threads` threads with the kernel of
-// `level` (which must not exceed detected_simd_level()).
+// `level` (which must not exceed detected_simd_level()). grad_sq, where not
+// null and the pass reads the gradient (kFused, kMoments), receives the sum of
+// the gradient's squares, taken block by block right after each block's
+// update; the same value for any thread count is not promised (summation order).
 void adam_update(const AdamParams& params, const AdamBuffers& buffers, size_t n,
-                 SimdLevel level, AdamPass pass, SqrtSource sqrt, int num_threads);
+                 SimdLevel level, AdamPass pass, SqrtSource sqrt, int num_threads,
+                 double* grad_sq = nullptr);
 
 // out[i] = the kernel's sqrt of in[i], one thread; throws as adam_kernel_for.
 void adam_sqrt(const float* in, float* out, size_t n, SimdLevel level, SqrtSource sqrt);

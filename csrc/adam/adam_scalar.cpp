@@ -78,6 +78,24 @@ void scalar_sqrt(const float* in, float* out, size_t n) {
   for (size_t i = 0; i < n; ++i) out[i] = std::sqrt(in[i]);
 }
 
+double scalar_sum_squares(const AdamBuffers& b, size_t begin, size_t end) {
+  float lanes[8] = {};
+  size_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    for (size_t j = 0; j < 8; ++j) {
+      const float g = load_grad(b, i + j);
+      lanes[j] += g * g;
+    }
+  }
+  for (size_t j = 0; i < end; ++i, ++j) {
+    const float g = load_grad(b, i);
+    lanes[j] += g * g;
+  }
+  double total = 0.0;
+  for (float lane : lanes) total += lane;
+  return total;
+}
+
 }  // namespace
 
 AdamKernel adam_scalar_kernel(AdamPass pass, SqrtSource sqrt) {
@@ -92,5 +110,7 @@ AdamKernel adam_scalar_kernel(AdamPass pass, SqrtSource sqrt) {
 SqrtKernel adam_scalar_sqrt(SqrtSource sqrt) {
   return sqrt == SqrtSource::kIeee ? &scalar_sqrt : nullptr;
 }
+
+SumSquaresKernel adam_scalar_sum_squares() { return &scalar_sum_squares; }
 
 }  // namespace offload

@@ -14,18 +14,17 @@ Note [global gradient norm]
 get_global_grad_norm() is the 2-norm over every gradient the last update
 applied, before clipping (torch.nn.utils.clip_grad_norm_'s return value).
 With clipping on it is the clipping's own norm. With clipping off it is
-summed in ShardedAdam.update_shard from each shard's gradient just before
-its update (on the host worker when updates overlap backward, where no
+summed in ShardedAdam.update_shard from each shard's gradient as its update
+applies it (on the host worker when updates overlap backward, where no
 later point still has the gradients), then summed over ranks when the step
-completes. Its cost is one more read of the fp32 gradient partitions.
-Measured for the GPT of benchmarks/offload_bench (67.3M parameters, this
-2-core VM): 29 ms for the norm against 91 ms for the Adam kernel alone over
-the same elements, and a step of 1.0-1.2 s (host tier) or 1.9-2.6 s (NVMe,
-where it runs on the host worker beside backward). Three paired `offload
-bench train` rounds with and without it differed by less than the VM's
-drift (medians 1.10-1.55 s vs 1.00-1.70 s host, 1.89-2.56 s vs 1.98-4.93 s
-NVMe). So it is always on, not an option. Free would be the kernel summing
-it in the pass that already reads the gradient (a later change to offload.ops).
+completes. The Adam kernel takes each block's squares right after its
+update read the block (offload.ops.adam_step(sum_grad_squares=True)), from
+cache: a second pass over the gradient, as this once was, read it from
+memory again, 23% of the update's own time (16M elements, one core), on the
+host worker's path that bounds backward beside a GPU. The sum is the
+kernel's, in its own order (fp32 lanes, double across blocks): equal to
+torch.linalg.vector_norm's to fp32 rounding, not bit for bit. The torch
+fallback (no extension) and device-tier state take a separate pass.
 With device-tier optimizer state each shard's norm syncs the device once.
 """
 from __future__ import annotations

@@ -226,7 +226,8 @@ def adam_step(
     bias_correction: bool = True,
     out: torch.Tensor | None = None,
     num_threads: int | None = None,
-) -> None:
+    sum_grad_squares: bool = False,
+) -> float | None:
     """One Adam (adamw_mode=False) or AdamW update, in place.
 
     master, exp_avg, exp_avg_sq: fp32 CPU contiguous, same number of elements.
@@ -235,6 +236,10 @@ def adam_step(
     out: optional bf16/fp16 tensor that receives the updated master, rounded to
     nearest even; equal bit for bit to master.to(out.dtype).
     num_threads: kernel threads (default torch.get_num_threads()).
+    sum_grad_squares: also return the sum of grad's squares (a term of the global
+    gradient norm), taken by the kernel as it reads the gradient: no second pass
+    over it (Note [global gradient norm] in offload/engine/deepspeed_api.py). Not
+    bit for bit any torch reduction's: its summation order is the kernel's.
     """
     _check_tensor("master", master, (torch.float32,), None)
     n = master.numel()
@@ -252,7 +257,7 @@ def adam_step(
     weight_decay = _check_scalar("weight_decay", weight_decay, 0.0)
     threads = simd.num_threads(num_threads)
     if n == 0:
-        return
+        return 0.0 if sum_grad_squares else None
 
     # Note [bitwise torch order] (csrc/adam/adam_kernels.h): the scalars
     # exactly as torch's _single_tensor_adam computes them, in double, with
@@ -266,46 +271,55 @@ def adam_step(
 
     if _native.native is None:
         _native.warn_fallback("CPU Adam")
+        squares = None
+        if sum_grad_squares:  # a second pass here: the torch path has no kernel to take it in
+            squares = float(torch.linalg.vector_norm(grad.reshape(-1), dtype=torch.float32)) ** 2
         _adam_step_torch(master, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, step_size,
                          bias2_sqrt, weight_decay, decay, adamw_mode, out)
-        return
+        return squares
     level = simd.selected_level()
     source = sqrt_source(level)
     scalars = (-step_size, bias2_sqrt, beta1, beta2, 1 - beta1, 1 - beta2, eps, decay,
                bool(adamw_mode), weight_decay != 0, level, threads)
     if source != "torch":
-        _native_pass(master, grad, exp_avg, exp_avg_sq, out, 0, n, scalars, "fused", source)
+        squares = _native_pass(master, grad, exp_avg, exp_avg_sq, out, 0, n, scalars, "fused", source,
+                               sum_grad_squares=sum_grad_squares)
     else:
-        _adam_step_split(master, grad, exp_avg, exp_avg_sq, out, n, scalars)
+        squares = _adam_step_split(master, grad, exp_avg, exp_avg_sq, out, n, scalars, sum_grad_squares)
+    return squares if sum_grad_squares else None
 
 
 def _native_pass(master, grad, exp_avg, exp_avg_sq, out, begin, end, scalars, adam_pass, source,
-                 root=None) -> None:
-    """One native pass over elements [begin, end) of the flat buffers."""
+                 root=None, sum_grad_squares=False) -> float:
+    """One native pass over elements [begin, end) of the flat buffers; with
+    sum_grad_squares, the sum of the gradient's squares there (else 0.0)."""
     out_ptr = 0 if out is None else out.data_ptr() + begin * out.element_size()
-    _native.native.adam.update(
+    return _native.native.adam.update(
         master.data_ptr() + 4 * begin, grad.data_ptr() + begin * grad.element_size(),
         _DTYPE_NAMES[grad.dtype], exp_avg.data_ptr() + 4 * begin,
         exp_avg_sq.data_ptr() + 4 * begin, out_ptr,
         _DTYPE_NAMES[out.dtype] if out is not None else "", end - begin, *scalars,
-        adam_pass, source, 0 if root is None else root.data_ptr(),
+        adam_pass, source, 0 if root is None else root.data_ptr(), sum_grad_squares,
     )
 
 
-def _adam_step_split(master, grad, exp_avg, exp_avg_sq, out, n, scalars) -> None:
+def _adam_step_split(master, grad, exp_avg, exp_avg_sq, out, n, scalars, sum_grad_squares=False) -> float:
     """The update split around torch's own sqrt, where no kernel sqrt is
     torch's (Note [bitwise torch order], rule 4): per block, the moments pass,
     torch.sqrt(v) into a scratch block, then the apply pass. Every op is
     torch's own or one the kernels reproduce, so it is exact anywhere."""
     v_flat = exp_avg_sq.view(-1)
     scratch = torch.empty(min(n, SPLIT_BLOCK), dtype=torch.float32)
+    squares = 0.0
     for begin in range(0, n, SPLIT_BLOCK):
         end = min(begin + SPLIT_BLOCK, n)
-        _native_pass(master, grad, exp_avg, exp_avg_sq, out, begin, end, scalars, "moments", "ieee")
+        squares += _native_pass(master, grad, exp_avg, exp_avg_sq, out, begin, end, scalars, "moments",
+                                "ieee", sum_grad_squares=sum_grad_squares)
         root = scratch[: end - begin]
         torch.sqrt(v_flat[begin:end], out=root)
         _native_pass(master, grad, exp_avg, exp_avg_sq, out, begin, end, scalars, "apply", "ieee",
                      root)
+    return squares
 
 
 @torch.no_grad()

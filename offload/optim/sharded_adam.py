@@ -359,12 +359,11 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
     def update_shard(self, shard: Shard, group: dict, stream: StateStream | None,
                       master_value: torch.Tensor | None = None) -> None:
         with self.timeline.span("optimizer", shard.name):
-            # Note [global gradient norm] (engine/deepspeed_api.py): the gradients this update applies
-            # (added once it is applied: Note [a failed step]).
-            grad_sq = float(torch.linalg.vector_norm(shard.grad_part, dtype=torch.float32)) ** 2
+            # Note [global gradient norm] (engine/deepspeed_api.py): the gradients this update applies,
+            # summed by the kernel as it reads them (added once it is applied: Note [a failed step]).
             if self.state_tier(shard) is not Tier.NVME:
                 master, m, v = self._states[shard.index]
-                self._update(shard, master, m, v, group)
+                grad_sq = self._update(shard, master, m, v, group)
             else:
                 try:
                     buf = stream.take(shard, master_value)
@@ -372,12 +371,13 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
                     if master_value is not None:
                         del master_value  # the gathered buffer may be reused from here
                         self.account.credit(Tier.HOST, shard.part_numel * 4)
-                self._update(shard, *stream.layout(shard).views(buf), group)
+                grad_sq = self._update(shard, *stream.layout(shard).views(buf), group)
                 stream.put(shard, buf)
             shard.clear_grad()
             self.grad_sq += grad_sq
 
-    def _update(self, shard: Shard, master, m, v, group: dict) -> None:
+    def _update(self, shard: Shard, master, m, v, group: dict) -> float:
+        """Adam over one shard; returns the sum of its gradient's squares."""
         beta1, beta2 = group["betas"]
         self.shard_steps[shard.index] += 1
         step = self.shard_steps[shard.index]
@@ -386,17 +386,20 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         # Where the bytes are, not which layer (Note [one device choice]): the
         # native kernel reads host memory; masters in a GPU's memory take torch's.
         if master.device.type != "cpu":
+            grad_sq = float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
             _fused_torch_adam(master, grad, m, v, step, group)
             if home_out is not None:
                 home_out.copy_(master)
         else:
             fused_out = home_out if home_out is not None and home_out.dtype != torch.float32 else None
-            adam_step(master, grad, m, v, step=step, lr=group["lr"], beta1=beta1,
-                      beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                      adamw_mode=group["adamw_mode"], out=fused_out, num_threads=self.kernel_threads)
+            grad_sq = adam_step(master, grad, m, v, step=step, lr=group["lr"], beta1=beta1,
+                                beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                                adamw_mode=group["adamw_mode"], out=fused_out, num_threads=self.kernel_threads,
+                                sum_grad_squares=True)
             if home_out is not None and fused_out is None:
                 home_out.copy_(master)
         self._publish(shard, master, home_out)
+        return grad_sq
 
     def _home_out(self, shard: Shard) -> torch.Tensor | None:
         """Where this shard's new compute-dtype partition is written, or None if the master is it."""
