@@ -117,6 +117,22 @@ def tier_needs(planned: list, config: Config, dtype: torch.dtype,
     return need
 
 
+def _host_remedy(config: Config) -> str:
+    """What would take bytes off the host tier, said for this config's offload sections."""
+    zero = config.zero_optimization
+    sides = (("offload_param", zero.offload_param), ("offload_optimizer", zero.offload_optimizer))
+    if not any(section.auto for _, section in sides):
+        return "offload more (zero_optimization.offload_param / offload_optimizer)"
+    remedies = []
+    for key, section in sides:
+        if section.auto and section.nvme_path is None:
+            remedies.append(f"give zero_optimization.{key} an nvme_path for what the host cannot hold")
+        elif not section.auto and section.device is Tier.HOST:
+            remedies.append(f"set zero_optimization.{key}.device to 'auto' or 'nvme' (it is 'cpu': all of it "
+                            "stays on the host)")
+    return "; or ".join(remedies) or "the auto plan already puts on NVMe everything it may"
+
+
 def check_needs(need: dict[Tier, dict], config: Config) -> dict[Tier, str]:
     """Raises MemoryError where a tier's needs exceed its budget; else, per budgeted
     tier, the line saying what was reserved."""
@@ -128,11 +144,7 @@ def check_needs(need: dict[Tier, dict], config: Config) -> dict[Tier, str]:
             continue
         detail = ", ".join(f"{what} {n}" for what, n in parts.items()) or "nothing"
         if total > budget:
-            zero = config.zero_optimization
-            auto = zero.offload_param.auto or zero.offload_optimizer.auto
-            change = (("offload more (zero_optimization.offload_param / offload_optimizer)" if not auto else
-                       "give offload_param and offload_optimizer an nvme_path (the auto plan already puts "
-                       "on NVMe everything a path allows)") if tier is Tier.HOST
+            change = (_host_remedy(config) if tier is Tier.HOST
                       else "lower zero_optimization.stage3_max_live_parameters (the prefetcher's live limit) "
                            "or stage3_prefetch_bucket_size (0: no prefetch), or offload more")
             raise MemoryError(

@@ -156,7 +156,8 @@ def test_without_an_nvme_path_auto_keeps_everything_on_the_host_or_refuses(tmp_p
     with offload.initialize(copy.deepcopy(model), cfg) as engine:
         assert not engine.placement().uses(Tier.NVME)
     cfg["memory"] = {"host_budget": 1000}
-    with pytest.raises(MemoryError, match="give offload_param and offload_optimizer an nvme_path"):
+    with pytest.raises(MemoryError, match=r"give zero_optimization\.offload_param an nvme_path .*; or give "
+                                          r"zero_optimization\.offload_optimizer an nvme_path"):
         offload.initialize(copy.deepcopy(model), cfg)
 
 
@@ -299,3 +300,32 @@ def test_the_default_host_budget_is_a_share_of_available_memory_and_the_plan_fil
     assert plan.budgets.host > 0 and plan.held_bytes()[Tier.HOST] > 0  # not all on NVMe
     assert plan.uses(Tier.NVME)
     assert peak <= HOST_SHARE * available
+
+
+@pytest.mark.parametrize("param,optim", [("auto", "nvme"), ("auto", "none"), ("none", "auto"), ("cpu", "auto"),
+                                         ("nvme", "auto")])
+def test_one_side_auto_the_other_explicit_trains_like_plain_pytorch(tmp_path, param, optim):
+    model, data = deep_gpt(), batches(3, seed=1)
+    ref_model, ref_losses = run_reference(model, data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01)
+    cfg = make_config("cpu", "cpu", tmp_path)
+    zero = cfg["zero_optimization"]
+    for key, device in (("offload_param", param), ("offload_optimizer", optim)):
+        zero[key] = {"device": device, **({"nvme_path": str(tmp_path)} if device in ("auto", "nvme") else {})}
+    cfg["memory"] = {"host_budget": 3_000_000}
+    weights, losses, plan, peak = run_auto(model, data, cfg)
+    explicit = optim if param == "auto" else param
+    side = [s.state for s in plan.shards] if param == "auto" else [s.home for s in plan.shards]
+    assert set(side) == {Tier.from_offload_device(explicit)}  # the explicit side as configured
+    assert peak <= 3_000_000
+    torch.testing.assert_close(losses, ref_losses[:, 0])
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{name}: {m}")
+
+
+def test_an_explicit_cpu_side_that_the_host_cannot_hold_is_named_in_the_refusal(tmp_path):
+    cfg = make_config("cpu", "cpu", tmp_path)
+    cfg["zero_optimization"]["offload_param"] = {"device": "auto", "nvme_path": str(tmp_path)}
+    cfg["memory"] = {"host_budget": 3_000_000}
+    with pytest.raises(MemoryError, match=r"set zero_optimization\.offload_optimizer\.device to 'auto' or 'nvme' "
+                                          r"\(it is 'cpu'"):
+        offload.initialize(deep_gpt(), cfg)
