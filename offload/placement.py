@@ -153,7 +153,10 @@ class Placement:
             n = s.part_numel
             nvme += n * _nvme_per_elem(s.home, s.state, c)
             if self.separate_memory:
-                grad = c if c < 4 else 4  # gradients go down in the compute dtype (Note [bf16 copies])
+                if s.state is Tier.DEVICE:  # updated where its gradient is: new values go down to a home off it
+                    bus += 0 if s.home is Tier.DEVICE else n * 3 * c
+                    continue
+                grad = c  # gradients go down in the compute dtype (Note [copy streams])
                 bus += n * (grad + (c if s.home is Tier.DEVICE else 2 * c))
         return {"nvme": nvme, "bus": bus}
 
