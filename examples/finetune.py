@@ -6,6 +6,7 @@
     python examples/finetune.py --resume --steps 160  # train on past the first run's 120 steps
     python examples/finetune.py --resume --stop-at 60 # a job in sessions: stop at step 60, --resume later
     python examples/finetune.py --offload cpu         # parameters and Adam state in host memory
+    python examples/finetune.py --offload auto        # planned: RAM first, NVMe for what does not fit
     python examples/finetune.py --model hf            # a small LlamaForCausalLM (pip install transformers)
 
 The corpus is the running Python's own standard library sources, byte level
@@ -97,10 +98,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     t.add_argument("--seed", type=int, default=0)
     o = p.add_argument_group("offload")
-    o.add_argument("--offload", choices=["nvme", "cpu", "none"], default="nvme",
+    o.add_argument("--offload", choices=["nvme", "cpu", "none", "auto"], default="nvme",
                    help="where parameters and optimizer state live between uses")
     o.add_argument("--nvme-path", default=os.path.join("runs", "nvme"),
-                   help="swap directory for --offload nvme (removed at the end if created by this run)")
+                   help="swap directory for --offload nvme or auto (removed at the end if created by this run)")
     c = p.add_argument_group("checkpoints and output")
     c.add_argument("--ckpt-dir", default=os.path.join("runs", "finetune", "checkpoints"),
                    help="engine checkpoints: <dir>/global_step{N}/ and <dir>/latest")
@@ -177,7 +178,7 @@ def engine_config(args, schedule_steps: int, warmup: int) -> dict:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0,
             "offload_param": {"device": args.offload},
             "offload_optimizer": {"device": args.offload}}
-    if args.offload == "nvme":
+    if args.offload in ("nvme", "auto"):
         zero["offload_param"]["nvme_path"] = args.nvme_path
         zero["offload_optimizer"]["nvme_path"] = args.nvme_path
     cfg = {
@@ -465,7 +466,7 @@ def print_summary(s: dict, args) -> None:
         f"  val loss    {s['val_loss_before']:.3f} (step 0) -> {s['val_loss_after']:.3f} (step {s['steps']})",
         f"  memory      peak RSS {s['peak_rss_mib']:.0f} MiB; engine peaks (MiB): {peaks}",
     ]
-    if args.offload == "nvme":
+    if args.offload in ("nvme", "auto"):
         lines.append(f"  NVMe I/O    {s['nvme_mib']['read']:,.1f} MiB read, {s['nvme_mib']['written']:,.1f} MiB "
                      f"written this run ({args.nvme_path}, swap files removed)")
     lines += [
@@ -490,9 +491,9 @@ def main(argv=None) -> int:
     model = build_model(args)
     n_params = sum(p.numel() for p in model.parameters())
     # <nvme-path> and its parents where missing (offload removes its own directory in it)
-    created = _created_parents(args.nvme_path) if args.offload == "nvme" else []
+    created = _created_parents(args.nvme_path) if args.offload in ("nvme", "auto") else []
     print(f"{args.model}: {n_params / 1e6:.2f}M parameters, offload {args.offload}"
-          + (f" ({args.nvme_path})" if args.offload == "nvme" else "")
+          + (f" ({args.nvme_path})" if args.offload in ("nvme", "auto") else "")
           + f", corpus {data.numel() / MIB:.1f} MiB of stdlib source, {args.precision}, "
           f"{torch.get_num_threads()} threads", file=sys.stderr)
     engine = None

@@ -48,7 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--offload", choices=["nvme", "cpu"], default="nvme")
+    p.add_argument("--offload", choices=["nvme", "cpu", "auto"], default="nvme",
+                   help="where parameters and optimizer state live; auto: planned over RAM and NVMe")
     p.add_argument("--nvme-path", help="swap directory (default: a temporary one, removed at the end)")
     p.add_argument("--out", default="runs/hf_trainer", help="where Trainer writes and the model is saved")
     p.add_argument("--compare", action="store_true", help="also train with plain Trainer and compare losses")
@@ -101,7 +102,7 @@ def decay_groups(model, weight_decay: float = 0.01) -> list[dict]:
 
 
 def offload_config(args, nvme: str) -> dict:
-    where = {"device": args.offload, **({"nvme_path": nvme} if args.offload == "nvme" else {})}
+    where = {"device": args.offload, **({"nvme_path": nvme} if args.offload in ("nvme", "auto") else {})}
     return {
         "train_micro_batch_size_per_gpu": args.batch_size,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
