@@ -1,7 +1,6 @@
 """transformers.Trainer through the engine (examples/hf_trainer.py's route): the
 same losses as plain Trainer, a saved model from_pretrained loads, and Trainer's
 own checkpoints resume exactly. Skipped without transformers and accelerate."""
-import copy
 import json
 import subprocess
 import sys
