@@ -108,15 +108,6 @@ class Placement:
     host_limit: int | None = None  # an auto plan's host budget, the engine's buffers included
     notes: tuple[str, ...] = field(default=())
 
-    def home(self, name: str) -> Tier:
-        return self._by_name()[name].home
-
-    def state(self, name: str) -> Tier:
-        return self._by_name()[name].state
-
-    def _by_name(self) -> dict[str, ShardPlacement]:
-        return {s.name: s for s in self.shards}
-
     def uses(self, tier: Tier) -> bool:
         return any(tier in (s.home, s.state) for s in self.shards)
 

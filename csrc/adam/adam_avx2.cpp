@@ -7,7 +7,6 @@
 #include <cmath>
 
 #include "adam_kernels.h"
-#include "float_convert.h"
 
 #define OFFLOAD_AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -136,16 +135,7 @@ OFFLOAD_AVX2 double avx2_sum_squares(const AdamBuffers& b, size_t begin, size_t 
   _mm256_store_ps(lanes, acc);
   double total = 0.0;
   for (float lane : lanes) total += lane;
-  for (; i < end; ++i) {
-    float g;
-    switch (b.grad_type) {
-      case ElementType::kBFloat16: g = bf16_to_f32(static_cast<const uint16_t*>(b.grad)[i]); break;
-      case ElementType::kFloat16: g = f16_to_f32(static_cast<const uint16_t*>(b.grad)[i]); break;
-      default: g = static_cast<const float*>(b.grad)[i];
-    }
-    total += static_cast<double>(g * g);
-  }
-  return total;
+  return total + adam_scalar_sum_squares()(b, i, end);  // the tail, under one vector
 }
 
 }  // namespace

@@ -14,7 +14,6 @@
 #include <cmath>
 
 #include "adam_kernels.h"
-#include "float_convert.h"
 
 #define OFFLOAD_AVX512 __attribute__((target("avx512f")))
 
@@ -213,16 +212,7 @@ OFFLOAD_AVX512 double avx512_sum_squares(const AdamBuffers& b, size_t begin, siz
   _mm512_store_ps(lanes, acc);
   double total = 0.0;
   for (float lane : lanes) total += lane;
-  for (; i < end; ++i) {
-    float g;
-    switch (b.grad_type) {
-      case ElementType::kBFloat16: g = bf16_to_f32(static_cast<const uint16_t*>(b.grad)[i]); break;
-      case ElementType::kFloat16: g = f16_to_f32(static_cast<const uint16_t*>(b.grad)[i]); break;
-      default: g = static_cast<const float*>(b.grad)[i];
-    }
-    total += static_cast<double>(g * g);
-  }
-  return total;
+  return total + adam_scalar_sum_squares()(b, i, end);  // the tail, under one vector
 }
 
 }  // namespace

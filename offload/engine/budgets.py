@@ -40,7 +40,9 @@ def largest_module_group(model: torch.nn.Module, named, planned: list, separate_
 def preflight_budgets(planned: list, config: Config, dtype: torch.dtype,
                        staging_bytes: int = 0, *, separate_memory: bool = False,
                        world_size: int = 1, on_demand: int = 0, param_staging_bytes: int = 0) -> dict[Tier, str]:
-    """`tier_needs`, checked: refuses a configuration its budgets cannot hold."""
+    """`tier_needs`, checked: refuses, before any parameter moves, a configuration whose
+    budgets cannot hold what the engine itself will hold at once; returns, per budgeted
+    tier, a line saying what was reserved (for TierBudgetError's message at a step)."""
     need = tier_needs(planned, config, dtype, staging_bytes, separate_memory=separate_memory,
                       world_size=world_size, on_demand=on_demand, param_staging_bytes=param_staging_bytes)
     return check_needs(need, config)
@@ -54,10 +56,6 @@ def tier_needs(planned: list, config: Config, dtype: torch.dtype,
     has its home and its optimizer state's tier (`state`). grad_backlog_elems: the
     most gradient elements held at once where gradients live only until their
     overlapped update (`grad_backlog`); None: every gradient partition.
-
-    Refuses, before any parameter moves, a configuration whose budgets cannot hold
-    what the engine itself will hold at once; returns, per budgeted tier, a line
-    saying what was reserved (for TierBudgetError's message at a step).
 
     Device tier: the parameters homed there, and the offloaded ones gathered at
     once: what one module gathers together (on_demand, elements) or the
