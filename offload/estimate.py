@@ -37,6 +37,7 @@ from typing import Mapping
 
 from offload.config import AUTO, Config, ConfigError, Precision, Tier
 from offload.placement import DEVICE_SHARE, HOST_SHARE, Budgets, ParamSpec, Placement, plan_placement
+from offload.tiers import grad_tier_of
 
 __all__ = ["Estimate", "ModelSizes", "add_arguments", "estimate", "model_sizes", "run"]
 
@@ -334,7 +335,12 @@ def _estimate(num_params, *, model_config, config, largest_layer_params, persist
                                model_config, notes)
         for tier in TIERS:
             breakdown[tier] = {k: v for k, v in breakdown[tier].items()
-                               if not k.startswith(("parameter shards", "fp32 master", "Adam exp_avg"))}
+                               if not k.startswith(("parameter shards", "fp32 master", "Adam exp_avg",
+                                                    "gradient accumulation"))}
+        for s in placement.shards:  # each gradient beside its optimizer state (grad_tier_of)
+            what = breakdown[grad_tier_of(s.state).value]
+            key = "gradient accumulation (fp32, 4 B/param)"
+            what[key] = what.get(key, 0) + s.part_numel * 4
         for t, n in placement.home_bytes().items():
             if n:
                 breakdown[t.value][f"parameter shards, planned ({prec}, {c} B/param)"] = n

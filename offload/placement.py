@@ -30,7 +30,11 @@ state. The planner:
 2. beside a device with memory of its own, fills the device budget with
    parameter homes, the model's tail first (its gradients arrive first and
    its parameters are needed first by backward): each saves c per element
-   on the bus, and a device home needs no host copy of the parameter;
+   on the bus, and a device home needs no host copy of the parameter; then,
+   with the room left, the optimizer state of device homes, tail first: 16
+   bytes an element (the state and the fp32 gradient that stays beside it)
+   that save the gradient's c down and the new value's c up, and the host's
+   Adam for that shard (updated on the device, by step());
 3. starts every other choice at the lowest tier the config allows (NVMe
    where a path is given, else the host), then spends the host budget
    greedily on the move that saves the most NVMe bytes per host byte it
@@ -47,8 +51,9 @@ parameters' sizes and order, the dtype and the budgets, so every rank with
 the same budgets makes the same plan (each rank's defaults differ with its
 free memory: ranks take the smallest). A model built under offload.init is
 built on NVMe (the whole model is not known yet) and moved home at
-initialize. Optimizer state stays off the device in an auto plan (a
-device-side Adam for some shards beside host Adam for others is not built).
+initialize. A shard whose state is on the device keeps its gradient there
+(Shard.grad_tier): it is not copied down, and its update runs on the device
+at step() while the host's Adam runs the others (Note [optimizer overlap]).
 """
 from __future__ import annotations
 
@@ -64,6 +69,9 @@ from offload.tiers import Tier
 # the allocator's slack and the rest of the process.
 HOST_SHARE = 0.75
 DEVICE_SHARE = 0.5
+# Device bytes per element of a partition whose optimizer state is on the device:
+# master, exp_avg, exp_avg_sq and the fp32 gradient that stays beside them.
+DEVICE_STATE_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -248,6 +256,16 @@ def plan_placement(specs: list[ParamSpec], budgets: Budgets, *, itemsize: int, s
             if device_left is None or need <= device_left:
                 home[i] = Tier.DEVICE
                 planned_home[i] = False
+                if device_left is not None:
+                    device_left -= need
+    # 2b. the device homes' optimizer state (and the gradient beside it), tail first.
+    if separate_memory and state_tier is None:
+        for i in reversed(range(n)):
+            if home[i] is not Tier.DEVICE:
+                continue
+            need = specs[i].part_numel * DEVICE_STATE_BYTES
+            if device_left is None or need <= device_left:
+                state[i] = Tier.DEVICE
                 if device_left is not None:
                     device_left -= need
     # 3. the host, by NVMe bytes saved per host byte held.

@@ -31,5 +31,12 @@ class Tier(enum.Enum):
         return _BY_OFFLOAD_DEVICE[name]
 
 
+def grad_tier_of(state: Tier) -> Tier:
+    """Where a parameter's fp32 gradient partition waits for its update: beside its
+    optimizer state on the device, else on the host (NVMe state is read into host
+    buffers to be updated)."""
+    return Tier.DEVICE if state is Tier.DEVICE else Tier.HOST
+
+
 _OFFLOAD_DEVICE = {Tier.DEVICE: "none", Tier.HOST: "cpu", Tier.NVME: "nvme"}
 _BY_OFFLOAD_DEVICE = {name: tier for tier, name in _OFFLOAD_DEVICE.items()}

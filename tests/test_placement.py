@@ -84,11 +84,31 @@ def test_the_device_budget_takes_homes_from_the_tail_and_persistent_parameters_s
     plan = auto([100, 100, 100, 5], device=4 * 200, host=None, separate=True, persistent={3})
     assert [s.home for s in plan.shards] == [H, D, D, D]
     assert plan.held_bytes()[D] == 4 * 205
-    assert all(s.state is H for s in plan.shards)  # state stays off the device in an auto plan
+    assert all(s.state is H for s in plan.shards)  # the homes took all the room: no state on the device
     # a device home takes its new value up once a step, an offloaded one goes up for forward and
     # backward; every gradient comes down
     assert plan.moved_per_step()["bus"] == 205 * (4 + 4) + 100 * (4 + 2 * 4)
     assert auto([100], device=10**9, separate=False).shards[0].home is H  # no separate memory, no device homes
+
+
+def test_the_room_the_homes_leave_takes_their_optimizer_state_tail_first_to_the_byte():
+    # homes 4 x (100 + 100 + 100) = 1200; state and gradient 16 B/element: room for two of three
+    plan = auto([100, 100, 100], device=1200 + 16 * 200, host=None, separate=True)
+    assert [(s.home, s.state) for s in plan.shards] == [(D, H), (D, D), (D, D)]
+    assert plan.held_bytes()[D] == 1200 + 12 * 200  # the gradients are the engine's, reserved beside
+    # one byte less: the middle one's state no longer fits
+    plan = auto([100, 100, 100], device=1200 + 16 * 200 - 1, host=None, separate=True)
+    assert [s.state for s in plan.shards] == [H, H, D]
+    # a smaller shard further from the tail may still fit
+    plan = auto([10, 100, 100], device=4 * 210 + 16 * 110, host=None, separate=True)
+    assert [s.state for s in plan.shards] == [D, H, D]
+    # state on the device moves nothing over the bus; a device home with host state moves
+    # its gradient down and its new value up
+    assert plan.moved_per_step()["bus"] == 100 * (4 + 4)
+    # only beside device homes, never with an explicit state tier, never without separate memory
+    assert all(s.state is H for s in auto([100, 100], device=10**9, separate=True, home_tier=H).shards)
+    assert all(s.state is N for s in auto([100, 100], device=10**9, separate=True, state_tier=N).shards)
+    assert all(s.state is not D for s in auto([100], device=10**9, separate=False).shards)
 
 
 def test_an_explicit_side_is_kept_and_only_the_other_is_planned():

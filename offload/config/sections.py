@@ -16,7 +16,7 @@ from offload.config.base import (_HF_AUTO, AUTO, ConfigError, OptimizerType, _ap
 # The scheduler section lives in its own module; these names stay importable from here.
 from offload.config.scheduler_sections import (SchedulerConfig, WarmupCosineLRParams,  # noqa: F401
                                                WarmupDecayLRParams, WarmupLRParams)
-from offload.tiers import Tier
+from offload.tiers import Tier, grad_tier_of
 
 # --------------------------------------------------------------------------- precision
 
@@ -297,9 +297,9 @@ class OffloadOptimizerConfig(_OffloadSection):
 
     @property
     def grad_tier(self) -> Tier:
-        """Where fp32 gradient partitions wait for the optimizer: beside its state on
-        the device, else on the host (NVMe state is read into host buffers to update)."""
-        return Tier.DEVICE if self.device is Tier.DEVICE else Tier.HOST
+        """Where fp32 gradient partitions wait for the optimizer (`grad_tier_of`; an
+        auto side's nominal tier is the host: its plan sets each shard's)."""
+        return grad_tier_of(self.device)
 
 
 _STAGE12 = "a ZeRO stage 1/2 option; offload runs ZeRO stage 3 only (DeepSpeed ignores it at stage 3 too)"

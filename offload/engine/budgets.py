@@ -11,7 +11,7 @@ import torch
 from offload.config import Config
 from offload.placement import (DEVICE_SHARE, HOST_SHARE, Budgets, ParamSpec, Placement, plan_placement,
                                uniform)
-from offload.tiers import Tier
+from offload.tiers import Tier, grad_tier_of
 
 
 def gathers_to_a_buffer(pl, separate_memory: bool, world_size: int) -> bool:
@@ -80,18 +80,18 @@ def tier_needs(planned: list, config: Config, dtype: torch.dtype,
             need[tier][what] = need[tier].get(what, 0) + nbytes
 
     zero = config.zero_optimization
-    optimizer = zero.offload_optimizer
     for s in planned:
         home_bytes = s.padded_numel * dtype.itemsize if s.home is Tier.DEVICE else s.part_numel * dtype.itemsize
         if s.home is Tier.HOST and s.state is Tier.HOST and dtype == torch.float32:
             home_bytes = 0  # the fp32 host home is the master itself (ShardedAdam._aliases_home)
         add(s.home, "parameters", home_bytes)
-        if grad_backlog_elems is None:
-            add(optimizer.grad_tier, "fp32 gradients", s.part_numel * 4)
+        if grad_backlog_elems is None or s.state is Tier.DEVICE:
+            add(grad_tier_of(s.state), "fp32 gradients", s.part_numel * 4)
         add(s.state, "optimizer state", 3 * s.part_numel * 4)
-    if grad_backlog_elems is not None and planned:
-        elems = min(sum(s.part_numel for s in planned), grad_backlog_elems)
-        add(optimizer.grad_tier, "fp32 gradients awaiting their overlapped update", elems * 4)
+    overlapped = [s.part_numel for s in planned if s.state is not Tier.DEVICE]
+    if grad_backlog_elems is not None and overlapped:
+        elems = min(sum(overlapped), grad_backlog_elems)
+        add(Tier.HOST, "fp32 gradients awaiting their overlapped update", elems * 4)
     gathered = [s.padded_numel for s in planned if gathers_to_a_buffer(s, separate_memory, world_size)]
     if gathered:
         largest = max(gathered)

@@ -41,7 +41,7 @@ from offload.partition.nvme_home import ParamStore
 from offload.engine import budgets
 from offload.partition.shard import PartitionStore, Shard, ShardContext, partition_numel
 from offload.placement import Placement
-from offload.tiers import Tier
+from offload.tiers import Tier, grad_tier_of
 
 
 class HomePolicy:
@@ -79,7 +79,8 @@ def shard_context(config: Config, layer: DeviceLayer, pg: ProcessGroupInfo, acco
                   streams: CopyStreams | None = None, lazy_grads: bool | None = None) -> ShardContext:
     """The one way a ShardContext is made: compute on the layer's device (Note [one
     device choice] in offload/device/__init__.py); gradients live where the
-    config's optimizer tier puts them (`OffloadOptimizerConfig.grad_tier`)."""
+    config's optimizer tier puts them (`OffloadOptimizerConfig.grad_tier`), unless
+    a shard's plan puts its state, and so its gradient, elsewhere (Shard.grad_tier)."""
     optimizer = config.zero_optimization.offload_optimizer
     if streams is None and layer.separate_memory:
         streams = CopyStreams(layer)
@@ -368,6 +369,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
             shards.append(pl.built)
         else:
             shards.append(Shard(pl.index, pl.name, pl.param, compute_dtype=dtype, home=pl.home, ctx=ctx))
+        shards[-1].grad_tier = grad_tier_of(pl.state)  # beside its optimizer state
     return Built(shards, ctx, stores.get("state"), param_writer, _sources=sources, _plan=plan,
                  pin_home=_home_pinner(pinned, layer) if pin else None, placement=placement)
 

@@ -264,9 +264,10 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
     def _can_defer(self) -> bool:
         """Note [updates under the next forward]: a step that could not overlap backward
         leaves its updates running beside the next forward where nothing in them can
-        fail on a file: host Adam beside a separate device, every home on the host or
-        the device."""
-        return (self.optimizer.state_tiers == {Tier.HOST} and self.device_layer.separate_memory
+        fail on a file: host Adam beside a separate device (some state on the device
+        too: updated by step() itself), every home on the host or the device."""
+        states = self.optimizer.state_tiers
+        return (Tier.HOST in states and Tier.NVME not in states and self.device_layer.separate_memory
                 and self.config.zero_optimization.overlap_comm
                 and all(s.home is not Tier.NVME for s in self.shards))
 
@@ -439,8 +440,8 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         terms = self._norm_terms
         if terms is not None:  # on the host worker (Note [norm terms during backward])
             terms.take(shard)
-        if self.steps.updating_in_backward:
-            self.optimizer.overlap.submit(shard)
+        if self.steps.updating_in_backward and shard.grad_tier is not Tier.DEVICE:
+            self.optimizer.overlap.submit(shard)  # state on the device: updated at step() (overlap.finish)
 
     @property
     def gradients_pending(self) -> bool:

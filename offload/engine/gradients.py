@@ -44,6 +44,9 @@ class NormTerms(dict):
         self._largest, self._account, self._scratch = largest, account, None
 
     def take(self, shard) -> None:
+        if shard.grad_tier is Tier.DEVICE:  # on the compute thread, where the gradient is
+            self[shard.index] = square_sum(shard.grad_part)
+            return
         if self._scratch is None:
             self._account.charge(Tier.HOST, self._largest * 4, "gradient norm scratch")
             self._scratch = torch.empty(self._largest, dtype=torch.float32)

@@ -17,7 +17,9 @@ backward has contributed), so nothing in the rest of backward reads the value
 being updated. step() (from engine.step()) then waits only for what is left
 (finish), updates shards whose gradient came only in earlier micro-steps, and
 publishes device homes: an all-gather is a collective and must run on the
-compute thread, in the same order on every rank.
+compute thread, in the same order on every rank. Shards whose optimizer state
+an auto plan put on the device keep their gradients there and are updated by
+finish() on the compute thread, beside the device's other work.
 
 Note [updates under the next forward]
 Gradient clipping and the fp16 overflow check need every gradient before any
@@ -223,13 +225,21 @@ class OverlappedUpdates:
             with opt.timeline.span("wait", "optimizer"):
                 opt.kernel_threads = None  # backward is over: the late ones may use every core
                 late = [s for s in opt.stepping() if s.index not in st.updates] if update_late else []
+                # State on the device: its gradients stayed there and its updates run
+                # here, on the compute thread's stream, after the host's.
+                on_device = [s for s in late if opt.state_tier(s) is Tier.DEVICE]
                 waiting = [u.done for u in st.updates.values()]
                 waiting += [self.worker.submit(self._run, st, s, st.groups[opt.group_index(s)], None)
-                            for s in late]
+                            for s in late if opt.state_tier(s) is not Tier.DEVICE]
                 error = None
                 for done in waiting:
                     try:
                         done.result()
+                    except BaseException as exc:  # noqa: BLE001 - the first is raised below
+                        error = error or exc
+                for s in on_device:
+                    try:
+                        self._run(st, s, st.groups[opt.group_index(s)], None)
                     except BaseException as exc:  # noqa: BLE001 - the first is raised below
                         error = error or exc
                 self.worker.submit(opt.close_stream, st.stream).result()

@@ -60,17 +60,15 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         host_worker: the thread host-side updates run on (Note [the host worker] in
         offload/host_worker.py); None: one of its own (closed with it).
         tier: where every shard's state lives, but for those `state_tiers` (shard.index
-        -> Tier, host or NVMe: an auto placement, Note [automatic placement] in
-        offload/placement.py) puts elsewhere."""
+        -> Tier: an auto placement, Note [automatic placement] in
+        offload/placement.py) puts elsewhere. Each shard's gradient partition
+        is on the device where its state is (Shard.grad_tier)."""
         if not shards:
             raise ValueError("optimizer got an empty parameter list")
         self.shards = shards
         self.tier = tier
         self._state_tiers = {s.index: (state_tiers or {}).get(s.index, tier) for s in shards}
-        if Tier.DEVICE in self._state_tiers.values() and set(self._state_tiers.values()) != {Tier.DEVICE}:
-            raise ValueError("optimizer state on the device for some shards and off it for others is not "
-                             "supported: give offload_optimizer.device 'none' for all, or 'cpu'/'nvme'/'auto'")
-        self.state_device = device if tier is Tier.DEVICE else torch.device("cpu")
+        self.device = device
         self.account = account
         self.state_store = state_store
         self.param_store = param_store
@@ -84,7 +82,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         # Started with the engine, not on first use: see Note [the host worker].
         self._own_worker = host_worker is None
         self.worker = host_worker or HostWorker()
-        self._device_publishes: list[tuple[Shard, torch.Tensor]] = []
+        self._device_publishes: list[tuple[Shard, torch.Tensor, bool]] = []
         self._param_writes: deque = deque()  # handles of new parameter values being written
         self._param_write_error: BaseException | None = None  # raised by close_stream (Note [a failed step])
         # Adam kernel threads: None (every core) in a deferred step; the overlap's
@@ -139,12 +137,12 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         if self._aliases_home(shard):
             master = shard.host_part  # fp32 host home is the master itself
             nbytes -= shard.part_numel * 4
-        elif self.state_device.type == "cpu":
+        elif tier is Tier.DEVICE:
+            master = init.to(self.device, torch.float32, copy=True)
+        else:
             # Aligned: a new value homed on NVMe is written from it straight
             # to disk, with no staging copy (Note [direct transfers]).
             master = aligned_tensor(shard.part_numel, torch.float32).copy_(init.reshape(-1))
-        else:
-            master = init.to(self.state_device, torch.float32, copy=True)
         self.account.charge(tier, nbytes, f"optimizer state of {shard.name}")
         m = torch.zeros_like(master)
         v = torch.zeros_like(master)
@@ -403,18 +401,24 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
 
     def _home_out(self, shard: Shard) -> torch.Tensor | None:
         """Where this shard's new compute-dtype partition is written, or None if the master is it."""
+        on_device = self.state_tier(shard) is Tier.DEVICE
         if shard.home is Tier.HOST:
             return None if self._aliases_home(shard) else shard.host_part
-        if shard.home is Tier.NVME and shard.dtype == torch.float32 and self.state_device.type == "cpu":
+        if shard.home is Tier.DEVICE and on_device:
+            return None  # the home takes the master's value on the device (Shard.set_device_home)
+        if shard.home is Tier.NVME and shard.dtype == torch.float32 and not on_device:
             return None  # the fp32 master is the value written home: no copy
-        if self.state_device.type == "cpu":
+        if not on_device:
             return self.buffers.take(shard.part_numel, shard.dtype)  # written to NVMe with no copy
-        return torch.empty(shard.part_numel, dtype=shard.dtype, device=self.state_device)
+        return torch.empty(shard.part_numel, dtype=shard.dtype, device=self.device)
 
     def _publish(self, shard: Shard, master: torch.Tensor, written: torch.Tensor | None) -> None:
         if shard.home is Tier.DEVICE:
             # Note [optimizer overlap]: the all-gather waits for the compute thread.
-            self._device_publishes.append((shard, written.to(shard.ctx.device)))
+            if written is None:  # state on the device: the home is written there, from the master
+                self._device_publishes.append((shard, master, True))
+            else:
+                self._device_publishes.append((shard, written.to(shard.ctx.device), False))
         elif shard.home is Tier.NVME:
             if written is None:  # lent from the master, already charged where it lives
                 part, nbytes = master, 0
@@ -444,8 +448,8 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
             # activations (300 MiB of a 0.9 GiB peak, GPT 67M on NVMe).
             self.buffers.clear()
         while self._device_publishes:
-            shard, part = self._device_publishes.pop(0)
-            shard.set_device_home(part)
+            shard, part, on_device = self._device_publishes.pop(0)
+            shard.set_device_home(part, on_device=on_device)
 
 def _fused_torch_adam(master, grad, m, v, step: int, group: dict) -> None:
     """torch's fused kernel, for state that lives on a CUDA device."""

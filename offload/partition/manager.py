@@ -124,15 +124,16 @@ class ParameterManager:
         self._on_grad = on_grad
         # On a device with memory of its own each gradient (each rank's reduced
         # partition) is copied to the host on the d2h stream (Note [copy streams]),
-        # unless the optimizer keeps its gradients on the device.
+        # unless the shard's optimizer state, and so its gradient, is on the device.
         self.to_host: GradientsToHost | None = None
         ctx = shards[0].ctx if shards else None
-        if ctx is not None and ctx.streams is not None and ctx.grad_tier is not Tier.DEVICE:
+        going_down = [s for s in shards if s.grad_tier is not Tier.DEVICE]
+        if ctx is not None and ctx.streams is not None and going_down:
             if host_worker is None:
                 raise ValueError("gradients copied to the host need the host worker that takes them in")
-            self.to_host = GradientsToHost(ctx.streams, max(s.part_numel for s in shards) * 4, on_grad,
+            self.to_host = GradientsToHost(ctx.streams, max(s.part_numel for s in going_down) * 4, on_grad,
                                            host_worker, ledger=ctx.account.pinned, pin=ctx.layer.page_locks)
-            on_grad = self.to_host.put  # a reduced partition goes down as well
+            on_grad = self._route_grad  # a reduced partition goes down as well
         self.grad_buckets: GradientBuckets | None = None  # one rank: gradients go straight to on_grad
         if ctx is not None and ctx.pg.world_size > 1:
             largest = max(s.padded_numel for s in shards)
@@ -262,13 +263,19 @@ class ParameterManager:
                 param.grad = None
             if self.grad_buckets is not None:
                 self.grad_buckets.add(shard, grad)
-            elif self.to_host is not None:
-                self.to_host.put(shard, grad)
             else:
-                self._on_grad(shard, grad, owned=True)
+                self._route_grad(shard, grad, owned=True)
             for _ in range(self._backward_holds.pop(shard, 0)):
                 self.drop(shard)
         return grad_hook
+
+    def _route_grad(self, shard: Shard, grad: torch.Tensor, owned: bool = False) -> None:
+        """A final gradient (one rank's reduced partition with several) goes down to
+        the host, or straight to on_grad where the shard's gradient stays on the device."""
+        if self.to_host is not None and shard.grad_tier is not Tier.DEVICE:
+            self.to_host.put(shard, grad)
+        else:
+            self._on_grad(shard, grad, owned=owned)
 
     # ---- the outermost module call opens the forward context ---------------
     def _enter_module(self, module, args) -> None:

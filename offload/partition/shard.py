@@ -106,7 +106,8 @@ class ShardContext:
     `shard_context` makes it; the engine holds it).
 
     param_store: NVMe homes; None when no shard is homed on NVMe.
-    grad_tier: where fp32 gradient partitions live (the optimizer's side), and
+    grad_tier: where fp32 gradient partitions live unless a shard's own plan says
+    otherwise (Shard.grad_tier), and
     lazy_grads: whether they exist only while a gradient is pending (Note [gradient partitions]).
     buffers: gathered buffers on a CPU device, reused from step to step; None: allocated each time.
     layer: the device layer every host<->device copy goes through (Note [device layer]);
@@ -123,10 +124,6 @@ class ShardContext:
     buffers: BufferCache | None = None
     layer: DeviceLayer = field(default_factory=CpuDevice)
     streams: CopyStreams | None = None
-
-    @property
-    def grad_device(self) -> torch.device:
-        return self.device if self.grad_tier is Tier.DEVICE else torch.device("cpu")
 
 
 def partition_numel(numel: int, world_size: int) -> int:
@@ -164,7 +161,9 @@ class Shard:
         self.pinned_home = False  # host_part is pinned memory (engine/build.py _home_pinner)
         self._host_alias: torch.Tensor | None = None  # host_part as the layer's pinned buffer
         # fp32 gradient partition, accumulated across micro-steps, on the
-        # optimizer's side (Note [gradient partitions]).
+        # optimizer's side (Note [gradient partitions]): beside this shard's
+        # optimizer state (`grad_tier_of`; engine/build.py sets it from the plan).
+        self.grad_tier: Tier = ctx.grad_tier
         self.grad_part: torch.Tensor | None = None
         # The update step() left running on the host worker, until settled: every read of
         # the home or the gradient waits for it (Note [updates under the next forward]
@@ -490,14 +489,24 @@ class Shard:
         self.ctx.param_store.read_part(self, part).wait()
         return part
 
-    def set_device_home(self, part: torch.Tensor) -> None:
-        """A DEVICE-home shard's new partition (this rank's, compute dtype, from the
-        optimizer or a checkpoint) goes to the device and is all-gathered there.
-        With one rank on a separate device the copy-in is left running; the next
-        gather waits for it (Note [copy streams])."""
+    def set_device_home(self, part: torch.Tensor, *, on_device: bool = False) -> None:
+        """A DEVICE-home shard's new partition (this rank's, from the optimizer or a
+        checkpoint) goes to the device and is all-gathered there. With one rank on
+        a separate device the copy-in is left running; the next gather waits for
+        it (Note [copy streams]). on_device: `part` was computed in the device's
+        memory (optimizer state on the device, any float dtype): written into the
+        home by compute, in the compute dtype, with nothing over the bus."""
         assert self.home is Tier.DEVICE
         if self.ctx.streams is None:
-            self.ctx.pg.all_gather(self._full, part.to(self.ctx.device))
+            self.ctx.pg.all_gather(self._full, part.to(self.ctx.device, self.dtype))
+            return
+        if on_device:
+            self._await_copy_in()  # a checkpoint's value may still be on its way up
+            full = self.ctx.layer.lend(self._full, write=True)
+            self.own_slice(full).copy_(part.detach().reshape(-1))
+            if self.ctx.pg.world_size > 1:
+                self.ctx.pg.all_gather(full, self.own_slice(full).clone())
+            self.param.data = self._compute_view()
             return
         self.publish(part.detach().reshape(-1).contiguous())
         if self.ctx.pg.world_size > 1:
@@ -514,10 +523,13 @@ class Shard:
     # memory is what offload is short of: a partition exists only from the
     # shard's first gradient of an accumulation window until its update, and
     # with one rank an fp32 gradient is taken over from autograd, not copied.
+    @property
+    def grad_device(self) -> torch.device:
+        return self.ctx.device if self.grad_tier is Tier.DEVICE else torch.device("cpu")
+
     def allocate_grad_part(self) -> None:
-        ctx = self.ctx
-        ctx.account.charge(ctx.grad_tier, self.part_numel * 4, f"gradient of {self.name}")
-        self.grad_part = torch.zeros(self.part_numel, dtype=torch.float32, device=ctx.grad_device)
+        self.ctx.account.charge(self.grad_tier, self.part_numel * 4, f"gradient of {self.name}")
+        self.grad_part = torch.zeros(self.part_numel, dtype=torch.float32, device=self.grad_device)
 
     def take_grad(self, grad: torch.Tensor, owned: bool = False) -> None:
         """Adds this rank's gradient partition, averaged over ranks, into grad_part (fp32).
@@ -540,22 +552,21 @@ class Shard:
             # anything else (a view into a staging buffer or a bucket, another
             # dtype) is copied into the partition kept from the last step. A fresh one per step cost a page fault per 4 KiB
             # (879k a step, 2.5 s of system time, GPT 0.94B on a GPU host).
-            ctx = self.ctx
             if self.grad_part is None:
-                ctx.account.charge(ctx.grad_tier, self.part_numel * 4, f"gradient of {self.name}")
-            if (owned and mine.dtype == torch.float32 and mine.device == torch.device(ctx.grad_device)
+                self.ctx.account.charge(self.grad_tier, self.part_numel * 4, f"gradient of {self.name}")
+            if (owned and mine.dtype == torch.float32 and mine.device == torch.device(self.grad_device)
                     and mine.is_contiguous() and mine.untyped_storage().nbytes() == self.part_numel * 4):
                 self.grad_part = mine
             elif self.grad_part is not None:
                 self.grad_part.copy_(mine)
             else:
-                self.grad_part = mine.to(ctx.grad_device, torch.float32, copy=True)
+                self.grad_part = mine.to(self.grad_device, torch.float32, copy=True)
         self.has_grad = True
 
     def clear_grad(self) -> None:
         """After the shard's update (or a skipped step): zero or free the partition."""
         if self.grad_part is not None and self.ctx.lazy_grads:
-            self.ctx.account.credit(self.ctx.grad_tier, self.part_numel * 4)
+            self.ctx.account.credit(self.grad_tier, self.part_numel * 4)
             self.grad_part = None
         self.has_grad = False  # the next gradient replaces the partition
 

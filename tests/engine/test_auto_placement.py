@@ -193,6 +193,82 @@ def test_on_the_sim_the_planned_device_share_stays_off_the_bus(tmp_path, monkeyp
         torch.testing.assert_close(weights[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
+# Room for every home of deep_gpt on the sim device and the optimizer state of some.
+ROOMY_DEVICE = {"fp32": 6_000_000, "bf16": 4_000_000}
+
+
+@pytest.mark.parametrize("precision,gas,clip", [("fp32", 2, 0.05), ("bf16", 1, 0.0)])
+def test_on_the_sim_state_planned_on_the_device_stays_there_and_trains_like_plain_pytorch(
+        tmp_path, monkeypatch, precision, gas, clip):
+    """The device's room left after the homes takes their optimizer state, tail first: those
+    shards' gradients and new values cross no bus, and their update runs beside host Adam's
+    (overlapped with backward; under clipping and accumulation, by step())."""
+    monkeypatch.setenv("OFFLOAD_DEVICE", "sim")
+    model, data = deep_gpt(), batches(4 * gas, seed=4)
+    per_step = [data[i:i + gas] for i in range(0, len(data), gas)]
+    if precision == "fp32":
+        ref_model, ref_losses = run_reference(model, data, gas=gas, clip=clip, lr=1e-2, weight_decay=0.01)
+    else:
+        ref_model, ref_losses = run_reference_mixed(model, data, dtype=torch.bfloat16, gas=gas, lr=1e-2,
+                                                    weight_decay=0.01)
+    cpu_cfg = make_config("cpu", "cpu", tmp_path / "cpu", precision=precision, gas=gas, clip=clip)
+    cpu_weights, cpu_losses, _ = run_engine(model, data, cpu_cfg)
+    cfg = auto_config(tmp_path / "auto", device_budget=ROOMY_DEVICE[precision], precision=precision,
+                      gas=gas, clip=clip)
+    with offload.initialize(copy.deepcopy(model), cfg) as engine:
+        losses = [train_engine(engine, step) for step in per_step[:2]]
+        plan, counters = engine.placement(), engine.device_layer.counters
+        before = counters.bytes_copied
+        losses += [train_engine(engine, step) for step in per_step[2:]]
+        measured = (counters.bytes_copied - before) / (len(per_step) - 2)
+        weights = engine_weights(engine)
+        grads_on_device = {s.name for s in engine.shards if s.grad_tier is Tier.DEVICE}
+    losses = torch.cat(losses)
+    on_device = {s.name for s in plan.shards if s.state is Tier.DEVICE}
+    assert all(s.home is Tier.DEVICE for s in plan.shards), plan.format()
+    assert on_device and len(on_device) < len(plan.shards), plan.format()  # a split of the state
+    assert grads_on_device == on_device
+    # tail first; a shard left off the device would not have fit the room left
+    room = plan.budgets.device - sum(s.padded_numel * plan.itemsize for s in plan.shards) \
+        - sum(16 * s.part_numel for s in plan.shards if s.state is Tier.DEVICE)
+    assert plan.shards[-1].state is Tier.DEVICE and room >= 0
+    assert all(16 * s.part_numel > room for s in plan.shards if s.state is not Tier.DEVICE)
+    assert plan.held_bytes()[Tier.DEVICE] <= ROOMY_DEVICE[precision] // 2
+    # What crosses the bus is only the host-state shards' gradients down and new values
+    # up, in the compute dtype, once a micro-batch for the gradients: the plan's figure.
+    host_elems = sum(s.part_numel for s in plan.shards if s.state is Tier.HOST)
+    c = plan.itemsize
+    assert measured == host_elems * c * (gas + 1)
+    assert plan.moved_per_step()["bus"] == host_elems * 2 * c
+    torch.testing.assert_close(losses, ref_losses[:, 0] if gas == 1 else ref_losses.reshape(-1)[:len(losses)])
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{name}: {m}")
+    # the same kernel over the same values as all on the host: the same bits
+    torch.testing.assert_close(losses, cpu_losses, rtol=0, atol=0)
+    for name, value in cpu_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_on_the_sim_a_run_with_state_on_the_device_resumes_exactly_into_an_all_host_plan(tmp_path,
+                                                                                       monkeypatch):
+    monkeypatch.setenv("OFFLOAD_DEVICE", "sim")
+    model, data = deep_gpt(), batches(6, seed=6)
+    whole_weights, whole_losses, _ = run_engine(model, data, make_config("cpu", "cpu", tmp_path / "whole"))
+    with offload.initialize(copy.deepcopy(model),
+                            auto_config(tmp_path / "a", device_budget=ROOMY_DEVICE["fp32"])) as first:
+        assert first.placement().uses(Tier.DEVICE) and Tier.DEVICE in first.placement().state_tiers
+        losses_a = train_engine(first, data[:3])
+        first.save_checkpoint(tmp_path / "ck")
+    with offload.initialize(copy.deepcopy(model), auto_config(tmp_path / "b")) as second:  # sim: no free memory known
+        assert not second.placement().uses(Tier.DEVICE)
+        second.load_checkpoint(tmp_path / "ck")
+        losses_b = train_engine(second, data[3:])
+        weights = engine_weights(second)
+    torch.testing.assert_close(torch.cat([losses_a, losses_b]), whole_losses, rtol=0, atol=0)
+    for name, value in whole_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_model_built_under_offload_init_moves_to_its_planned_homes_and_trains_exactly(tmp_path, precision):
     # offload.init homes each parameter on NVMe as it is built (the model is not
