@@ -34,9 +34,11 @@ beside it. Each update computes exactly what the deferred step computed, on
 the same gradient: the results are the same bits; no copy of any state is
 kept, so the memory cost is nil (the gradients are held until their update,
 as they were). Only where nothing in the update can fail on a file: state
-and homes on the host, or on the device for parameters under the
-persistence threshold, whose (small) updates step() runs itself, since their
-new values go up by the compute thread (Engine._can_defer).
+and homes on the host or the device (Engine._can_defer). A device home's
+update runs on the host worker too where its new value goes up the bus right
+after it (Note [device homes' new values] in sharded_adam.py); step() runs
+the others itself, since their new values are published by the compute
+thread (state on the device; an all-gather with several ranks).
 """
 from __future__ import annotations
 
@@ -99,10 +101,10 @@ class DeferredUpdates:
         self.settle()
         groups = [dict(g) for g in opt.param_groups]  # the LR schedule moves after step()
         opt.kernel_threads = self.kernel_threads  # the compute thread runs the next forward beside them
-        # Device homes (small: under the persistence threshold) are updated now: their
-        # new value goes up by the compute thread (a collective with several ranks).
+        # Device homes whose new value step() publishes (state on the device, or an
+        # all-gather, a collective, with several ranks) are updated now, here.
         for shard in order:
-            if shard.has_grad and shard.home is Tier.DEVICE:
+            if shard.has_grad and shard.home is Tier.DEVICE and not opt.uploads_after_update(shard):
                 self._update(shard, groups[opt.group_index(shard)], grad_scale)
         opt.flush_publishes()
         for shard in order:

@@ -74,6 +74,9 @@ class CopyStreams:
         self.d2h = layer.stream("d2h")
         self.uploads: BufferPool | None = None  # pinned buffers for to_device_staged
         self._uploading: deque = deque()  # (event, buffer) of staged copies not known to be done
+        # Staged uploads come from the host worker (device homes' new values) and
+        # from the compute thread (checkpoint loads, several ranks' publishes).
+        self._upload_lock = threading.Lock()
 
     def make_upload_pool(self, largest_bytes: int, *, ledger=None, pin: bool = False) -> None:
         """Pinned buffers for copies of pageable values (device homes' new values): made
@@ -90,17 +93,18 @@ class CopyStreams:
         if self.uploads is None:
             return self.to_device(dst, src)
         nbytes = src.numel() * src.element_size()
-        buf = self.uploads.try_acquire(nbytes)
-        while buf is None:  # every buffer still feeds a copy: the oldest's turn
-            self._reclaim_upload(wait=True)
+        with self._upload_lock:
             buf = self.uploads.try_acquire(nbytes)
-        staged = self.layer.lend(buf, write=True)[:nbytes].view(src.dtype)
-        staged.copy_(src.reshape(-1))
-        event = self.to_device(dst, buf[:nbytes].view(src.dtype))
-        self._uploading.append((event, buf))
-        while self._uploading and self._uploading[0][0].query():
-            self._reclaim_upload(wait=False)
-        return event
+            while buf is None:  # every buffer still feeds a copy: the oldest's turn
+                self._reclaim_upload(wait=True)
+                buf = self.uploads.try_acquire(nbytes)
+            staged = self.layer.lend(buf, write=True)[:nbytes].view(src.dtype)
+            staged.copy_(src.reshape(-1))
+            event = self.to_device(dst, buf[:nbytes].view(src.dtype))
+            self._uploading.append((event, buf))
+            while self._uploading and self._uploading[0][0].query():
+                self._reclaim_upload(wait=False)
+            return event
 
     def _reclaim_upload(self, *, wait: bool) -> None:
         event, buf = self._uploading.popleft()
@@ -109,8 +113,9 @@ class CopyStreams:
         self.uploads.release(buf)
 
     def close(self) -> None:
-        while self._uploading:
-            self._reclaim_upload(wait=True)
+        with self._upload_lock:
+            while self._uploading:
+                self._reclaim_upload(wait=True)
         if self.uploads is not None:
             self.uploads.close()
 

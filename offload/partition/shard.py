@@ -264,9 +264,11 @@ class Shard:
         if self.residency is not Residency.GATHERED:
             self.await_update()
             self._materialize()
-        elif self._copy_in is not None:  # a device home's update (publish)
-            self._await_copy_in()
-            self.param.data = self._compute_view()
+        elif self.pending_update is not None or self._copy_in is not None:  # a device home's update
+            self.await_update()  # it started the copy (Note [device homes' new values])
+            if self._copy_in is not None:
+                self._await_copy_in()
+                self.param.data = self._compute_view()
         self._refs += 1
         return self.param.data
 

@@ -218,8 +218,10 @@ def test_on_the_sim_state_planned_on_the_device_stays_there_and_trains_like_plai
     with offload.initialize(copy.deepcopy(model), cfg) as engine:
         losses = [train_engine(engine, step) for step in per_step[:2]]
         plan, counters = engine.placement(), engine.device_layer.counters
+        engine.optimizer.zero_grad()  # a clipped step's updates (and uploads) run on: settled here
         before = counters.bytes_copied
         losses += [train_engine(engine, step) for step in per_step[2:]]
+        engine.optimizer.zero_grad()
         measured = (counters.bytes_copied - before) / (len(per_step) - 2)
         weights = engine_weights(engine)
         grads_on_device = {s.name for s in engine.shards if s.grad_tier is Tier.DEVICE}
@@ -244,6 +246,37 @@ def test_on_the_sim_state_planned_on_the_device_stays_there_and_trains_like_plai
     for name, p in ref_model.named_parameters():
         torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{name}: {m}")
     # the same kernel over the same values as all on the host: the same bits
+    torch.testing.assert_close(losses, cpu_losses, rtol=0, atol=0)
+    for name, value in cpu_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_on_the_sim_a_device_home_updated_late_under_the_next_forward_is_waited_for(tmp_path, monkeypatch):
+    """Note [device homes' new values]: with clipping, a device home with host state is
+    updated on the host worker beside the next forward and its new value goes up from
+    there; the forward's gather waits for the update, then the copy. Updates slowed
+    down here so the forward gets there first; the sim checks each access's order."""
+    import threading
+    import time
+
+    from offload.optim.sharded_adam import ShardedAdam
+
+    monkeypatch.setenv("OFFLOAD_DEVICE", "sim")
+    model, data = deep_gpt(), batches(4, seed=7)
+    cpu_weights, cpu_losses, _ = run_engine(model, data, make_config("cpu", "cpu", tmp_path / "cpu", clip=0.05))
+    original = ShardedAdam.update_shard
+    late = []
+
+    def slow_update(self, shard, *args, **kwargs):
+        if shard.home is Tier.DEVICE and threading.current_thread() is not threading.main_thread():
+            late.append(shard.name)
+            time.sleep(0.02)
+        return original(self, shard, *args, **kwargs)
+
+    monkeypatch.setattr(ShardedAdam, "update_shard", slow_update)
+    cfg = auto_config(tmp_path / "auto", device_budget=1_200_000, clip=0.05)  # some homes on the device
+    weights, losses, _ = run_engine(model, data, cfg)
+    assert late, "no device home was updated on the host worker"
     torch.testing.assert_close(losses, cpu_losses, rtol=0, atol=0)
     for name, value in cpu_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
