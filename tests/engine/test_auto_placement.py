@@ -351,6 +351,21 @@ def _two_rank_worker(rank, world, port, nvme_root, results):
         for name, p in ref_model.named_parameters():
             torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{name}: {m}")
         results.put((rank, 0, "ok"))
+        # On the sim: every home and some optimizer state on the device (their gradients
+        # reduce-scattered into device partitions, their homes all-gathered from the
+        # masters), the rest on the host.
+        os.environ["OFFLOAD_DEVICE"] = "sim"
+        cfg = auto_config(Path(nvme_root) / "sim", device_budget=4_000_000 if rank == 0 else 10**9)
+        weights, losses, engine = run_engine(model, data, cfg, rank=rank)
+        plan = engine.placement()
+        dist.all_gather_object(plans, [(s.home.value, s.state.value) for s in plan.shards])
+        assert plans[0] == plans[1]
+        assert all(s.home is Tier.DEVICE for s in plan.shards)
+        assert {s.state for s in plan.shards} == {Tier.DEVICE, Tier.HOST}, plan.format()
+        torch.testing.assert_close(losses, ref_losses[:, rank])
+        for name, p in ref_model.named_parameters():
+            torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{name}: {m}")
+        results.put((rank, 1, "ok"))
     except Exception:  # noqa: BLE001 - reported to the parent test
         import traceback
 
@@ -366,7 +381,7 @@ def test_two_ranks_with_different_budgets_make_one_plan_and_match_data_parallel_
     outcome, procs = run_ranks(_two_rank_worker, (str(tmp_path),))
     failures = {k: v for k, v in outcome.items() if v != "ok"}
     assert not failures, "\n".join(f"rank {r}:\n{msg}" for (r, _), msg in failures.items())
-    assert len(outcome) == 2 and [p.exitcode for p in procs] == [0, 0]
+    assert len(outcome) == 4 and [p.exitcode for p in procs] == [0, 0]
 
 
 def test_activation_checkpointing_and_consolidation_under_a_split_plan(tmp_path):
