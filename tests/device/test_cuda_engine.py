@@ -81,6 +81,41 @@ def test_training_on_cuda_matches_pytorch_on_the_same_gpu(tmp_path, monkeypatch,
         torch.testing.assert_close(weights[name].cpu().float(), p.detach().cpu().float(), **tol)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_auto_placement_with_optimizer_state_on_the_gpu_matches_pytorch(tmp_path, monkeypatch, precision):
+    """Note [automatic placement]: every home and the state of some on the GPU (updated by
+    torch's fused Adam there, gradients never leaving it), the rest updated on the host."""
+    from offload.tiers import Tier
+
+    monkeypatch.setenv("OFFLOAD_DEVICE", "cuda")
+    monkeypatch.setenv("OFFLOAD_TEST_DEVICE", "cuda")
+    model, data = build("tiny_gpt"), batches(STEPS)
+    ref_model, ref_losses = _reference(model, data, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+    cfg = make_config("cpu", "cpu", tmp_path, precision=precision)
+    for key in ("offload_param", "offload_optimizer"):
+        cfg["zero_optimization"][key] = {"device": "auto"}
+    numel = sum(p.numel() for p in model.parameters())
+    itemsize = 2 if precision == "bf16" else 4
+    # Half of it for homes and state: every home, and the state of about half the elements.
+    cfg["memory"] = {"device_budget": 2 * (numel * itemsize + 8 * numel)}
+    with offload.initialize(copy.deepcopy(model), cfg) as engine:
+        plan = engine.placement()
+        assert all(s.home is Tier.DEVICE for s in plan.shards), plan.format()
+        assert plan.state_tiers == {Tier.DEVICE, Tier.HOST}, plan.format()
+
+        def step(x, y):
+            loss = lm_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            return loss.detach().float().cpu()
+        losses = _train(step, data)
+        weights = engine.full_state_dict(master=True)
+    tol = {"rtol": 1e-4, "atol": 1e-5}
+    torch.testing.assert_close(losses, ref_losses, **tol)
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(weights[name].cpu().float(), p.detach().cpu().float(), **tol)
+
+
 def test_no_pinned_allocation_after_the_first_step_on_cuda(tmp_path, monkeypatch):
     monkeypatch.setenv("OFFLOAD_DEVICE", "cuda")
     data = batches(STEPS)
