@@ -165,6 +165,9 @@ class Shard:
         # optimizer state (`grad_tier_of`; engine/build.py sets it from the plan).
         self.grad_tier: Tier = ctx.grad_tier
         self.grad_part: torch.Tensor | None = None
+        # Whether grad_part is charged to the account: not a staging buffer lent for one
+        # update (Note [updates from the staging buffer] in engine/gradients.py).
+        self._grad_charged = False
         # The update step() left running on the host worker, until settled: every read of
         # the home or the gradient waits for it (Note [updates under the next forward]
         # in offload/optim/overlap.py).
@@ -532,6 +535,7 @@ class Shard:
     def allocate_grad_part(self) -> None:
         self.ctx.account.charge(self.grad_tier, self.part_numel * 4, f"gradient of {self.name}")
         self.grad_part = torch.zeros(self.part_numel, dtype=torch.float32, device=self.grad_device)
+        self._grad_charged = True
 
     def take_grad(self, grad: torch.Tensor, owned: bool = False) -> None:
         """Adds this rank's gradient partition, averaged over ranks, into grad_part (fp32).
@@ -556,6 +560,7 @@ class Shard:
             # (879k a step, 2.5 s of system time, GPT 0.94B on a GPU host).
             if self.grad_part is None:
                 self.ctx.account.charge(self.grad_tier, self.part_numel * 4, f"gradient of {self.name}")
+                self._grad_charged = True
             if (owned and mine.dtype == torch.float32 and mine.device == torch.device(self.grad_device)
                     and mine.is_contiguous() and mine.untyped_storage().nbytes() == self.part_numel * 4):
                 self.grad_part = mine
@@ -568,7 +573,9 @@ class Shard:
     def clear_grad(self) -> None:
         """After the shard's update (or a skipped step): zero or free the partition."""
         if self.grad_part is not None and self.ctx.lazy_grads:
-            self.ctx.account.credit(self.grad_tier, self.part_numel * 4)
+            if self._grad_charged:
+                self.ctx.account.credit(self.grad_tier, self.part_numel * 4)
+                self._grad_charged = False
             self.grad_part = None
         self.has_grad = False  # the next gradient replaces the partition
 

@@ -251,6 +251,29 @@ def test_on_the_sim_state_planned_on_the_device_stays_there_and_trains_like_plai
         torch.testing.assert_close(weights[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
+def test_on_the_sim_state_on_all_three_tiers_trains_exactly_and_keeps_its_accounts(tmp_path, monkeypatch):
+    """Device, host and NVMe state in one plan: gradients of host-state shards are updated
+    from their staging buffers (never charged) while NVMe-state ones are charged until their
+    update; the host tier's count is the same after every step (it once fell by a
+    gradient's bytes a step, until close() found it negative)."""
+    monkeypatch.setenv("OFFLOAD_DEVICE", "sim")
+    model, data = deep_gpt(), batches(6, seed=2)
+    cpu_weights, cpu_losses, _ = run_engine(model, data, make_config("cpu", "cpu", tmp_path / "cpu"))
+    cfg = auto_config(tmp_path / "auto", device_budget=3_000_000, host_budget=1_600_000)
+    host_now = []
+    with offload.initialize(copy.deepcopy(model), cfg) as engine:
+        assert engine.placement().state_tiers == {Tier.DEVICE, Tier.HOST, Tier.NVME}, engine.placement().format()
+        losses = []
+        for step in data:
+            losses.append(train_engine(engine, [step]))
+            host_now.append(engine.memory_report()["host"]["now"])
+        weights = engine_weights(engine)
+    assert len(set(host_now[1:])) == 1, host_now
+    torch.testing.assert_close(torch.cat(losses), cpu_losses, rtol=0, atol=0)
+    for name, value in cpu_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
 def test_on_the_sim_a_device_home_updated_late_under_the_next_forward_is_waited_for(tmp_path, monkeypatch):
     """Note [device homes' new values]: with clipping, a device home with host state is
     updated on the host worker beside the next forward and its new value goes up from
