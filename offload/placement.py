@@ -38,7 +38,7 @@ state. The planner:
 3. starts every other choice at the lowest tier the config allows (NVMe
    where a path is given, else the host), then spends the host budget
    greedily on the move that saves the most NVMe bytes per host byte it
-   costs, ties to the tail. In fp32 that is home and state together (28
+   costs, ties to the head. In fp32 that is home and state together (28
    bytes moved saved for 12 held); in bf16 the home alone goes first (6 for
    2), its state after. Moves that no longer fit are skipped; a smaller one
    may still fit.
@@ -50,10 +50,22 @@ and one shard's state to spare, until it fits. The plan depends only on the
 parameters' sizes and order, the dtype and the budgets, so every rank with
 the same budgets makes the same plan (each rank's defaults differ with its
 free memory: ranks take the smallest). A model built under offload.init is
-built on NVMe (the whole model is not known yet) and moved home at
-initialize. A shard whose state is on the device keeps its gradient there
-(Shard.grad_tier): it is not copied down, and its update runs on the device
-at step() while the host's Adam runs the others (Note [optimizer overlap]).
+built into its planned home (Note [building into the plan]). A shard whose
+state is on the device keeps its gradient there (Shard.grad_tier): it is
+not copied down, and its update runs on the device at step() while the
+host's Adam runs the others (Note [optimizer overlap]).
+
+Note [building into the plan]
+The host pass goes head first, so its first choices are a prefix of the
+model in order: what offload.init can decide one parameter at a time, as
+the model is built, without knowing the rest (`HomePolicy` in
+engine/build.py, within the same host budget, recorded when the build
+starts). Which end of the model gets the host makes no difference to the
+bytes moved; with the head on the host, the tail's NVMe state is what the
+overlapped step reads first, at the start of backward. Initialize then plans
+the whole model and moves only what the plan puts elsewhere: the parameters
+the engine's own buffers leave no room for, the device homes, and anything
+the construction order put out of the model's order.
 """
 from __future__ import annotations
 
@@ -293,14 +305,13 @@ def plan_placement(specs: list[ParamSpec], budgets: Budgets, *, itemsize: int, s
 
     def push(i: int):
         for ratio, h, st, cost in options(i):
-            # Highest ratio first, then the tail first, then the smaller cost.
-            heapq.heappush(heap, (-ratio, -i, cost, h.value, st.value, home[i].value, state[i].value))
+            # Highest ratio first, then the head first (Note [building into the plan]), then the smaller cost.
+            heapq.heappush(heap, (-ratio, i, cost, h.value, st.value, home[i].value, state[i].value))
 
     for i in range(n):
         push(i)
     while heap:
-        _, neg_i, cost, h, st, was_h, was_st = heapq.heappop(heap)
-        i = -neg_i
+        _, i, cost, h, st, was_h, was_st = heapq.heappop(heap)
         if (home[i].value, state[i].value) != (was_h, was_st):
             continue  # stale: this shard moved since
         nbytes = cost * specs[i].part_numel

@@ -55,10 +55,11 @@ def test_the_host_budget_is_respected_to_the_byte_and_the_plan_is_deterministic(
             assert s.part_numel * itemsize > left  # not even its home alone fits
 
 
-def test_fp32_keeps_home_and_state_together_tail_first():
-    # 12 bytes an element for both (the fp32 home is the master); two of three fit.
+def test_fp32_keeps_home_and_state_together_head_first():
+    # 12 bytes an element for both (the fp32 home is the master); two of three fit, from
+    # the head: what offload.init can decide as it builds (Note [building into the plan]).
     plan = auto([100, 100, 100], host=12 * 200)
-    assert [(s.home, s.state) for s in plan.shards] == [(N, N), (H, H), (H, H)]
+    assert [(s.home, s.state) for s in plan.shards] == [(H, H), (H, H), (N, N)]
     assert host_held(plan) == 12 * 200
     assert plan.moved_per_step()["nvme"] == 28 * 100
 
@@ -66,7 +67,7 @@ def test_fp32_keeps_home_and_state_together_tail_first():
 def test_bf16_puts_every_home_on_the_host_before_any_state():
     # A bf16 home: 6 bytes a step saved for 2 held; its state saves 24 for 12.
     plan = auto([100, 100, 100], host=2 * 300 + 12 * 100, itemsize=2)
-    assert [(s.home, s.state) for s in plan.shards] == [(H, N), (H, N), (H, H)]
+    assert [(s.home, s.state) for s in plan.shards] == [(H, H), (H, N), (H, N)]
     assert host_held(plan) == 2 * 300 + 12 * 100
 
 
@@ -75,9 +76,9 @@ def test_a_smaller_move_fills_what_a_larger_one_leaves():
     # the tail (10 elements) moves whole; 40 bytes are left, not enough for the
     # head's 4000-byte home: it stays on NVMe
     assert [(s.home, s.state) for s in plan.shards] == [(N, N), (H, H)]
-    plan = auto([10, 1000], host=12 * 1000 + 4 * 10)
-    # the tail whole, and the head's fp32 home alone (its state would need 120)
-    assert [(s.home, s.state) for s in plan.shards] == [(H, N), (H, H)]
+    plan = auto([1000, 10], host=12 * 1000 + 4 * 10)
+    # the head whole, and the tail's fp32 home alone (its state would need 120)
+    assert [(s.home, s.state) for s in plan.shards] == [(H, H), (H, N)]
 
 
 def test_the_device_budget_takes_homes_from_the_tail_and_persistent_parameters_stay_there():
@@ -114,10 +115,10 @@ def test_the_room_the_homes_leave_takes_their_optimizer_state_tail_first_to_the_
 def test_an_explicit_side_is_kept_and_only_the_other_is_planned():
     plan = auto([100, 100], host=12 * 100, home_tier=N)
     assert [s.home for s in plan.shards] == [N, N]
-    assert [s.state for s in plan.shards] == [N, H]
+    assert [s.state for s in plan.shards] == [H, N]
     plan = auto([100, 100], host=4 * 100, state_tier=N)
     assert [s.state for s in plan.shards] == [N, N]
-    assert [s.home for s in plan.shards] == [N, H]
+    assert [s.home for s in plan.shards] == [H, N]
 
 
 def test_without_nvme_paths_everything_stays_on_the_host_and_the_shortfall_is_noted():

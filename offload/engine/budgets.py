@@ -104,15 +104,49 @@ def tier_needs(planned: list, config: Config, dtype: torch.dtype,
         add(Tier.HOST, "idle gathered buffers kept for reuse", 3 * max(offloaded) * dtype.itemsize)
     nvme_state = [s.part_numel for s in planned if s.state is Tier.NVME]
     if nvme_state:
-        part = max(nvme_state)
-        add(Tier.HOST, "optimizer state buffers in flight", 3 * 12 * part)
-        # ShardedAdam.buffers: the idle ones kept within a step, up to its cap
-        # (measured: in flight and idle together reached 5.6 x 12 B x the largest).
-        add(Tier.HOST, "idle optimizer buffers kept within a step", 4 * 12 * part)
-        add(Tier.HOST, "fp32 masters taken from gathered parameters", 3 * 4 * part)
-        if dtype != torch.float32 and any(s.home is Tier.NVME for s in planned):
-            add(Tier.HOST, "new parameter values on their way to NVMe", 3 * dtype.itemsize * part)
+        homes_on_nvme = any(s.home is Tier.NVME for s in planned)
+        for what, nbytes in nvme_state_buffers(max(nvme_state), dtype, homes_on_nvme).items():
+            add(Tier.HOST, what, nbytes)
     return need
+
+
+def nvme_state_buffers(part: int, dtype: torch.dtype, homes_on_nvme: bool) -> dict[str, int]:
+    """Host bytes the update of NVMe optimizer state keeps in flight, by what they are,
+    for `part`, the largest partition whose state is on NVMe."""
+    held = {"optimizer state buffers in flight": 3 * 12 * part,
+            # ShardedAdam.buffers: the idle ones kept within a step, up to its cap
+            # (measured: in flight and idle together reached 5.6 x 12 B x the largest).
+            "idle optimizer buffers kept within a step": 4 * 12 * part,
+            "fp32 masters taken from gathered parameters": 3 * 4 * part}
+    if dtype != torch.float32 and homes_on_nvme:
+        held["new parameter values on their way to NVMe"] = 3 * dtype.itemsize * part
+    return held
+
+
+def build_reserve(config: Config, largest_part: int, *, separate_memory: bool) -> int:
+    """What offload.init keeps of the host budget for the engine's own buffers while it
+    builds into the plan (Note [building into the plan] in offload/placement.py): those
+    that grow with the largest partition built so far, as initialize will reserve them
+    with some state on NVMe. Not the gradients where every one is held (accumulation,
+    clipping): they grow with the whole model, unknown yet; initialize moves what
+    they leave no room for."""
+    dtype = config.precision.dtype
+    reserve = sum(nvme_state_buffers(largest_part, dtype, homes_on_nvme=True).values())
+    reserve += PLAN_SLACK * largest_part
+    backlog = grad_backlog(config, [_NvmeState(largest_part)])
+    if backlog is not None:
+        reserve += backlog * 4
+    if not separate_memory:
+        reserve += 3 * largest_part * dtype.itemsize  # idle gathered buffers
+    return reserve
+
+
+@dataclasses.dataclass(frozen=True)
+class _NvmeState:
+    """A partition whose state is on NVMe, as grad_backlog reads one."""
+
+    part_numel: int
+    state: Tier = Tier.NVME
 
 
 def _host_remedy(config: Config) -> str:
@@ -156,19 +190,28 @@ def check_needs(need: dict[Tier, dict], config: Config) -> dict[Tier, str]:
     return notes
 
 
-def auto_budgets(config: Config, layer, pg) -> Budgets:
+def default_host_budget(config: Config) -> int:
+    """What an auto plan may give homes and state on the host: memory.host_budget
+    where set, else HOST_SHARE of the host memory available now."""
+    import psutil
+
+    mem = config.memory
+    return mem.host_budget if mem.host_budget is not None else int(HOST_SHARE * psutil.virtual_memory().available)
+
+
+def auto_budgets(config: Config, layer, pg, host: int | None = None) -> Budgets:
     """What an auto plan may give homes and state on each tier (Note [automatic
     placement]): the host gets memory.host_budget where set, else HOST_SHARE of
     the host memory available now; device homes get DEVICE_SHARE of
     memory.device_budget, else of the device's free memory (none where the
     device has no memory of its own or cannot say how much is free): the rest
     is for saved activations and the gathered working set. The smallest over
-    ranks, so every rank makes the same plan."""
-    import psutil
-
+    ranks, so every rank makes the same plan. host: the host budget taken
+    before the model was built (offload.init, Note [building into the plan]);
+    None: default_host_budget now."""
     mem = config.memory
     zero = config.zero_optimization
-    host = mem.host_budget if mem.host_budget is not None else int(HOST_SHARE * psutil.virtual_memory().available)
+    host = default_host_budget(config) if host is None else host
     device = 0
     if layer.separate_memory:
         total = mem.device_budget if mem.device_budget is not None else layer.free_memory()
@@ -182,17 +225,18 @@ def auto_budgets(config: Config, layer, pg) -> Budgets:
                    nvme_state=zero.offload_optimizer.auto and zero.offload_optimizer.nvme_path is not None)
 
 
-def plan(planned: list, config: Config, layer, pg, *, threshold: int, within: Budgets | None = None) -> Placement:
+def plan(planned: list, config: Config, layer, pg, *, threshold: int, within: Budgets | None = None,
+         host: int | None = None) -> Placement:
     """Every home and optimizer state tier of `planned` (set on each): the auto plan
-    where a side is "auto" (within `within`, default `auto_budgets`), else the
-    config's tiers, as HomePolicy already decided the homes."""
+    where a side is "auto" (within `within`, default `auto_budgets(..., host)`), else
+    the config's tiers, as HomePolicy already decided the homes."""
     zero = config.zero_optimization
     param, optimizer = zero.offload_param, zero.offload_optimizer
     itemsize = config.precision.dtype.itemsize
     specs = [ParamSpec(pl.name, pl.part_numel, pl.padded_numel, persistent=pl.param.numel() <= threshold,
                        fixed_home=pl.given_home) for pl in planned]
     if param.auto or optimizer.auto:
-        placement = plan_placement(specs, within or auto_budgets(config, layer, pg), itemsize=itemsize,
+        placement = plan_placement(specs, within or auto_budgets(config, layer, pg, host), itemsize=itemsize,
                                    separate_memory=layer.separate_memory,
                                    home_tier=None if param.auto else param.device,
                                    state_tier=None if optimizer.auto else optimizer.device)

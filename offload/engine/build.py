@@ -48,11 +48,15 @@ class HomePolicy:
     """Where a parameter lives, decided one parameter at a time: the device when
     offload_param is none or it is under stage3_param_persistence_threshold
     elements, else host or NVMe. With offload_param "auto" (a model built under
-    offload.init, before the whole model is known): NVMe where a path is given,
-    else the host; initialize then moves each to its planned home (Note
-    [automatic placement])."""
+    offload.init, before the whole model is known), the host pass of the plan
+    as far as it can be made in order (Note [building into the plan] in
+    offload/placement.py): the host while the host budget `auto_host` holds a
+    whole shard in fp32 (home and state, 12 bytes an element) or a home in a
+    lower precision, else NVMe where a path is given; initialize plans the
+    whole model and moves what its plan puts elsewhere."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, *, world_size: int = 1, auto_host: int | None = None,
+                 separate_memory: bool = False):
         zero = config.zero_optimization
         self.param_tier = zero.offload_param.device
         self.threshold = zero.stage3_param_persistence_threshold
@@ -60,11 +64,30 @@ class HomePolicy:
         # the first parameters, up to this many elements, in host memory instead.
         self.in_cpu_left = zero.offload_param.max_in_cpu or 0
         self.auto_nvme = zero.offload_param.auto and zero.offload_param.nvme_path is not None
+        self.config, self.world_size, self.separate_memory = config, world_size, separate_memory
+        self.auto_host = auto_host  # the host budget the build started with
+        self.auto_host_held = 0  # bytes of it the homes put on the host so far would take
+        self.largest_part = 0
+        # Host bytes an element of a home on the host costs the plan's host pass: in
+        # fp32 the whole shard (its home is the master), else the home alone first;
+        # nothing more where the state is on the host anyway in fp32.
+        itemsize, state = config.precision.dtype.itemsize, zero.offload_optimizer
+        if state.auto:
+            self.auto_host_cost = 12 if itemsize == 4 else itemsize
+        else:
+            self.auto_host_cost = 0 if (state.device is Tier.HOST and itemsize == 4) else itemsize
 
     def home_of(self, p: torch.Tensor) -> Tier:
         if self.param_tier is Tier.DEVICE or p.numel() <= self.threshold:
             return Tier.DEVICE
         if self.auto_nvme:
+            part = partition_numel(p.numel(), self.world_size)
+            self.largest_part = max(self.largest_part, part)
+            room = (self.auto_host or 0) - budgets.build_reserve(self.config, self.largest_part,
+                                                                 separate_memory=self.separate_memory)
+            if self.auto_host_held + part * self.auto_host_cost <= room:
+                self.auto_host_held += part * self.auto_host_cost
+                return Tier.HOST
             return Tier.NVME
         if self.param_tier is Tier.HOST:
             return Tier.HOST
@@ -287,7 +310,8 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
         planned.append(_Planned(index, name, p, home, part, part * pg.world_size, built))
 
     have_param_store = builder is not None and builder.store is not None
-    placement = budgets.plan(planned, config, layer, pg, threshold=zero.stage3_param_persistence_threshold)
+    placement = budgets.plan(planned, config, layer, pg, threshold=zero.stage3_param_persistence_threshold,
+                             host=builder.auto_host if builder is not None else None)
 
     def stores_and_needs():
         configs = _store_configs(planned, config, pg, have_param_store)

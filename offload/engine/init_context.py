@@ -68,6 +68,7 @@ from torch.overrides import TorchFunctionMode
 import offload.device
 from offload.aio.run_dir import RunDirectories
 from offload.config import Config
+from offload.engine.budgets import default_host_budget
 from offload.engine.build import HomePolicy, discard_home, open_swap_store, shard_context
 from offload.engine.memory import release_free_host_memory
 from offload.partition.accounting import MemoryAccount
@@ -184,7 +185,11 @@ class ModelBuilder:
         # initialize moves the shards it adopts into the engine's context.
         # The run's one device layer (Note [one device choice]): initialize takes it over.
         self.ctx = shard_context(config, offload.device.from_env(), ProcessGroupInfo.current(), self.account)
-        self.policy = HomePolicy(config)
+        # Note [building into the plan] (offload/placement.py): the host budget before
+        # anything is built, which initialize's plan then uses too.
+        self.auto_host = default_host_budget(config) if config.zero_optimization.offload_param.auto else None
+        self.policy = HomePolicy(config, world_size=self.ctx.pg.world_size, auto_host=self.auto_host,
+                                 separate_memory=self.ctx.layer.separate_memory)
         self.shards: list[Shard] = []
         self.shard_of: dict[int, Shard] = {}
         self.next_index = 0
