@@ -133,20 +133,11 @@ def build_reserve(config: Config, largest_part: int, *, separate_memory: bool) -
     dtype = config.precision.dtype
     reserve = sum(nvme_state_buffers(largest_part, dtype, homes_on_nvme=True).values())
     reserve += PLAN_SLACK * largest_part
-    backlog = grad_backlog(config, [_NvmeState(largest_part)])
-    if backlog is not None:
-        reserve += backlog * 4
+    if _updates_free_gradients(config):
+        reserve += _backlog_elems(config, largest_part) * 4
     if not separate_memory:
         reserve += 3 * largest_part * dtype.itemsize  # idle gathered buffers
     return reserve
-
-
-@dataclasses.dataclass(frozen=True)
-class _NvmeState:
-    """A partition whose state is on NVMe, as grad_backlog reads one."""
-
-    part_numel: int
-    state: Tier = Tier.NVME
 
 
 def _host_remedy(config: Config) -> str:
@@ -285,13 +276,20 @@ def grad_backlog(config: Config, planned: list) -> int | None:
     (reduce_bucket_size, else two of the largest) plus the one being made and
     the one being updated. None where all may be held (accumulation keeps them
     across micro-batches, clipping and overflow checks need them all first)."""
-    zero = config.zero_optimization
-    if not planned or not any(s.state is Tier.NVME for s in planned):
+    if not planned or not any(s.state is Tier.NVME for s in planned) or not _updates_free_gradients(config):
         return None
+    return _backlog_elems(config, max(s.part_numel for s in planned))
+
+
+def _updates_free_gradients(config: Config) -> bool:
+    """Whether each update, run during backward, ends its gradient's life (one micro-batch
+    a step, no clipping, no fp16 loss scaling, overlap on)."""
     clip = config.gradient_clipping
-    if (config.gradient_accumulation_steps != 1 or not isinstance(clip, (int, float)) or clip > 0
-            or config.precision.value == "fp16" or not zero.overlap_comm):
-        return None
-    largest = max(s.part_numel for s in planned)
-    pending = max(zero.reduce_bucket_size or 2 * largest, largest)
+    return (config.gradient_accumulation_steps == 1 and isinstance(clip, (int, float)) and not clip > 0
+            and config.precision.value != "fp16" and config.zero_optimization.overlap_comm)
+
+
+def _backlog_elems(config: Config, largest: int) -> int:
+    """grad_backlog's bound for `largest`, the largest partition with its state on NVMe."""
+    pending = max(config.zero_optimization.reduce_bucket_size or 2 * largest, largest)
     return pending + 2 * largest

@@ -58,6 +58,16 @@ def _reference(model, data, *, lr=1e-2, weight_decay=0.01, dtype=torch.float32):
     return model, _train(step, data)
 
 
+def _engine_step(engine):
+    """One training step through the engine, returning its loss on the host."""
+    def step(x, y):
+        loss = lm_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach().float().cpu()
+    return step
+
+
 @pytest.mark.parametrize("param,optim,precision", [("cpu", "cpu", "fp32"), ("nvme", "cpu", "fp32"),
                                                    ("cpu", "nvme", "bf16"), ("none", "cpu", "fp32")])
 def test_training_on_cuda_matches_pytorch_on_the_same_gpu(tmp_path, monkeypatch, param, optim, precision):
@@ -68,12 +78,7 @@ def test_training_on_cuda_matches_pytorch_on_the_same_gpu(tmp_path, monkeypatch,
     with offload.initialize(copy.deepcopy(model), make_config(param, optim, tmp_path, precision=precision)) as engine:
         assert engine.device_layer.name == "cuda" and engine.device.type == "cuda"
 
-        def step(x, y):
-            loss = lm_loss(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            return loss.detach().float().cpu()
-        losses = _train(step, data)
+        losses = _train(_engine_step(engine), data)
         weights = engine.full_state_dict(master=True)
     tol = {"rtol": 1e-4, "atol": 1e-5}  # the same recipe in bf16 too: fp32 rounding apart
     torch.testing.assert_close(losses, ref_losses, **tol)
@@ -103,12 +108,7 @@ def test_auto_placement_with_optimizer_state_on_the_gpu_matches_pytorch(tmp_path
         assert all(s.home is Tier.DEVICE for s in plan.shards), plan.format()
         assert plan.state_tiers == {Tier.DEVICE, Tier.HOST}, plan.format()
 
-        def step(x, y):
-            loss = lm_loss(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            return loss.detach().float().cpu()
-        losses = _train(step, data)
+        losses = _train(_engine_step(engine), data)
         weights = engine.full_state_dict(master=True)
     tol = {"rtol": 1e-4, "atol": 1e-5}
     torch.testing.assert_close(losses, ref_losses, **tol)
@@ -120,11 +120,7 @@ def test_no_pinned_allocation_after_the_first_step_on_cuda(tmp_path, monkeypatch
     monkeypatch.setenv("OFFLOAD_DEVICE", "cuda")
     data = batches(STEPS)
     with offload.initialize(build("tiny_gpt"), make_config("nvme", "cpu", tmp_path)) as engine:
-        def step(x, y):
-            loss = lm_loss(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            return loss.detach().float().cpu()
+        step = _engine_step(engine)
         _train(step, data[:1])
         after_first = engine.device_layer.counters.pinned_allocations
         _train(step, data[1:])
