@@ -66,6 +66,25 @@ overlapped step reads first, at the start of backward. Initialize then plans
 the whole model and moves only what the plan puts elsewhere: the parameters
 the engine's own buffers leave no room for, the device homes, and anything
 the construction order put out of the model's order.
+
+Note [frozen parameters]
+A parameter frozen when the engine is built (requires_grad=False: a LoRA's
+base, a frozen embedding) is only ever read. It costs its home in the
+compute dtype, c bytes an element on its home tier (its whole padded size
+on the device), and nothing else: no fp32 master, no moments, no gradient
+partition, no NVMe state file, and its home is never written back. In a
+plan its `state` is None. A step reads it twice (forward, and backward
+where the module's input gradient needs the weight) and writes nothing:
+    home NVMe         reads 2c           home off-device  2c up the bus
+So per element a frozen home saves 2c of NVMe reads for c of host memory,
+and 2c of bus for c of device memory. The planner gives the trainable set
+and its state the higher tiers first (for a LoRA they are under 1% of the
+bytes): on the device, trainable homes, then their state, then frozen
+homes, tail first; on the host, at equal saving per byte, trainable moves
+before frozen ones. The frozen base fills what is left; only its overflow
+goes to NVMe, read ahead like any home. Which parameters train is fixed at
+initialize: a requires_grad changed later is refused at the next step
+(Engine._check_trainable), never silently not trained.
 """
 from __future__ import annotations
 
@@ -95,6 +114,7 @@ class ParamSpec:
     padded_numel: int  # the whole parameter, padded: what a device home holds
     persistent: bool = False  # under stage3_param_persistence_threshold: a device home in any plan
     fixed_home: Tier | None = None  # already homed (built under offload.init)
+    trainable: bool = True  # False: frozen, a home and nothing else (Note [frozen parameters])
 
 
 @dataclass(frozen=True)
@@ -114,7 +134,11 @@ class ShardPlacement:
     part_numel: int
     padded_numel: int
     home: Tier
-    state: Tier
+    state: Tier | None  # None: frozen, no optimizer state and no gradient (Note [frozen parameters])
+
+    @property
+    def trainable(self) -> bool:
+        return self.state is not None
 
 
 @dataclass(frozen=True)
@@ -133,7 +157,8 @@ class Placement:
 
     @property
     def state_tiers(self) -> frozenset:
-        return frozenset(s.state for s in self.shards)
+        """Every tier some trainable parameter's optimizer state lives on."""
+        return frozenset(s.state for s in self.shards if s.trainable)
 
     def home_bytes(self) -> dict[Tier, int]:
         """Bytes of parameter homes per tier (an fp32 host home with host state is
@@ -147,7 +172,8 @@ class Placement:
         """Bytes of optimizer state (master, exp_avg, exp_avg_sq) per tier."""
         held = dict.fromkeys(Tier, 0)
         for s in self.shards:
-            held[s.state] += _state_bytes(s, self.itemsize)
+            if s.trainable:
+                held[s.state] += _state_bytes(s, self.itemsize)
         return held
 
     def held_bytes(self) -> dict[Tier, int]:
@@ -164,6 +190,9 @@ class Placement:
             n = s.part_numel
             nvme += n * _nvme_per_elem(s.home, s.state, c)
             if self.separate_memory:
+                if not s.trainable:  # read up for forward and backward, never written
+                    bus += 0 if s.home is Tier.DEVICE else n * 2 * c
+                    continue
                 if s.state is Tier.DEVICE:  # updated where its gradient is: new values go down to a home off it
                     bus += 0 if s.home is Tier.DEVICE else n * 3 * c
                     continue
@@ -188,7 +217,8 @@ class Placement:
                 "budgets": None if self.budgets is None else {"device": self.budgets.device,
                                                               "host": self.budgets.host},
                 "host_limit": self.host_limit,
-                "shards": [{"name": s.name, "home": s.home.value, "state": s.state.value,
+                "shards": [{"name": s.name, "home": s.home.value,
+                            "state": s.state.value if s.trainable else None,
                             "part_numel": s.part_numel} for s in self.shards],
                 "notes": list(self.notes)}
 
@@ -200,6 +230,10 @@ class Placement:
             states = sum(1 for s in self.shards if s.state is t)
             lines.append(f"  {t.value:<6} {homes:>5} homes  {states:>5} optimizer states  "
                          f"{_gib(self.held_bytes()[t])}")
+        frozen = [s for s in self.shards if not s.trainable]
+        if frozen:
+            lines.append(f"  frozen {len(frozen):>5} parameters ({sum(s.part_numel for s in frozen)} elements): "
+                         "homes only, no optimizer state or gradient")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -218,14 +252,16 @@ def _state_bytes(s: ShardPlacement, c: int) -> int:
     return s.part_numel * 12
 
 
-def _nvme_per_elem(home: Tier, state: Tier, c: int) -> int:
+def _nvme_per_elem(home: Tier, state: Tier | None, c: int) -> int:
+    if state is None:  # frozen: read for forward and backward, never written
+        return 2 * c if home is Tier.NVME else 0
     moved = 3 * c if home is Tier.NVME else 0
     if state is Tier.NVME:
         moved += 16 if (home is Tier.NVME and c == 4) else 24
     return moved
 
 
-def _host_per_elem(home: Tier, state: Tier, c: int) -> int:
+def _host_per_elem(home: Tier, state: Tier | None, c: int) -> int:
     held = 12 if state is Tier.HOST else 0
     if home is Tier.HOST and not (state is Tier.HOST and c == 4):
         held += c
@@ -239,7 +275,8 @@ def uniform(specs: list[ParamSpec], *, home_tier: Tier, state: Tier, itemsize: i
     def default_home(spec: ParamSpec) -> Tier:
         return Tier.DEVICE if spec.persistent else home_tier
     pick = home_of or default_home
-    shards = tuple(ShardPlacement(s.name, s.part_numel, s.padded_numel, s.fixed_home or pick(s), state)
+    shards = tuple(ShardPlacement(s.name, s.part_numel, s.padded_numel, s.fixed_home or pick(s),
+                                  state if s.trainable else None)
                    for s in specs)
     return Placement(shards, itemsize, separate_memory)
 
@@ -251,18 +288,19 @@ def plan_placement(specs: list[ParamSpec], budgets: Budgets, *, itemsize: int, s
     c = itemsize
     n = len(specs)
     home: list[Tier] = [Tier.HOST] * n
-    state: list[Tier] = [Tier.HOST] * n
+    state: list[Tier | None] = [Tier.HOST] * n
     low_home = Tier.NVME if budgets.nvme_homes else Tier.HOST
     low_state = Tier.NVME if budgets.nvme_state else Tier.HOST
     device_left = budgets.device
     planned_home = [home_tier is None and s.fixed_home is None and not s.persistent for s in specs]
     for i, s in enumerate(specs):
         home[i] = s.fixed_home or (Tier.DEVICE if s.persistent else (home_tier or low_home))
-        state[i] = state_tier or low_state
-    # 2. the device, tail first.
-    if separate_memory and home_tier is None:
+        state[i] = (state_tier or low_state) if s.trainable else None
+
+    def device_homes(trainable: bool) -> None:
+        nonlocal device_left
         for i in reversed(range(n)):
-            if not planned_home[i]:
+            if not planned_home[i] or specs[i].trainable is not trainable:
                 continue
             need = specs[i].padded_numel * c
             if device_left is None or need <= device_left:
@@ -270,16 +308,21 @@ def plan_placement(specs: list[ParamSpec], budgets: Budgets, *, itemsize: int, s
                 planned_home[i] = False
                 if device_left is not None:
                     device_left -= need
-    # 2b. the device homes' optimizer state (and the gradient beside it), tail first.
+    # 2. the device, tail first: trainable homes, then (2b) their optimizer state
+    # and the gradient beside it, then (2c) frozen homes (Note [frozen parameters]).
+    if separate_memory and home_tier is None:
+        device_homes(trainable=True)
     if separate_memory and state_tier is None:
         for i in reversed(range(n)):
-            if home[i] is not Tier.DEVICE:
+            if home[i] is not Tier.DEVICE or state[i] is None:
                 continue
             need = specs[i].part_numel * DEVICE_STATE_BYTES
             if device_left is None or need <= device_left:
                 state[i] = Tier.DEVICE
                 if device_left is not None:
                     device_left -= need
+    if separate_memory and home_tier is None:
+        device_homes(trainable=False)
     # 3. the host, by NVMe bytes saved per host byte held.
     host_left = budgets.host
     held = sum(specs[i].part_numel * _host_per_elem(home[i], state[i], c) for i in range(n))
@@ -287,6 +330,7 @@ def plan_placement(specs: list[ParamSpec], budgets: Budgets, *, itemsize: int, s
         host_left -= held
     notes = []
     heap: list = []
+    pushed = iter(range(1 << 62))  # a unique key before the tiers, which do not order
 
     def options(i: int):
         homes = [home[i]] + ([Tier.HOST] if planned_home[i] and home[i] is Tier.NVME else [])
@@ -305,19 +349,20 @@ def plan_placement(specs: list[ParamSpec], budgets: Budgets, *, itemsize: int, s
 
     def push(i: int):
         for ratio, h, st, cost in options(i):
-            # Highest ratio first, then the head first (Note [building into the plan]), then the smaller cost.
-            heapq.heappush(heap, (-ratio, i, cost, h.value, st.value, home[i].value, state[i].value))
+            # Highest ratio first, trainable before frozen (Note [frozen parameters]), then the head
+            # first (Note [building into the plan]), then the smaller cost.
+            heapq.heappush(heap, (-ratio, not specs[i].trainable, i, cost, next(pushed), h, st, home[i], state[i]))
 
     for i in range(n):
         push(i)
     while heap:
-        _, i, cost, h, st, was_h, was_st = heapq.heappop(heap)
-        if (home[i].value, state[i].value) != (was_h, was_st):
+        _, _, i, cost, _, h, st, was_h, was_st = heapq.heappop(heap)
+        if (home[i], state[i]) != (was_h, was_st):
             continue  # stale: this shard moved since
         nbytes = cost * specs[i].part_numel
         if host_left is not None and nbytes > host_left:
             continue
-        home[i], state[i] = Tier(h), Tier(st)
+        home[i], state[i] = h, st
         if host_left is not None:
             host_left -= nbytes
         push(i)

@@ -22,6 +22,7 @@ tensors are built and written one at a time (files.SafetensorsStream).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -30,7 +31,10 @@ from tqdm import tqdm
 
 from offload.checkpoint_io import manifest as mf
 from offload.checkpoint_io.files import SafetensorsStream
+from offload.checkpoint_io.frozen import EXCLUDED
 from offload.checkpoint_io.load import RankFiles
+
+log = logging.getLogger("offload")
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -56,11 +60,17 @@ def consolidate(ckpt_dir, out_path, tag: str | None = None, dtype: torch.dtype =
     params = {p["index"]: p for p in model["parameters"]}
     buffers = {b["name"]: b for b in model["buffers"]}
 
+    compute_dtype = getattr(torch, model["compute_dtype"])
+    excluded = model.get("frozen") == EXCLUDED  # Note [checkpoints without frozen weights]
+    left_out = []
+
     def full_param(p: dict) -> torch.Tensor:
         n = p["part_numel"]
         full = torch.empty(n * world, dtype=torch.float32)
         for r, src in enumerate(sources):
-            full[r * n:(r + 1) * n] = src.master(p["index"], n)
+            # A frozen parameter has no master: its saved home value (Note [frozen parameters]).
+            full[r * n:(r + 1) * n] = (src.master(p["index"], n) if p.get("state") is not None
+                                       else src.param(p["index"], compute_dtype, n))
         numel = 1
         for d in p["shape"]:
             numel *= d
@@ -73,6 +83,9 @@ def consolidate(ckpt_dir, out_path, tag: str | None = None, dtype: torch.dtype =
     plan, make, tied, saved_as = [], [], {}, {}
     for key, what, index in model["state_dict"]:
         if what == "param":
+            if excluded and params[index].get("state") is None:
+                left_out.append(key)
+                continue
             if index in saved_as:
                 tied[key] = saved_as[index]
                 continue
@@ -90,6 +103,12 @@ def consolidate(ckpt_dir, out_path, tag: str | None = None, dtype: torch.dtype =
     metadata = {"format": "pt", "offload.source": f"checkpoint tag {tag_name}"}
     if tied:
         metadata["offload.tied"] = json.dumps(tied)
+    if left_out:
+        metadata["offload.frozen_not_saved"] = json.dumps(left_out)
+        log.warning("consolidate: checkpoint tag %s was saved without its frozen weights "
+                    "(exclude_frozen_parameters=True): %s holds the %d trainable parameters and the buffers, "
+                    "not the %d frozen ones (listed in its metadata, key offload.frozen_not_saved); load it "
+                    "over the base model with strict=False", tag_name, out_path, len(saved_as), len(left_out))
 
     out_path = Path(out_path)
     tmp = out_path.with_name(f".{out_path.name}.tmp")

@@ -56,6 +56,7 @@ from safetensors import safe_open
 from offload.aio.swap_format import HEADER_BYTES, parse_meta
 from offload.checkpoint_io import engine_state
 from offload.checkpoint_io import manifest as mf
+from offload.checkpoint_io.frozen import EXCLUDED, check_same_base
 from offload.optim.param_groups import check_group
 from offload.tiers import Tier
 
@@ -186,13 +187,15 @@ class SavedPartitions:
         return self.own.tensor(key) if key in self.own.keys else None
 
 
-def _missing(saved: SavedPartitions, engine) -> list[str]:
+def _missing(saved: SavedPartitions, engine, frozen_excluded: bool) -> list[str]:
     out = []
     for r, src in saved.files.items():
         for s in engine.shards:
+            if not s.trainable and frozen_excluded:
+                continue  # Note [checkpoints without frozen weights]
             if src.param_source(s.index) is None:
                 out.append(f"corrupt checkpoint: rank {r} has no partition of parameter {s.name!r}")
-            if src.state_source(s.index) is None:
+            if s.trainable and src.state_source(s.index) is None:
                 out.append(f"corrupt checkpoint: rank {r} has no optimizer state of {s.name!r}")
     for b in mf.describe_model(engine)["buffers"]:
         if f"buffer.{b['name']}" not in saved.own.keys:
@@ -203,6 +206,18 @@ def _missing(saved: SavedPartitions, engine) -> list[str]:
     return out
 
 
+def _newly_trained(manifest: dict, engine) -> list[str]:
+    """Parameters frozen when the checkpoint was saved and trainable here: they have no
+    optimizer state to resume (Note [frozen parameters] in offload/placement.py)."""
+    frozen = {p["name"] for p in manifest["model"]["parameters"] if p.get("state") is None}
+    names = [s.name for s in engine.shards if s.trainable and s.name in frozen]
+    if not names:
+        return []
+    return [f"parameters frozen when the checkpoint was saved are trainable in this engine, and have no "
+            f"optimizer state to resume: {mf.first_few(names)}; build the engine with them frozen "
+            "(requires_grad=False before offload.initialize)"]
+
+
 def _verify(engine, load_dir, tag):
     """(tag_dir, SavedPartitions, engine state, client_state) or raises; agreed over ranks."""
     pg = engine.pg
@@ -210,19 +225,25 @@ def _verify(engine, load_dir, tag):
     try:
         tag_dir = mf.resolve_tag_dir(load_dir, tag)
         manifest = mf.read_manifest(tag_dir)  # its file list checked before any is touched
-        problems = mf.mismatches(manifest["model"], mf.describe_model(engine))
+        problems = mf.mismatches(manifest["model"], mf.describe_model(engine)) or _newly_trained(manifest, engine)
         saved_world = manifest["model"]["world_size"]
+        frozen_excluded = manifest["model"].get("frozen") == EXCLUDED
         if not problems:
             ranks = [pg.rank] if saved_world == pg.world_size else range(saved_world)
             problems = mf.verify_files(tag_dir, manifest, ranks)
         if problems:
             raise mf.CheckpointError("cannot load checkpoint: " + "; ".join(problems))
         saved = SavedPartitions(tag_dir, manifest, pg.rank, pg.world_size)
-        problems = _missing(saved, engine)
+        problems = _missing(saved, engine, frozen_excluded)
         if problems:
             raise mf.CheckpointError("cannot load checkpoint: " + mf.first_few(problems, "; "))
         state = engine_state.from_json_bytes((saved.own.dir / "engine_state.json").read_bytes(),
                                              f"{saved.own.rel}engine_state.json")
+        if frozen_excluded:
+            problems = check_same_base(engine, state.get("frozen_fingerprint"), saved_world)
+            if problems:
+                raise mf.CheckpointError("cannot load checkpoint: " + "; ".join(problems))
+        state["frozen_excluded"] = frozen_excluded
         client_state = engine_state.load_client_state(saved.own.dir / "client_state.pt",
                                                       f"{saved.own.rel}client_state.pt")
         if state["micro_in_window"] and not saved.same_layout:
@@ -333,6 +354,8 @@ def load_into(engine, load_dir, tag: str | None = None, *, optimizer_states: boo
     engine.manager.release_all()  # nothing gathered or being fetched while homes are rewritten
     opt = engine.optimizer
     for s in engine.shards:
+        if not s.trainable and state["frozen_excluded"]:
+            continue  # the same frozen base, checked by its fingerprint
         part = saved.param(s)
         if s.home is Tier.HOST:
             s.host_part.copy_(part)
@@ -340,7 +363,9 @@ def load_into(engine, load_dir, tag: str | None = None, *, optimizer_states: boo
             s.set_device_home(part)
         else:
             s.ctx.param_store.write(s, part.contiguous()).wait()
-        if optimizer_states:
+        if not s.trainable:
+            engine.frozen_fingerprints.pop(str(s.index), None)  # its home was rewritten
+        elif optimizer_states:
             opt.load_state_tensors(s, *saved.state(s))
         else:  # the fp32 weights, with this engine's moments (DeepSpeed keeps them too)
             opt.set_master(s, saved.master(s))

@@ -101,9 +101,11 @@ def describe_model(engine) -> dict:
         "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
         # Where the state was: informative (a run resumes into its own plan's tiers).
         "optimizer_tier": "/".join(sorted(t.value for t in engine.optimizer.state_tiers)),
+        # "state": None for a frozen parameter (Note [frozen parameters] in offload/placement.py).
         "parameters": [{"index": s.index, "name": s.name, "shape": list(s.shape),
                         "part_numel": s.part_numel, "home": s.home.value,
-                        "state": engine.optimizer.state_tier(s).value} for s in engine.shards],
+                        "state": engine.optimizer.state_tier(s).value if s.trainable else None}
+                       for s in engine.shards],
         "buffers": buffers,
         "state_dict": state_dict,
     }

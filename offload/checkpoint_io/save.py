@@ -54,12 +54,14 @@ import torch.distributed as dist
 from offload.aio.swap_dir import fsync_path
 from offload.checkpoint_io import engine_state, files
 from offload.checkpoint_io import manifest as mf
+from offload.checkpoint_io.frozen import EXCLUDED, frozen_fingerprint
 from offload.tiers import Tier
 
 
-def capture_engine_state(engine) -> bytes:
+def capture_engine_state(engine, exclude_frozen: bool = False) -> bytes:
     """The small state as JSON (Note [no code from a checkpoint]), serialized now so later
-    changes (by training or the caller) cannot leak in."""
+    changes (by training or the caller) cannot leak in; without the frozen weights, their
+    fingerprint (Note [checkpoints without frozen weights] in checkpoint_io/frozen.py)."""
     opt = engine.optimizer
     state = {
         "global_steps": engine.global_steps,
@@ -76,6 +78,8 @@ def capture_engine_state(engine) -> bytes:
         "rng": engine_state.capture_rng(),
         "hyperparameters": engine_state.configured_hyperparameters(engine),
     }
+    if exclude_frozen:
+        state["frozen_fingerprint"] = frozen_fingerprint(engine)
     return engine_state.to_json_bytes(state)
 
 
@@ -110,11 +114,20 @@ def _home_view(shard):
     return shard.home_partition()
 
 
-def plan_items(engine) -> list[_Item]:
-    """Per shard: its home partition and optimizer state, in shard order."""
+def plan_items(engine, exclude_frozen: bool = False) -> list[_Item]:
+    """Per shard: its home partition and optimizer state, in shard order; a frozen shard's
+    home alone, or nothing with exclude_frozen (Note [checkpoints without frozen weights])."""
     opt, items = engine.optimizer, []
     for s in engine.shards:
         n = (s.part_numel,)
+        if not s.trainable:
+            if exclude_frozen:
+                continue
+            if s.home is Tier.NVME:
+                items.append(_Item(f"nvme/param.{s.index}.swp", copy_from=s.ctx.param_store.path_of(s)))
+            else:
+                items.append(_Item(f"param.{s.index}", s.dtype, n, read=lambda s=s: _home_view(s)))
+            continue
         state = None if opt.state_tier(s) is Tier.NVME else opt.state_tensors(s)
         if s.home is Tier.NVME:
             items.append(_Item(f"nvme/param.{s.index}.swp", copy_from=s.ctx.param_store.path_of(s)))
@@ -155,7 +168,7 @@ class SaveJob:
     """One checkpoint being written by this rank (Note [consistent async checkpoint])."""
 
     def __init__(self, engine, save_dir, tag: str | None, client_state, async_save: bool,
-                 save_latest: bool = True):
+                 save_latest: bool = True, exclude_frozen: bool = False):
         check_can_save(engine)
         self.pg = engine.pg
         self.save_latest = save_latest
@@ -163,6 +176,9 @@ class SaveJob:
         self.tag = mf.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
         self.tmp = mf.tmp_dir(self.root, self.tag)
         self.model = mf.describe_model(engine)
+        exclude_frozen = exclude_frozen and any(not sh.trainable for sh in engine.shards)
+        if exclude_frozen:
+            self.model["frozen"] = EXCLUDED  # Note [checkpoints without frozen weights]
         self.kind = files.kind()
         self._prepare_dirs()
         self.rank_dir = mf.rank_dir(self.tmp, self.pg.rank)
@@ -171,11 +187,11 @@ class SaveJob:
         # waits for its own, this makes sure of it.
         for store in engine.swap_stores:
             store.wait_all()
-        self.state_bytes = capture_engine_state(engine)
+        self.state_bytes = capture_engine_state(engine, exclude_frozen)
         self.client_bytes = engine_state.client_state_bytes(client_state)
         self.buffers = [(b["name"], engine.module.get_buffer(b["name"]).detach().to("cpu", copy=True))
                         for b in self.model["buffers"]]
-        self.items = plan_items(engine)
+        self.items = plan_items(engine, exclude_frozen)
         self.entries: dict[str, tuple[int, int]] = {}
         self._writing: Path | None = None  # the file being written (Note [checkpoint free space])
         self.error: BaseException | None = None

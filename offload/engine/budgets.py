@@ -85,10 +85,12 @@ def tier_needs(planned: list, config: Config, dtype: torch.dtype,
         if s.home is Tier.HOST and s.state is Tier.HOST and dtype == torch.float32:
             home_bytes = 0  # the fp32 host home is the master itself (ShardedAdam._aliases_home)
         add(s.home, "parameters", home_bytes)
+        if s.state is None:
+            continue  # frozen: its home alone (Note [frozen parameters] in offload/placement.py)
         if grad_backlog_elems is None or s.state is Tier.DEVICE:
             add(grad_tier_of(s.state), "fp32 gradients", s.part_numel * 4)
         add(s.state, "optimizer state", 3 * s.part_numel * 4)
-    overlapped = [s.part_numel for s in planned if s.state is not Tier.DEVICE]
+    overlapped = [s.part_numel for s in planned if s.state not in (None, Tier.DEVICE)]
     if grad_backlog_elems is not None and overlapped:
         elems = min(sum(overlapped), grad_backlog_elems)
         add(Tier.HOST, "fp32 gradients awaiting their overlapped update", elems * 4)
@@ -225,7 +227,7 @@ def plan(planned: list, config: Config, layer, pg, *, threshold: int, within: Bu
     param, optimizer = zero.offload_param, zero.offload_optimizer
     itemsize = config.precision.dtype.itemsize
     specs = [ParamSpec(pl.name, pl.part_numel, pl.padded_numel, persistent=pl.param.numel() <= threshold,
-                       fixed_home=pl.given_home) for pl in planned]
+                       fixed_home=pl.given_home, trainable=pl.trainable) for pl in planned]
     if param.auto or optimizer.auto:
         placement = plan_placement(specs, within or auto_budgets(config, layer, pg, host), itemsize=itemsize,
                                    separate_memory=layer.separate_memory,
@@ -276,9 +278,9 @@ def grad_backlog(config: Config, planned: list) -> int | None:
     (reduce_bucket_size, else two of the largest) plus the one being made and
     the one being updated. None where all may be held (accumulation keeps them
     across micro-batches, clipping and overflow checks need them all first)."""
-    if not planned or not any(s.state is Tier.NVME for s in planned) or not _updates_free_gradients(config):
+    if not any(s.state is Tier.NVME for s in planned) or not _updates_free_gradients(config):
         return None
-    return _backlog_elems(config, max(s.part_numel for s in planned))
+    return _backlog_elems(config, max(s.part_numel for s in planned if s.state is not None))
 
 
 def _updates_free_gradients(config: Config) -> bool:

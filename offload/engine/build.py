@@ -126,8 +126,9 @@ class _Planned:
     padded_numel: int
     built: Shard | None  # its build-time shard (offload.init), reused as it is when `reuse`
     reuse: bool = False
+    trainable: bool = True  # requires_grad at initialize (Note [frozen parameters] in offload/placement.py)
     home: Tier | None = None  # where it lives: set by the placement (Note [automatic placement])
-    state: Tier = Tier.HOST  # where its optimizer state lives: set by the placement
+    state: Tier | None = Tier.HOST  # where its optimizer state lives (None: frozen): set by the placement
 
 
 @dataclass
@@ -163,16 +164,20 @@ class Built:
         for shard in self.shards:
             original = shard.param.data
             try:
-                take_master(shard, self._initial_partition(shard))
+                part = self._initial_partition(shard)
+                if shard.trainable:  # a frozen shard has no master (Note [frozen parameters])
+                    take_master(shard, part)
             except BaseException:
                 shard.param.data = original
                 raise
             self.placed.append(shard)
         self._finish()
 
-    def _initial_partition(self, shard: Shard) -> torch.Tensor:
-        """Moves the parameter home and returns this rank's fp32 partition of its value."""
+    def _initial_partition(self, shard: Shard) -> torch.Tensor | None:
+        """Moves the parameter home and returns this rank's fp32 partition of its value
+        (None for a frozen shard: nothing takes it)."""
         key, built = self._sources.get(shard.index, (None, None))
+        part = None
         if key is None and built is not None:
             part = _adopt_built(shard, built)
         else:
@@ -180,12 +185,12 @@ class Built:
                 discard_home(built)
             value = (self._plan.load(key, shard.original_dtype) if key is not None
                      else shard.param.detach())
-            fp32 = value.reshape(-1).to(torch.float32)
-            part = shard.my_slice(fp32).clone()
+            if shard.trainable:
+                part = shard.my_slice(value.reshape(-1).to(torch.float32)).clone()
             shard.adopt(value)
         if shard.home is Tier.HOST and self.pin_home is not None and not shard.pinned_home:
             self.pin_home(shard)  # offload.init's homes too
-        if not shard.ctx.lazy_grads:
+        if shard.trainable and not shard.ctx.lazy_grads:
             shard.allocate_grad_part()
         return part
 
@@ -203,8 +208,11 @@ class Built:
             self._plan.source.close()
 
 
-def _adopt_built(shard: Shard, built: Shard) -> torch.Tensor:
-    """The fp32 partition of a shard homed by offload.init; re-homed in the compute dtype if it differs."""
+def _adopt_built(shard: Shard, built: Shard) -> torch.Tensor | None:
+    """The fp32 partition of a shard homed by offload.init (None where it is frozen and
+    stays as built); re-homed in the compute dtype if it differs."""
+    if shard is built and not shard.trainable:
+        return None  # nothing to read: no master takes it
     if built.home is Tier.HOST:
         part = built.host_part  # no copy: the optimizer copies it, or aliases it as the master
     else:
@@ -213,7 +221,7 @@ def _adopt_built(shard: Shard, built: Shard) -> torch.Tensor:
     if shard is not built:  # compute dtype differs from the dtype it was built in
         discard_home(built)
         shard.adopt_partition(part)
-    return part.to(torch.float32)
+    return part.to(torch.float32) if shard.trainable else None
 
 
 def discard_home(shard: Shard) -> None:
@@ -307,7 +315,8 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
             if key is not None:
                 sources[index] = (key, None)
         part = partition_numel(p.numel(), pg.world_size)
-        planned.append(_Planned(index, name, p, home, part, part * pg.world_size, built))
+        planned.append(_Planned(index, name, p, home, part, part * pg.world_size, built,
+                                trainable=p.requires_grad))
 
     have_param_store = builder is not None and builder.store is not None
     placement = budgets.plan(planned, config, layer, pg, threshold=zero.stage3_param_persistence_threshold,
@@ -393,7 +402,9 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
             shards.append(pl.built)
         else:
             shards.append(Shard(pl.index, pl.name, pl.param, compute_dtype=dtype, home=pl.home, ctx=ctx))
-        shards[-1].grad_tier = grad_tier_of(pl.state)  # beside its optimizer state
+        shards[-1].trainable = pl.trainable
+        if pl.trainable:
+            shards[-1].grad_tier = grad_tier_of(pl.state)  # beside its optimizer state
     return Built(shards, ctx, stores.get("state"), param_writer, _sources=sources, _plan=plan,
                  pin_home=_home_pinner(pinned, layer) if pin else None, placement=placement)
 

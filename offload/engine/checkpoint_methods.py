@@ -21,16 +21,17 @@ class CheckpointMethods:
         written while training goes on (the next optimizer update waits until
         they are read). wait_checkpoint(), the next save and close() wait for
         it. A collective with several ranks.
+        exclude_frozen_parameters=True: the trainable state alone, with a fingerprint of
+        the frozen weights; it loads only into an engine on the same frozen base, at the
+        same world size (Note [checkpoints without frozen weights] in checkpoint_io/frozen.py).
         """
         from offload.checkpoint_io import save_checkpoint
 
         self._check_open()
         self._refuse_after_failed_step("save_checkpoint")  # the files may hold half-written values
-        if exclude_frozen_parameters:
-            raise ValueError("save_checkpoint(exclude_frozen_parameters=True) is not supported: a checkpoint "
-                             "holds every parameter, and load_checkpoint verifies it against the whole model")
         self.wait_checkpoint()
-        job = save_checkpoint(self, save_dir, tag, client_state, async_save, save_latest)
+        job = save_checkpoint(self, save_dir, tag, client_state, async_save, save_latest,
+                              exclude_frozen=exclude_frozen_parameters)
         job.save_dir = save_dir
         if async_save:
             self._checkpoint_job = job

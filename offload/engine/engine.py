@@ -148,7 +148,10 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         # Reads outside a forward see real values, edits go through offload.gathered
         # (Note [reading a parameter outside the engine] in partition/managed.py).
         manage(self.manager, self.shards)
-        self.manager.on_edit = self.optimizer.set_master
+        # Fingerprints of the frozen partitions (Note [checkpoints without frozen weights] in
+        # checkpoint_io/frozen.py), computed at the first save or load that needs them.
+        self.frozen_fingerprints: dict[str, dict] = {}
+        self.manager.on_edit = weak_callback(self._on_edit)
         self._state_dict_guard = refuse_state_dict_larger_than_memory(model, self.shards)
         self.lr_scheduler = None
         if config.scheduler is not None:
@@ -193,6 +196,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
 
     def _before_forward(self) -> None:
         self._check_open()
+        self._check_trainable()
         self._refuse_after_failed_step("a forward")
         if self.steps.updating_in_backward:
             raise RuntimeError(
@@ -202,6 +206,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         self._check_open()
+        self._check_trainable()
         self._refuse_after_failed_step("engine.backward()")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("engine.backward(loss) takes a scalar loss tensor")
@@ -288,6 +293,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         applies the update (as engine.optimizer.step()) and clears the gradients.
         After an update that raised, step() again (no new backward) retries it."""
         self._check_open()
+        self._check_trainable()
         if self.steps.failed:
             self._boundary_update()
             return
@@ -350,6 +356,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         """The engine's whole update: engine.step() at a boundary, and
         engine.optimizer.step() from a user's loop (Note [the optimizer users drive])."""
         self._check_open()
+        self._check_trainable()
         from_engine_step = self._in_engine_step
         if self.steps.failed:
             self._retry_update()
@@ -541,6 +548,33 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
                       "(engine.save_checkpoint, engine.save_pretrained)")
             close_off(self.optimizer, "engine.optimizer", reason)
             close_off(self, "engine", reason)
+
+    def _on_edit(self, shard, master) -> None:
+        """A parameter edited outside training (offload.gathered): its master takes the value."""
+        self.frozen_fingerprints.pop(str(shard.index), None)
+        self.optimizer.set_master(shard, master)
+
+    def _check_trainable(self) -> None:
+        """Which parameters train is fixed when the engine is built (Note [frozen parameters]
+        in offload/placement.py): a requires_grad changed since is refused, by name, before
+        a forward, a backward or a step can leave it silently trained or not."""
+        changed = [s for s in self.shards if s.param.requires_grad is not s.trainable]
+        if not changed:
+            return
+        unfrozen = [s.name for s in changed if s.trainable is False]
+        frozen = [s.name for s in changed if s.trainable]
+
+        def named(names):
+            return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        what = "; ".join(part for part in (
+            f"requires_grad set to True on {named(unfrozen)}, frozen when the engine was built "
+            "(it has no optimizer state and would never be updated)" if unfrozen else "",
+            f"requires_grad set to False on {named(frozen)}, trainable when the engine was built "
+            "(it keeps its optimizer state and gradient buffers)" if frozen else "") if part)
+        raise RuntimeError(
+            f"{what}. The engine fixes which parameters train when it is built: set requires_grad "
+            "before offload.initialize, and to change it later, save (engine.save_checkpoint), "
+            "engine.close() and initialize a new engine; or leave the parameter trainable from the start")
 
     def _check_open(self) -> None:
         if self._closed:  # engine.optimizer.step() reaches _update through its driver

@@ -82,7 +82,15 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         is on the device where its state is (Shard.grad_tier)."""
         if not shards:
             raise ValueError("optimizer got an empty parameter list")
-        self.shards = shards
+        # Note [frozen parameters] (offload/placement.py): frozen shards have no state;
+        # a parameter group may still name them, as torch's may, and they are never stepped.
+        self.shards = [s for s in shards if s.trainable]
+        self._frozen = {id(s.param): s for s in shards if not s.trainable}
+        if not self.shards:
+            raise ValueError(f"every parameter of the model is frozen (requires_grad=False on all "
+                             f"{len(shards)}): there is nothing to train; unfreeze the ones to train "
+                             "before offload.initialize")
+        shards = self.shards
         self.tier = tier
         self._state_tiers = {s.index: (state_tiers or {}).get(s.index, tier) for s in shards}
         self.device = device
@@ -138,7 +146,9 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
 
     def init_state(self, shard: Shard, init: torch.Tensor) -> None:
         """Takes `init`, this rank's fp32 partition of the shard's initial weights,
-        as its master (moments zero). The shard is already home."""
+        as its master (moments zero). The shard is already home; it is trainable."""
+        if not shard.trainable:
+            raise ValueError(f"parameter {shard.name} is frozen: it has no optimizer state")
         nbytes = 3 * shard.part_numel * 4
         tier = self.state_tier(shard)
         if tier is Tier.NVME:
@@ -191,6 +201,8 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         params, hyper = check_group(gi, param_group)
         by_param = {id(s.param): s for s in self.shards}
         for p in params:
+            if id(p) in self._frozen:
+                continue  # in the group, as torch keeps it, with no state (Note [frozen parameters])
             shard = by_param.get(id(p))
             if shard is None:
                 raise ValueError(f"parameter group {gi}: holds a tensor of shape {tuple(getattr(p, 'shape', ()))} "
@@ -208,18 +220,20 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
     def group_index(self, shard: Shard) -> int:
         gi = self._group_of.get(shard.index)
         if gi is None:
-            raise RuntimeError(f"parameter {shard.name} got a gradient but is in no parameter group: "
-                               "it was frozen (requires_grad=False) when the optimizer was made")
+            raise RuntimeError(f"parameter {shard.name} got a gradient but is in no parameter group "
+                               "(give every trainable parameter a group)")
         return gi
 
     def _indexed(self) -> list[tuple[int, Shard]]:
-        """(torch's state index, shard): the groups' params in order."""
+        """(torch's state index, shard): the groups' params in order, the frozen ones
+        counted but left out (they have no state)."""
         by_param = {id(s.param): s for s in self.shards}
-        return list(enumerate(by_param[id(p)] for g in self.param_groups for p in g["params"]))
+        params = (p for g in self.param_groups for p in g["params"])
+        return [(i, by_param[id(p)]) for i, p in enumerate(params) if id(p) in by_param]
 
-    def state_tier(self, shard: Shard) -> Tier:
-        """Where `shard`'s optimizer state lives."""
-        return self._state_tiers[shard.index]
+    def state_tier(self, shard: Shard) -> Tier | None:
+        """Where `shard`'s optimizer state lives; None: it is frozen and has none."""
+        return self._state_tiers.get(shard.index)
 
     @property
     def state_tiers(self) -> frozenset:

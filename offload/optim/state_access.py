@@ -83,8 +83,11 @@ class StateAccess:
 
 
     def master_partition(self, shard: Shard) -> torch.Tensor:
-        """This rank's fp32 master partition of `shard` (a copy, on the host)."""
+        """This rank's fp32 master partition of `shard` (a copy, on the host); a frozen
+        shard's home value in fp32 (it has no master: Note [frozen parameters])."""
         self.deferred.settle()  # Note [updates under the next forward]
+        if not shard.trainable:
+            return shard.home_partition().to(torch.float32)
         if self.shares_master(shard):
             return shard.home_partition()
         if self.state_tier(shard) is Tier.NVME:
@@ -116,7 +119,10 @@ class StateAccess:
     @torch.no_grad()
     def set_master(self, shard: Shard, master: torch.Tensor) -> None:
         """Replaces `shard`'s fp32 master (part_numel elements): the weights were edited
-        outside training (offload.gathered); the moments stay."""
+        outside training (offload.gathered); the moments stay. A frozen shard has no
+        master: its edited home is all there is."""
+        if not shard.trainable:
+            return
         self.deferred.settle()  # Note [updates under the next forward]
         if self.shares_master(shard):
             shard.ctx.param_store.write(shard, master.cpu().contiguous()).wait()

@@ -227,7 +227,7 @@ class ParameterManager:
             self._handles.append(mod.register_forward_pre_hook(self._enter_module, prepend=True))
             self._handles.append(mod.register_forward_hook(self._leave_module, always_call=True))
         for shard in self.shards:
-            if shard.param.requires_grad:
+            if shard.trainable:  # Note [frozen parameters] in offload/placement.py
                 self._handles.append(
                     shard.param.register_post_accumulate_grad_hook(self._make_grad_hook(shard)))
 

@@ -143,6 +143,9 @@ class Shard:
         self.dtype = compute_dtype
         self.home = home
         self.ctx = ctx
+        # False: frozen when the engine was built, a home and nothing else (Note [frozen
+        # parameters] in offload/placement.py); build.py sets it from the plan.
+        self.trainable = True
         world = ctx.pg.world_size
         self.part_numel = partition_numel(self.numel, world)
         self.padded_numel = self.part_numel * world

@@ -101,3 +101,36 @@ class Wide(nn.Module):
 
 MODELS = {"tiny_gpt": TinyGPT, "shared_param": SharedParam, "with_unused": WithUnused}
 VOCAB = 37
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update, as a LoRA adapter adds one:
+    y = base(x) + (x A^T) B^T * scale."""
+
+    def __init__(self, base: nn.Linear, rank: int = 3, scale: float = 2.0):
+        super().__init__()
+        self.base = base
+        self.lora_A = nn.Parameter(torch.randn(rank, base.in_features) * 0.1)
+        self.lora_B = nn.Parameter(torch.randn(base.out_features, rank) * 0.1)  # not zero: both get gradients
+        self.scale = scale
+
+    def forward(self, x):
+        return self.base(x) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+
+
+def lora_gpt(hidden=24, layers=2, rank=3, seed=0, dtype=None):
+    """TinyGPT with its weights frozen and LoRA adapters on each block's qkv and fc; its
+    final LayerNorm trains too (as PEFT's modules_to_save would). dtype: the frozen
+    weights rounded to it (a base model loaded in bf16), kept in fp32."""
+    torch.manual_seed(seed)
+    model = TinyGPT(hidden=hidden, layers=layers)
+    if dtype is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(dtype).float())
+    model.requires_grad_(False)
+    for block in model.blocks:
+        block.qkv = LoRALinear(block.qkv, rank)
+        block.fc = LoRALinear(block.fc, rank)
+    model.ln_f.requires_grad_(True)
+    return model
