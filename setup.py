@@ -162,8 +162,10 @@ setup(
     install_requires=RUNTIME_REQUIREMENTS,  # offload/requirements.py says what each is for
     extras_require={
         "bench": ["matplotlib"],
-        "test": ["pytest", "transformers", "accelerate", "lightning"],  # the Trainer/Accelerate/Lightning tests
+        # the Trainer/Accelerate/Lightning/PEFT tests
+        "test": ["pytest", "transformers", "accelerate", "lightning", "peft"],
         "hf": ["transformers", "accelerate"],
+        "peft": ["transformers", "accelerate", "peft"],  # examples/lora_finetune.py
     },
     entry_points={"console_scripts": ["offload=offload.cli:main"]},
 )

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from offload import estimate as est_mod
-from offload.config import ConfigError, MemoryConfig
+from offload.config import ConfigError, MemoryConfig, Tier
 from offload.estimate import estimate, model_sizes
 
 LLAMA_7B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -263,3 +263,272 @@ def test_cli_prints_the_auto_plan_per_tier_within_the_budgets(tmp_path, capsys):
     assert est_mod.run(parser.parse_args(args)) == 0
     text = capsys.readouterr().out
     assert "offload_param=auto" in text and "placement (auto)" in text and "moved per step nvme" in text
+
+
+# ---------------------------------------------------------------- the trainable share (Note [trainable share])
+
+LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+             "tie_word_embeddings": False}
+LLAMA3_8B_BASE = 8_030_261_248  # Meta-Llama-3-8B's parameter count
+# What peft's LoraConfig(r=8, target_modules=["q_proj", "v_proj"]).save_pretrained writes (abridged:
+# the keys that do not change the count are left out but for a few, which must be ignored).
+LORA_QV = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16, "lora_dropout": 0.05,
+           "target_modules": ["v_proj", "q_proj"], "modules_to_save": None, "bias": "none",
+           "exclude_modules": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
+           "use_dora": False, "lora_bias": False, "target_parameters": None, "inference_mode": False}
+# Per layer, q_proj is 4096 -> 4096 and v_proj 4096 -> 1024 (8 KV heads of 128): lora_A r x in, lora_B out x r.
+LORA_QV_PARAMS = 32 * (8 * (4096 + 4096) + 8 * (4096 + 1024))
+LLAMA3_8B_L = 128256 * 4096  # the embedding and the untied lm_head
+LLAMA3_8B_NORMS = (2 * 32 + 1) * 4096
+
+
+def closed_form(n, t, largest, persistent, c, param, opt, world=1, sub_group=10**9):
+    """Note [memory model], written out again: {tier: bytes per rank} for n parameters
+    of which t train (the frozen n - t cost their compute copy only)."""
+    tier = {"none": "device", "cpu": "host", "nvme": "nvme"}
+    shard, tshard = -(-n // world), -(-t // world)
+    b = {"device": 2 * largest * c + persistent * c, "host": 0, "nvme": 0}
+    b[tier[param]] += shard * c
+    b["device" if opt == "none" else "host"] += tshard * 4
+    b[tier[opt]] += tshard * (8 + (4 if c != 4 else 0))
+    if param == "nvme":
+        b["host"] += 2 * largest * c
+    if opt == "nvme":
+        b["host"] += 2 * min(sub_group, tshard) * 16
+    return b
+
+
+def write_adapter(tmp_path, adapter, name="adapter_config.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(adapter))
+    return path
+
+
+def test_a_lora_adapter_adds_r_times_in_plus_out_per_adapted_module_and_freezes_the_base(tmp_path):
+    assert model_sizes(LLAMA3_8B).num_params == LLAMA3_8B_BASE
+    s = model_sizes(LLAMA3_8B, adapter=write_adapter(tmp_path, LORA_QV))
+    assert LORA_QV_PARAMS == 3_407_872  # what peft prints for this adapter on Llama-3-8B
+    assert (s.trainable_params, s.num_params) == (LORA_QV_PARAMS, LLAMA3_8B_BASE + LORA_QV_PARAMS)
+    # each adapter parameter (at most 8 x 4096) is under the 'auto' threshold 10 x 4096: kept whole
+    assert s.persistent_params == LLAMA3_8B_NORMS + LORA_QV_PARAMS
+    assert s.largest_layer_params == LLAMA3_8B_L
+    # the folder save_pretrained wrote is accepted too, and so is the dict
+    assert model_sizes(LLAMA3_8B, adapter=tmp_path) == s
+    assert model_sizes(LLAMA3_8B, adapter=LORA_QV).trainable_params == LORA_QV_PARAMS
+
+
+def test_modules_to_save_count_twice_and_bias_frees_the_biases_peft_frees():
+    # qwen2 has q/k/v biases: bias "lora_only" frees the adapted q_proj's and v_proj's, "all" every one
+    qwen = {**LLAMA3_8B, "model_type": "qwen2", "num_hidden_layers": 2}
+    base = model_sizes(qwen).num_params
+    lora = 2 * (8 * (4096 + 4096) + 8 * (4096 + 1024))
+    for bias, freed in (("none", 0), ("lora_only", 2 * (4096 + 1024)), ("all", 2 * (4096 + 1024 + 1024))):
+        s = model_sizes(qwen, adapter={**LORA_QV, "bias": bias})
+        assert (s.trainable_params, s.num_params) == (lora + freed, base + lora)
+    s = model_sizes(qwen, adapter={**LORA_QV, "modules_to_save": ["lm_head"]})
+    assert (s.trainable_params, s.num_params) == (lora + LLAMA3_8B_L, base + lora + LLAMA3_8B_L)
+    # "all-linear": every projection but the output layer, r x (in + out) each
+    h, kv, inter = 4096, 1024, 14336
+    per_layer = (h + h) + 2 * (h + kv) + (h + h) + 2 * (h + inter) + (inter + h)
+    assert model_sizes(qwen, adapter={**LORA_QV, "target_modules": "all-linear", "r": 4}).trainable_params == \
+        2 * 4 * per_layer
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("param, opt", [("cpu", "cpu"), ("nvme", "nvme"), ("nvme", "cpu"), ("none", "cpu"),
+                                        ("none", "none")])
+def test_lora_bytes_per_tier_equal_the_closed_form(tmp_path, precision, param, opt):
+    c = 4 if precision == "fp32" else 2
+    n, t = LLAMA3_8B_BASE + LORA_QV_PARAMS, LORA_QV_PARAMS
+    e = estimate(model_config=LLAMA3_8B, config=cfg(param, opt, precision),
+                 trainable=write_adapter(tmp_path, LORA_QV))
+    assert (e.num_params, e.trainable_params, e.frozen_params) == (n, t, LLAMA3_8B_BASE)
+    want = closed_form(n, t, LLAMA3_8B_L, LLAMA3_8B_NORMS + t, c, param, opt)
+    assert {tier: getattr(e, tier) for tier in ("device", "host", "nvme")} == want
+    assert all(sum(e.breakdown[tier].values()) == getattr(e, tier) for tier in ("device", "host", "nvme"))
+
+
+def test_a_count_a_fraction_and_a_percentage_give_the_same_share(tmp_path):
+    n, L = 1_000_000, 10_000
+    for trainable in (11_000, 11_000.0, "11K", "1.1e4", "0.011", 0.011, "1.1%", " 1.1 % "):
+        e = estimate(n, config=cfg("nvme", "nvme", sub_group_size=1000), largest_layer_params=L,
+                     persistent_params=0, world_size=4, num_nodes=2, trainable=trainable)
+        assert (e.trainable_params, e.frozen_params) == (11_000, n - 11_000), trainable
+        want = closed_form(n, 11_000, L, 0, 2, "nvme", "nvme", world=4, sub_group=1000)
+        assert (e.device, e.host, e.nvme) == (want["device"], want["host"], want["nvme"])
+        assert (e.minimum_host, e.minimum_nvme) == (2 * e.host, 2 * e.nvme)
+    # all of it is a full fine-tune, to the byte and to the label
+    full = estimate(n, config=cfg("cpu", "cpu"), largest_layer_params=L)
+    assert estimate(n, config=cfg("cpu", "cpu"), largest_layer_params=L, trainable="100%") == full
+    assert full.trainable_params == n and "gradient accumulation (fp32, 4 B/param)" in full.breakdown["host"]
+    lora = estimate(n, config=cfg("cpu", "cpu"), largest_layer_params=L, trainable=0.5)
+    assert lora.breakdown["host"]["parameter shards, frozen (bf16, 2 B/param, nothing else)"] == n // 2 * 2
+    assert lora.breakdown["host"]["gradient accumulation (fp32, 4 B/trainable param)"] == n // 2 * 4
+
+
+def test_a_lora_needs_a_seventh_of_a_full_fine_tunes_nvme():
+    """Llama-3-8B, bf16, parameters and optimizer on NVMe: 14 B/param vs about 2 B/param."""
+    full = estimate(model_config=LLAMA3_8B, config=cfg("nvme", "nvme"))
+    lora = estimate(model_config=LLAMA3_8B, config=cfg("nvme", "nvme"), trainable=LORA_QV)
+    assert full.nvme == 14 * LLAMA3_8B_BASE
+    assert lora.nvme == 2 * (LLAMA3_8B_BASE + LORA_QV_PARAMS) + 12 * LORA_QV_PARAMS
+    assert 2 < lora.nvme / LLAMA3_8B_BASE < 2.01 and full.nvme / lora.nvme > 6.9
+    assert full.host > 25 * lora.host  # no fp32 gradient of the base, tiny swap buffers
+    assert full.device == lora.device - 2 * LORA_QV_PARAMS  # the adapters are persistent: whole on the device
+
+
+def test_cli_takes_trainable_and_prints_the_trainable_and_frozen_counts(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    est_mod.add_arguments(parser)
+    (tmp_path / "m.json").write_text(json.dumps(LLAMA3_8B))
+    (tmp_path / "ds.json").write_text(json.dumps(cfg("nvme", "nvme")))
+    adapter = write_adapter(tmp_path, LORA_QV)
+    args = ["--model-config", str(tmp_path / "m.json"), "--config", str(tmp_path / "ds.json")]
+    assert est_mod.run(parser.parse_args(args + ["--trainable", str(adapter), "--json"])) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["num_params"], out["trainable_params"], out["frozen_params"]) == \
+        (LLAMA3_8B_BASE + LORA_QV_PARAMS, LORA_QV_PARAMS, LLAMA3_8B_BASE)
+    assert out["nvme"] == 2 * (LLAMA3_8B_BASE + LORA_QV_PARAMS) + 12 * LORA_QV_PARAMS
+    assert est_mod.run(parser.parse_args(args + ["--trainable", str(tmp_path)])) == 0
+    text = capsys.readouterr().out
+    assert "8.03B params (3.41M trainable, 8.03B frozen)" in text
+    assert "parameter shards, frozen (bf16, 2 B/param, nothing else)" in text
+    assert "note: --trainable: LoRA from the adapter config" in text and "r=8, 64 modules adapted" in text
+    assert est_mod.run(parser.parse_args(["--params", "1M", "--trainable", "1.1%", "--json"])) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["trainable_params"], out["frozen_params"]) == (11_000, 989_000)
+    assert est_mod.run(parser.parse_args(["--params", "1M"])) == 0
+    assert "1.00M params (1.00M trainable, 0 frozen)" in capsys.readouterr().out
+
+
+def bad_trainable_cases(tmp_path):
+    """(trainable, extra estimate() arguments, what the message says after the argument's name);
+    all but an adapter's content and a count too large also list the forms accepted."""
+    write_adapter(tmp_path, {**LORA_QV, "peft_type": "IA3"}, "ia3.json")
+    (tmp_path / "broken.json").write_text("{")
+    (tmp_path / "list.json").write_text("[]")
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00")
+    model = {"model_config": LLAMA3_8B}
+    return [
+        ("-5", {}, "'-5' is negative"), (-5, {}, "-5 is negative"), ("-0.1", {}, "is negative"),
+        ("1.5", {}, "is not a fraction between 0 and 1"), ("2.0", {}, "is not a fraction between 0 and 1"),
+        ("0.0", {}, "is not a fraction between 0 and 1"), (1.5, {}, "neither a whole count nor a fraction"),
+        (0, {}, "is no parameter"), ("0", {}, "is not a positive whole count"), (True, {}, "is a bool"),
+        ("150%", {}, "is not a percentage above 0 and at most 100"), ("x%", {}, "is not a percentage"),
+        ("2M", {}, "2000000 trainable parameters is more than the model's 1000000"),
+        (10**7, {}, "is more than the model's 1000000"), ("1e-9", {}, "is not a positive whole count"),
+        ("seven", {}, "is not a count, a fraction, or a file or folder that exists"),
+        (str(tmp_path / "missing.json"), model, "No such file or directory"),
+        (str(tmp_path / "broken.json"), model, "invalid JSON at line 1"),
+        (str(tmp_path / "list.json"), model, "the top level is not a JSON object"),
+        (str(tmp_path / "binary.json"), model, "not a text (JSON) file"),
+        (str(tmp_path / "ia3.json"), model, "peft_type 'IA3' is not supported"),
+        (LORA_QV, {}, "a PEFT adapter config needs"),
+        ({**LORA_QV, "r": 0}, model, "r: 0 is not a positive integer"),
+        ({**LORA_QV, "bias": "some"}, model, "bias: 'some' is not 'none', 'all' or 'lora_only'"),
+        ({**LORA_QV, "target_modules": ["qproj"]}, model, "matches no Linear or Embedding module"),
+        ({**LORA_QV, "target_modules": ["input_layernorm"]}, model, "a normalization layer"),
+        ({**LORA_QV, "target_modules": ["self_attn"]}, model, "a module holding others"),
+        ({**LORA_QV, "target_modules": "(q_proj"}, model, "is not a valid regular expression"),
+        ({**LORA_QV, "target_parameters": ["experts.gate_up_proj"]}, model, "is not counted by the estimate"),
+    ]
+
+
+def test_each_bad_trainable_raises_naming_the_argument_and_what_it_accepts(tmp_path):
+    for trainable, kwargs, says in bad_trainable_cases(tmp_path):
+        kwargs = kwargs or {"num_params": 10**6}
+        with pytest.raises(ConfigError) as info:
+            estimate(trainable=trainable, **kwargs)
+        msg = str(info.value)
+        assert msg.startswith("trainable: ") and says in msg, (trainable, msg)
+        lists_forms = not isinstance(trainable, dict) and not says.startswith(("peft_type", "2000000", "is more"))
+        assert lists_forms is ("expected a count of trainable parameters (8M, 3.4e6), a fraction of the model "
+                               "(0.011, or 1.1%) or a PEFT LoRA adapter_config.json" in msg), msg
+    with pytest.raises(ConfigError, match=r"peft_type 'IA3' is not supported: trainable counts LORA adapters "
+                                          r"only; give trainable the trainable count \(e.g. 8M\) or fraction"):
+        estimate(model_config=LLAMA3_8B, trainable={**LORA_QV, "peft_type": "IA3"})
+
+
+def test_cli_messages_name_trainable_as_typed(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    est_mod.add_arguments(parser)
+    (tmp_path / "m.json").write_text(json.dumps(LLAMA3_8B))
+    for trainable, kwargs, says in bad_trainable_cases(tmp_path):
+        if not isinstance(trainable, str):
+            continue
+        source = ["--model-config", str(tmp_path / "m.json")] if kwargs else ["--params", "1M"]
+        assert est_mod.run(parser.parse_args(source + [f"--trainable={trainable}"])) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("offload estimate: --trainable: ") and says in err, (trainable, err)
+    write_adapter(tmp_path, LORA_QV)
+    assert est_mod.run(parser.parse_args(["--params", "1M", "--trainable", str(tmp_path)])) == 2
+    assert "--trainable: a PEFT adapter config needs --model-config" in capsys.readouterr().err
+
+
+def test_an_auto_plan_marks_the_adapters_trainable_and_the_base_frozen():
+    d = cfg("auto", "auto")
+    for key in ("offload_param", "offload_optimizer"):
+        d["zero_optimization"][key]["nvme_path"] = "/nvme"
+    d["memory"] = {"host_budget": "8GB", "device_budget": "2GB"}
+    e = estimate(model_config=LLAMA3_8B, config=d, trainable=LORA_QV)
+    shards = e.placement.shards
+    trainable = [s for s in shards if s.trainable]
+    assert sum(s.part_numel for s in trainable) == LORA_QV_PARAMS and len(trainable) == 4 * 32
+    assert all(".lora_" in s.name for s in trainable)
+    assert sum(s.part_numel for s in shards) == e.num_params
+    # the engine's own host reservations shrink with the frozen base: nothing on NVMe but frozen homes
+    assert all(s.state is not Tier.NVME for s in shards) and e.placement.state_bytes()[Tier.NVME] == 0
+    assert sum(e.breakdown[t].get("gradient accumulation (fp32, 4 B/trainable param)", 0)
+               for t in ("device", "host")) == 4 * LORA_QV_PARAMS
+    assert e.host <= 8 * 10**9 and e.device <= 2 * 10**9 + 2 * LLAMA3_8B_L * 2
+    assert "frozen   " in e.format()
+    # a count says how many, not which: the plan takes them from the tail, a parameter split in two
+    n = estimate(10**9, config=d, largest_layer_params=10**8, trainable="3%")
+    shards = n.placement.shards
+    assert sum(s.part_numel for s in shards if s.trainable) == 3 * 10**7
+    assert [s.trainable for s in shards[-2:]] == [False, True] and shards[-1].name == "layer9.trainable"
+    assert any("takes them from the model's tail" in line for line in n.notes)
+
+
+# (model builder, extra config keys, LoraConfig keywords): each counted by peft itself below.
+PEFT_CASES = [
+    ("llama", {}, dict(r=8, target_modules=["q_proj", "v_proj"])),
+    ("llama", {}, dict(r=4, target_modules="all-linear", bias="all")),
+    ("llama", {"tie_word_embeddings": True},
+     dict(r=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head", "embed_tokens"])),
+    ("llama", {}, dict(r=8, target_modules=["q_proj", "embed_tokens"], use_dora=True)),
+    ("llama", {}, dict(r=8, target_modules=["q_proj"], lora_bias=True)),
+    ("llama", {}, dict(r=8, target_modules=["q_proj", "v_proj"], layers_to_transform=[1],
+                       rank_pattern={"v_proj": 2})),
+    ("llama", {}, dict(r=8, target_modules=["q_proj", "v_proj"], modules_to_save=["mlp"])),
+    ("llama", {}, dict(r=8, target_modules=r".*(q|v)_proj", exclude_modules=r".*layers\.0.*")),
+    ("llama", {"attention_bias": True}, dict(r=8, target_modules="all-linear", bias="lora_only")),
+    ("llama", {"attention_bias": True},
+     dict(r=8, target_modules=["q_proj"], bias="all", modules_to_save=["o_proj"])),
+    ("gpt2", {}, dict(r=8, target_modules=None, modules_to_save=["lm_head"])),
+    ("gpt2", {}, dict(r=4, target_modules="all-linear", bias="all")),
+    ("gpt2", {}, dict(r=8, target_modules=["c_attn", "wte", "lm_head"], modules_to_save=["c_proj"])),
+    ("gpt2", {}, dict(r=8, target_modules=["c_attn"], modules_to_save=["lm_head", "ln_f"], bias="all")),
+    ("gpt2", {}, dict(r=8, target_modules=["attn.c_proj"], bias="lora_only", use_dora=True)),
+]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")  # peft's and transformers' advice
+@pytest.mark.parametrize("kind, extra, lora", PEFT_CASES)
+def test_adapter_counts_match_peft_on_the_same_model(tmp_path, kind, extra, lora):
+    """peft applies each saved LoraConfig to the HF model the config.json describes and
+    counts what trains and what there is: the estimate counts the same from the two files."""
+    peft = pytest.importorskip("peft", reason="peft is not importable: the cross-check needs it")
+    transformers = pytest.importorskip("transformers")
+    config = {**(TINY_LLAMA if kind == "llama" else {**TINY_GPT2, "n_head": 4}), **extra}
+    hf_config = (transformers.LlamaConfig if kind == "llama" else transformers.GPT2Config)(
+        **{k: v for k, v in config.items() if k != "model_type"})
+    torch.manual_seed(0)
+    model = (transformers.LlamaForCausalLM if kind == "llama" else transformers.GPT2LMHeadModel)(hf_config)
+    peft.LoraConfig(**lora).save_pretrained(str(tmp_path))
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(**lora))
+    want = (sum(p.numel() for p in wrapped.parameters() if p.requires_grad),
+            sum(p.numel() for p in wrapped.parameters()))
+    s = model_sizes(config, adapter=tmp_path / "adapter_config.json")
+    assert (s.trainable_params, s.num_params) == want

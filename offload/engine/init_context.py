@@ -44,8 +44,11 @@ written back (the window is large: four times the largest parameter and at
 least 64 MiB). `param.data = value` must keep the shape and dtype (precision
 comes from the config, not from `model.half()` inside the context). Modules
 stored without registration (`self._modules[name] = m`) go home only at exit.
-Inside the context and before initialize, parameters read outside a torch
-function see a placeholder (zeros); use the model through the engine. With
+Inside the context, parameters read outside a torch function see a
+placeholder (zeros). After it and before initialize they are managed as an
+engine's are (Note [reading a parameter outside the engine] in
+partition/managed.py): a read (a clone, `copy.deepcopy` of a module, as
+PEFT's modules_to_save does) gathers the real values, a write goes home. With
 several ranks, every rank builds the same model in the same order (gathers
 are collectives). The NVMe store is created before the model's size is
 known, so a full disk shows up as a write error, not at the preflight check.
@@ -73,6 +76,7 @@ from offload.engine.build import HomePolicy, discard_home, open_swap_store, shar
 from offload.engine.memory import release_free_host_memory
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
+from offload.partition.managed import manage, unmanage
 from offload.partition.manager import tensor_leaves
 from offload.partition.nvme_home import ParamStore
 from offload.partition.shard import Residency, Shard
@@ -113,6 +117,7 @@ def claim(model: torch.nn.Module, config: Config) -> "ModelBuilder | None":
                for p in model.parameters()):
             builder.check_same_config(config)
             _WAITING.remove(builder)
+            unmanage(builder.shards)  # the engine's build moves them, then manages them itself
             return builder
     return None
 
@@ -239,6 +244,9 @@ class ModelBuilder:
         self._state = "built"
         if self.shards:
             _WAITING.append(self)
+            # Until initialize takes them, reads see real values (PEFT copies modules_to_save
+            # before initialize) and writes go home: Note [reading a parameter outside the engine].
+            manage(_BuiltModel(self), self.shards)
 
     # ---- homing ------------------------------------------------------------
     def _on_module(self, parent, name, child) -> None:
@@ -395,6 +403,7 @@ class ModelBuilder:
     def unclaim(self) -> None:
         if self._state == "built" and self not in _WAITING:
             _WAITING.append(self)
+            manage(_BuiltModel(self), self.shards)
 
     def hand_over(self, keep: set[int], run_dirs: RunDirectories) -> None:
         """initialize took the shards of parameters in `keep`; the others (replaced or
@@ -425,6 +434,30 @@ class ModelBuilder:
     def __repr__(self) -> str:
         homes = {k.value: sum(s.home is k for s in self.shards) for k in Tier}
         return f"ModelBuilder({self._state}, shards={homes})"
+
+
+class _BuiltModel:
+    """What a ManagedParameter asks of its manager, for a model built under offload.init
+    and not yet taken by initialize (which manages the parameters with its own)."""
+
+    closed = False
+    in_forward = False
+    _internal = False
+
+    def __init__(self, builder: ModelBuilder):
+        self._builder = builder
+
+    def hold(self, shard: Shard) -> torch.Tensor:
+        if self._builder._state != "built":
+            raise RuntimeError(f"parameter {shard.name}: its offload.init model was discarded "
+                               "(builder.close()) before offload.initialize took it")
+        return shard.gather()
+
+    def drop(self, shard: Shard) -> None:
+        shard.release()
+
+    def write_edit(self, shard: Shard) -> None:
+        self._builder._write_back(shard)
 
 
 _ACTIVE: "weakref.WeakSet[ModelBuilder]" = weakref.WeakSet()

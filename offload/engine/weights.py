@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -180,6 +181,27 @@ def _few(keys) -> str:
     return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
 
 
+# Note [weights of a PEFT model]
+# A PEFT model (peft.get_peft_model) renames its base model's parameters:
+# `base_model.model.` before each name, `.base_layer.` inside a wrapped layer,
+# `.original_module.` / `.modules_to_save.<adapter>.` for a module PEFT keeps
+# a trainable copy of. Weights saved from the base model (a Hugging Face
+# directory) name them as the base did, so each parameter of a PEFT model
+# also takes the value under its base name (both the original and the
+# trainable copy, as PEFT copies it). The adapters themselves are not in the
+# base's weights: a trainable parameter PEFT made with real values keeps
+# them; one on the meta device, like any other, must be given a value.
+_PEFT_WRAPPING = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)\.")
+
+
+def _keys_for(name: str, peft_model: bool) -> tuple[str, ...]:
+    """The keys that may hold parameter `name`'s value (Note [weights of a PEFT model])."""
+    if not peft_model:
+        return (name,)
+    base = _PEFT_WRAPPING.sub(".", name.removeprefix("base_model.model."))
+    return (name, base) if base != name else (name,)
+
+
 class WeightPlan:
     """Which key gives each parameter (tied ones: one key, loaded once) and buffer."""
 
@@ -201,9 +223,13 @@ class WeightPlan:
         buffers = dict(model.named_buffers(remove_duplicate=False))
         problems, param_key, buffer_key = [], {}, {}
         missing = []
+        adapters = hasattr(model, "peft_config")  # Note [weights of a PEFT model]
         for pid, names in aliases.items():
-            key = next((n for n in names if n in present), None)
+            key = next((k for n in names for k in _keys_for(n, adapters) if k in present), None)
             if key is None:
+                p = params[pid]
+                if adapters and p.requires_grad and p.device.type != "meta":
+                    continue  # an adapter PEFT made, with its own initial values
                 missing.append(names[0])
                 continue
             param_key[pid] = key
@@ -221,7 +247,8 @@ class WeightPlan:
                     problems.append(f"{name!r} has shape {list(shape)} but the buffer is {list(buf.shape)}")
             elif buf.device.type == "meta":
                 problems.append(f"buffer {name!r} is on the meta device and the weights have no value for it")
-        expected = {n for names in aliases.values() for n in names} | set(buffers)
+        expected = {k for names in aliases.values() for n in names for k in _keys_for(n, adapters)}
+        expected |= set(buffers)
         unexpected = [k for k in keys if k not in expected]
         if missing:
             problems.insert(0, f"missing keys ({len(missing)}): {_few(missing)}")

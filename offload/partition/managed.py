@@ -95,6 +95,16 @@ class ManagedParameter(torch.nn.Parameter):
     def __repr__(self):
         return "Parameter containing:\n" + repr(self.detach())
 
+    def __deepcopy__(self, memo):
+        """A plain nn.Parameter holding the real values (torch's own deepcopy clones
+        `.data`, the placeholder): `copy.deepcopy(module)` copies what the model holds."""
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            copied = torch.nn.Parameter(self.detach().clone(), requires_grad=self.requires_grad)
+        memo[id(self)] = copied
+        return copied
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -474,8 +474,6 @@ def test_engine_refusals(tmp_path):
             engine.load_checkpoint(tmp_path, load_module_strict=False)
         with pytest.raises(ValueError, match="custom_load_fn"):
             engine.load_checkpoint(tmp_path, custom_load_fn=lambda *a: None)
-        with pytest.raises(ValueError, match=r"exclude_frozen_parameters=True\) is not supported"):
-            engine.save_checkpoint(tmp_path / "ck", exclude_frozen_parameters=True)
         with pytest.raises(RuntimeError, match="groups are fixed when it is made"):
             engine.optimizer.add_param_group({"params": []})
 
