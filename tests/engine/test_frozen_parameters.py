@@ -338,3 +338,35 @@ def test_a_checkpoint_with_its_frozen_weights_loads_them_and_consolidates_them(t
     with safe_open(str(lean), "pt") as f:
         assert set(f.keys()) == set(trainable)
         assert set(json.loads(f.metadata()["offload.frozen_not_saved"])) == set(frozen)
+
+
+def test_auto_plans_a_lora_in_ram_where_it_fits_and_spills_only_the_frozen_base(tmp_path):
+    """Frozen homes are planned at their real size: with a host budget twice what the LoRA
+    needs on the host (base homes, adapters, their state and the engine's buffers) everything
+    stays there; with less, only frozen homes go to NVMe, the adapters' state staying in RAM."""
+    model = lora_gpt(hidden=96, layers=12, dtype=torch.bfloat16)
+    frozen, trainable = frozen_and_trainable(model)
+    def reserved(where):  # what initialize reserves on the host with everything `where`
+        probe = config(where, where, tmp_path / "probe", precision="bf16", host_budget=1 << 40)
+        with offload.initialize(copy.deepcopy(model), probe) as engine:
+            note = engine.account.budget_notes[Tier.HOST]
+        return int(note.split("initialize reserved ")[1].split(" ")[0])
+    most = reserved("cpu")
+    data = batches(STEPS, seed=6)
+    ref_model, ref_losses = reference(model, data, "bf16")
+    # Twice the real need (a LoRA charged like a full fine-tune was planned all on NVMe at
+    # this budget), then half the base's bytes short.
+    for budget, spills in ((2 * most, False), (most - sum(frozen.values()), True)):
+        cfg = config("auto", "auto", tmp_path / str(budget), precision="bf16", host_budget=budget)
+        with offload.initialize(copy.deepcopy(model), cfg) as engine:
+            losses = train_engine(engine, data)
+            plan = engine.placement()
+            weights = engine_weights(engine)
+        shards = {s.name: s for s in plan.shards}
+        on_nvme = [n for n, s in shards.items() if s.home is Tier.NVME]
+        assert bool(on_nvme) is spills, plan.format()
+        assert set(on_nvme) <= set(frozen), plan.format()
+        assert all(shards[n].state is Tier.HOST for n in trainable), plan.format()
+        torch.testing.assert_close(losses, ref_losses[:, 0], rtol=0, atol=0)
+        for name, p in ref_model.named_parameters():
+            torch.testing.assert_close(weights[name], p.detach(), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
