@@ -48,6 +48,7 @@ TORCH_RELEASE_MODULES = {
     "tests/engine/test_activation_checkpointing.py", "tests/engine/test_sim_checkpointing.py",
     "tests/engine/test_user_paths.py", "tests/engine/test_sim_engine.py", "tests/engine/test_collective_bytes.py",
     "tests/engine/test_reduce_scatter.py", "tests/engine/test_parity.py", "tests/test_hf_trainer.py",
+    "tests/test_peft.py",
     "tests/test_hf_example.py", "tests/test_torch_release.py", "tests/device/test_device_choice.py",
 }
 

@@ -47,6 +47,7 @@ def frozen_and_trainable(model):
     return frozen, trainable
 
 
+@pytest.mark.any_device  # Note [the device a test runs on] (tests/conftest.py)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("param,optim", CONFIGS)
 def test_a_lora_model_trains_like_plain_pytorch_on_every_tier(tmp_path, param, optim, precision):
@@ -64,6 +65,7 @@ def test_a_lora_model_trains_like_plain_pytorch_on_every_tier(tmp_path, param, o
         torch.testing.assert_close(weights[name], p.detach(), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.any_device  # Note [the device a test runs on] (tests/conftest.py)
 @pytest.mark.parametrize("param,optim", [("cpu", "cpu"), ("nvme", "nvme")])
 def test_accumulation_and_clipping_with_frozen_weights_equal_plain_pytorch(tmp_path, param, optim):
     model, data = lora_gpt(), batches(2 * STEPS, seed=5)
@@ -78,12 +80,13 @@ def test_accumulation_and_clipping_with_frozen_weights_equal_plain_pytorch(tmp_p
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("param,optim", [("cpu", "cpu"), ("nvme", "nvme")])
+@pytest.mark.parametrize("param,optim", [("cpu", "cpu"), ("nvme", "nvme"), ("auto", "auto")])
 def test_a_frozen_weight_costs_its_home_alone_to_the_byte(tmp_path, param, optim, precision):
     """The closed form per element (c: the compute dtype's bytes): a frozen weight c on its
     home tier and nothing else; a trainable one c + 12 + 4 (its home, master and moments,
     fp32 gradient; in fp32 a host home is the master, an NVMe home's file the master of
-    NVMe state). Every step writes the trainable state alone to NVMe."""
+    NVMe state). Every step writes the trainable state alone to NVMe. auto, with this
+    machine's RAM, plans it all on the host: the cpu figures."""
     model = lora_gpt(dtype=torch.bfloat16 if precision == "bf16" else None)
     frozen, trainable = frozen_and_trainable(model)
     c = 4 if precision == "fp32" else 2
@@ -98,7 +101,7 @@ def test_a_frozen_weight_costs_its_home_alone_to_the_byte(tmp_path, param, optim
         train_engine(engine, batches(STEPS, seed=1))
         written = (sum(s.stats.bytes_written for s in stores) - written) / STEPS
         plan = engine.placement()
-    if param == "cpu":
+    if param in ("cpu", "auto"):
         master_in_home = c == 4
         assert report["host"]["now"] == F * c + T * ((0 if master_in_home else c) + 12 + 4)
         assert report["nvme"]["now"] == 0
@@ -109,8 +112,9 @@ def test_a_frozen_weight_costs_its_home_alone_to_the_byte(tmp_path, param, optim
         assert report["host"]["now"] == 0  # gradients exist only while pending (lazy on NVMe)
         # The new home value and the state written back; nothing of the frozen base.
         assert written == T * (c + (8 if shared_master else 12))
-    assert plan.held_bytes()[Tier.HOST if param == "cpu" else Tier.NVME] == \
-        F * c + T * ((0 if c == 4 and param == "cpu" else c) + (8 if c == 4 and param == "nvme" else 12))
+    on_host = param in ("cpu", "auto")
+    assert plan.held_bytes()[Tier.HOST if on_host else Tier.NVME] == \
+        F * c + T * ((0 if c == 4 and on_host else c) + (8 if c == 4 and not on_host else 12))
     assert not [w for w in charged if any(w.endswith(f"of {name}") for name in frozen)]
     assert {s.name for s in plan.shards if not s.trainable} == set(frozen)
 
@@ -255,6 +259,7 @@ def test_deepspeeds_form_with_frozen_parameters_listed_or_left_out_trains_like_p
 
 
 # ---- checkpoints --------------------------------------------------------------------
+@pytest.mark.any_device  # Note [the device a test runs on] (tests/conftest.py)
 @pytest.mark.parametrize("param,optim,precision", [("cpu", "cpu", "fp32"), ("nvme", "nvme", "bf16"),
                                                    ("auto", "auto", "bf16")])
 def test_a_checkpoint_without_the_frozen_weights_resumes_bit_for_bit(tmp_path, param, optim, precision):
