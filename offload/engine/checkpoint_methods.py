@@ -57,8 +57,9 @@ class CheckpointMethods:
         tensor at a time, so a model larger than RAM is saved too; `from_pretrained(save_dir)`
         loads it (Note [streamed pretrained save]). dtype: of floating tensors (default: as they
         are). master=True: the trained parameters' fp32 master weights (what a bf16 run's
-        optimizer holds) instead of their compute-dtype copies. A collective with several
-        ranks; rank 0 writes."""
+        optimizer holds) instead of their compute-dtype copies; frozen parameters have no
+        master and are written as they are held, in the compute dtype (Note [frozen
+        parameters] in offload/placement.py). A collective with several ranks; rank 0 writes."""
         from offload.checkpoint_io.pretrained import save_pretrained
 
         self._check_open()
