@@ -160,7 +160,10 @@ class Built:
         master, the original value in fp32, and Engine._abort gives it back in
         the original dtype (exact: the engine's parameters are at most fp32);
         the ones not reached were never touched. So the model the caller still
-        holds has its original values and dtypes, never the compute-dtype copy."""
+        holds has its original values and dtypes, never the compute-dtype copy;
+        but for frozen parameters, which have no master (Note [frozen parameters]
+        in offload/placement.py): theirs is the home's compute-dtype value, exact
+        where the model was given in the compute dtype (a bf16 base for a bf16 run)."""
         for shard in self.shards:
             original = shard.param.data
             try:

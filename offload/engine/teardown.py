@@ -16,7 +16,8 @@ log = logging.getLogger("offload")
 class Teardown:
     def _give_values_back(self) -> bool:
         """At close: each parameter becomes a plain tensor holding its value (the
-        fp32 master, in its original dtype) when the model fits in half the memory
+        fp32 master, in its original dtype; a frozen one's compute-dtype home, in its
+        original dtype: Note [frozen parameters]) when the model fits in half the memory
         available; otherwise its values go with the swap files, and reading them
         raises (Note [reading a parameter outside the engine])."""
         need = sum(s.numel * max(4, s.original_dtype.itemsize) for s in self.shards if s.home is not Tier.DEVICE)
