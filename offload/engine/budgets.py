@@ -63,7 +63,8 @@ def tier_needs(planned: list, config: Config, dtype: torch.dtype,
     (`working_set_elems`, Note [prefetch within the device budget]). Host tier:
     homes, fp32 gradients, optimizer state, the swap stores' staging buffers
     (staging_bytes), idle gathered buffers kept for reuse (on a CPU device: the
-    BufferCache made below, 3 x the largest), and with NVMe optimizer state
+    BufferCache build.py makes, 3 x the largest parameter gathered into a
+    buffer, not a zero-copy host home), and with NVMe optimizer state
     what its update keeps in flight (docs/ARCHITECTURE.md, "Memory budget").
     Saved activations are the model's and depend on the inputs: they get what
     the device budget leaves, which the returned line states."""
@@ -101,9 +102,8 @@ def tier_needs(planned: list, config: Config, dtype: torch.dtype,
         reads_ahead = any(s.home is Tier.NVME or (separate_memory and s.home is Tier.HOST) for s in planned)
         working = working_set_elems(zero, gathered, reads_ahead, max(on_demand, largest))
         add(Tier.DEVICE, "offloaded parameters gathered at once (working set)", working * dtype.itemsize)
-    offloaded = [s.padded_numel for s in planned if s.home is not Tier.DEVICE]
-    if offloaded and not separate_memory:
-        add(Tier.HOST, "idle gathered buffers kept for reuse", 3 * max(offloaded) * dtype.itemsize)
+    if gathered and not separate_memory:  # only gathers into a buffer use them (Note [zero-copy gather])
+        add(Tier.HOST, "idle gathered buffers kept for reuse", 3 * max(gathered) * dtype.itemsize)
     nvme_state = [s.part_numel for s in planned if s.state is Tier.NVME]
     if nvme_state:
         homes_on_nvme = any(s.home is Tier.NVME for s in planned)
@@ -249,9 +249,9 @@ def replan_within(placement: Placement, need: dict[Tier, dict], config: Config, 
     tier's budget (its buffers, gradients and working set came out larger than
     the room the plan left them), or None where they fit.
 
-    The plan keeps PLAN_SLACK x the largest partition's bytes of the host budget
-    unclaimed: one more shard's state and master in flight than the reservation
-    counts. `first`: the budgets of the first plan, the same on every rank (the
+    The plan keeps PLAN_SLACK x the largest trainable partition's bytes of the
+    host budget unclaimed: one more shard's state and master in flight than the
+    reservation counts. `first`: the budgets of the first plan, the same on every rank (the
     limits: not the room a replan lowered, nor one rank's own budget)."""
     b = placement.budgets
     device_limit = None
@@ -259,7 +259,8 @@ def replan_within(placement: Placement, need: dict[Tier, dict], config: Config, 
         device_limit = int(first.device / DEVICE_SHARE)
     limits = {Tier.DEVICE: device_limit, Tier.HOST: first.host}
     held = placement.held_bytes()
-    slack = PLAN_SLACK * max((s.part_numel for s in placement.shards), default=0)
+    # A frozen partition has no state to hold in flight (Note [frozen parameters]).
+    slack = PLAN_SLACK * max((s.part_numel for s in placement.shards if s.trainable), default=0)
     changes = {}
     for tier, field_name in ((Tier.DEVICE, "device"), (Tier.HOST, "host")):
         limit = limits[tier]

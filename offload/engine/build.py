@@ -383,11 +383,13 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
         param_store = ParamStore(builder.store if have_param_store else stores["param"], pg, timeline,
                                  staging=staging_pool)
         param_writer = ParamStore(stores.get("writer") or stores["state"], pg, timeline)
-    offloaded = [pl.padded_numel * dtype.itemsize for pl in planned if pl.home is not Tier.DEVICE]
+    gathered = [pl.padded_numel * dtype.itemsize for pl in planned
+                if budgets.gathers_to_a_buffer(pl, layer.separate_memory, pg.world_size)]
     buffers = None
-    if offloaded:
-        # Gathered buffers reused across steps: about as many as are live at once.
-        buffers = BufferCache(3 * max(offloaded),
+    if gathered:
+        # Gathered buffers reused across steps: about as many as are live at once (a
+        # zero-copy host home needs none: Note [zero-copy gather] in partition/shard.py).
+        buffers = BufferCache(3 * max(gathered),
                               charge=lambda n: account.charge(Tier.HOST, n, "idle gathered buffers"),
                               credit=lambda n: account.credit(Tier.HOST, n))
     ctx = shard_context(config, layer, pg, account, param_store=param_store, buffers=buffers,
