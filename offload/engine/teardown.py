@@ -19,15 +19,21 @@ class Teardown:
         fp32 master, in its original dtype; a frozen one's compute-dtype home, in its
         original dtype: Note [frozen parameters]) when the model fits in half the memory
         available; otherwise its values go with the swap files, and reading them
-        raises (Note [reading a parameter outside the engine])."""
-        need = sum(s.numel * max(4, s.original_dtype.itemsize) for s in self.shards if s.home is not Tier.DEVICE)
+        raises (Note [reading a parameter outside the engine]). A frozen host home
+        already in the parameter's own dtype (one rank) is handed over as it is: it
+        needs no memory more (a LoRA's bf16 base given back whole)."""
+        need = sum(s.numel * max(4, s.original_dtype.itemsize) for s in self.shards
+                   if s.home is not Tier.DEVICE and not self._handed_over_as_is(s))
         # Every rank decides alike: reading the values back is a collective.
         if self.pg.any_flag(need > 0.5 * psutil.virtual_memory().available, self.device):
             log.warning("engine.close(): the parameters (%.1f GiB) do not fit in memory and are not given "
                         "back to the model; save them before closing", need / 2**30)
+            self._forget_homes()
             return False
         try:
-            values = self.full_state_dict(master=True)
+            values = {shard.name: (shard.host_part[:shard.numel].view(shard.shape)
+                                   if self._handed_over_as_is(shard) else self.full_value(shard, master=True))
+                      for shard in self.shards}
         except Exception:  # noqa: BLE001 - closing after a failure: reads then raise instead
             log.exception("engine.close(): could not read the parameters back")
             return False
@@ -35,6 +41,17 @@ class Teardown:
         for shard in self.shards:
             shard.param.data = values[shard.name].to(shard.original_dtype)
         return True
+
+    def _handed_over_as_is(self, shard) -> bool:
+        return (not shard.trainable and shard.home is Tier.HOST and shard.host_part is not None
+                and self.pg.world_size == 1 and shard.dtype == shard.original_dtype)
+
+    def _forget_homes(self) -> None:
+        """The values were not given back: the host homes' memory goes now, not when the
+        last reference to the model does (reads raise either way)."""
+        for shard in self.shards:
+            if shard.home is Tier.HOST:
+                shard.host_part = shard._host_alias = None
 
     def _remove_swap_files(self) -> None:
         for store in self._stores:

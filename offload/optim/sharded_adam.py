@@ -381,6 +381,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
 
     def _close(self) -> None:
         self.buffers.clear()
+        self._states.clear()  # host or device memory held until the engine's last reference went
         if self._own_worker:
             self.worker.shutdown()
 

@@ -375,3 +375,35 @@ def test_auto_plans_a_lora_in_ram_where_it_fits_and_spills_only_the_frozen_base(
         torch.testing.assert_close(losses, ref_losses[:, 0], rtol=0, atol=0)
         for name, p in ref_model.named_parameters():
             torch.testing.assert_close(weights[name], p.detach(), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_close_hands_the_frozen_host_homes_back_as_they_are_and_frees_what_it_cannot_give(tmp_path, monkeypatch):
+    """A frozen host home in the parameter's own dtype becomes the parameter at close, with
+    no copy (a LoRA's base needs no memory more to be given back); where the values are not
+    given back (they do not fit), the homes and the optimizer state are freed at close, not
+    when the model goes."""
+    model = lora_gpt(dtype=torch.bfloat16).to(torch.bfloat16)
+    cfg = config("cpu", "cpu", tmp_path, precision="bf16")
+    engine = offload.initialize(model, cfg)
+    train_engine(engine, batches(2, seed=1))
+    weights = engine_weights(engine)
+    homes = {s.name: s.host_part.data_ptr() for s in engine.shards if not s.trainable}
+    engine.close()
+    params = dict(model.named_parameters())
+    for name, ptr in homes.items():
+        assert params[name].data_ptr() == ptr and type(params[name]) is torch.nn.Parameter
+    for name, value in weights.items():
+        torch.testing.assert_close(params[name].detach().float(), value.to(torch.bfloat16).float(), rtol=0, atol=0)
+
+    import psutil
+
+    model = lora_gpt(dtype=torch.bfloat16)
+    engine = offload.initialize(model, config("cpu", "cpu", tmp_path / "b"))
+    train_engine(engine, batches(2, seed=1))
+    shards, states = engine.shards, engine.optimizer._states
+    available = psutil.virtual_memory()._replace(available=1)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: available)
+    engine.close()
+    assert all(s.host_part is None for s in shards) and not states
+    with pytest.raises(RuntimeError, match="did not fit in memory"):
+        model.wte.weight.sum()
