@@ -417,6 +417,12 @@ class Shard:
             self._drop_full()
 
     @property
+    def gathers_to_a_buffer(self) -> bool:
+        """Whether gathering allocates a buffer of its own (not the home itself: a device
+        home, or a zero-copy host home, Note [zero-copy gather])."""
+        return self.home is not Tier.DEVICE and not self._zero_copy
+
+    @property
     def held(self) -> bool:
         return self._refs > 0 or self.home is Tier.DEVICE
 

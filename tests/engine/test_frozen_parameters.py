@@ -407,3 +407,37 @@ def test_close_hands_the_frozen_host_homes_back_as_they_are_and_frees_what_it_ca
     assert all(s.host_part is None for s in shards) and not states
     with pytest.raises(RuntimeError, match="did not fit in memory"):
         model.wte.weight.sum()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_backward_holds_a_frozen_base_on_nvme_a_few_weights_at_a_time(tmp_path, precision):
+    """Note [frozen holds in backward]: frozen weights that backward reads again are not
+    kept gathered to the end of backward (no gradient hook drops them): the device tier
+    holds a few at a time, as in forward, and training is still exact."""
+    dtype = torch.bfloat16 if precision == "bf16" else None
+    model, data = lora_gpt(hidden=48, layers=8, dtype=dtype), batches(2, seed=8)
+    frozen, _ = frozen_and_trainable(model)
+    c = 2 if dtype else 4
+    ref_model, ref_losses = reference(model, data, precision)
+    cfg = config("nvme", "nvme", tmp_path, precision=precision)
+    largest = max(frozen.values())
+    # Reads ahead of one weight: what is held at once is then the engine's choice, not the prefetcher's.
+    cfg["zero_optimization"].update(stage3_prefetch_bucket_size=largest, stage3_max_live_parameters=2 * largest)
+    with offload.initialize(copy.deepcopy(model), cfg) as engine:
+        from tests.engine.harness import lm_loss
+
+        losses = []
+        for per_rank in data:
+            x, y = per_rank[0]
+            loss = lm_loss(engine(x), y)
+            engine.account.reset_peak()
+            at_start = engine.account.usage(Tier.DEVICE).now  # saved activations, what forward left
+            engine.backward(loss)
+            gathered_in_backward = engine.account.usage(Tier.DEVICE).peak - at_start
+            engine.step()
+            losses.append(loss.detach().float())
+            assert gathered_in_backward <= 4 * largest * c, (gathered_in_backward, sum(frozen.values()) * c)
+        weights = engine_weights(engine)
+    torch.testing.assert_close(torch.stack(losses), ref_losses[:, 0], rtol=0, atol=0)
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
