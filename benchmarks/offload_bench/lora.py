@@ -184,13 +184,10 @@ def vm_rss(pid: int | str = "self") -> int | None:
 
 
 def reset_peak() -> bool:
-    """VmHWM back to the current RSS (Linux >= 4.0), so the next phase's peak is its own."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    """VmHWM back to the current RSS, so the next phase's peak is its own."""
+    from offload.engine.memory import reset_peak_rss
+
+    return reset_peak_rss()
 
 
 def proc_io() -> tuple[int, int]:
