@@ -255,6 +255,12 @@ class ParameterManager:
         else:
             self.drop(shard)
 
+    @staticmethod
+    def _lends_to_autograd(shard: Shard) -> bool:
+        """Note [frozen holds in backward]: a frozen value unpacked in backward from a host
+        buffer on a CPU device is left to autograd instead of held to its end."""
+        return not shard.trainable and shard.gathers_to_a_buffer and not shard.ctx.layer.separate_memory
+
     def _make_grad_hook(self, shard: Shard):
         def grad_hook(param):
             self._note_backward()
@@ -377,7 +383,10 @@ class ParameterManager:
             view = data.as_strided(saved.size, saved.stride, shard.full_storage_offset() + saved.offset)
             if not shard.trainable and shard.gathers_to_a_buffer:
                 # Note [frozen holds in backward]
-                view = view.clone()
+                if self._lends_to_autograd(shard):
+                    shard.lend_gathered_buffer()
+                else:
+                    view = view.clone()
                 self.drop(shard)
                 return view
             self._backward_holds[shard] = self._backward_holds.get(shard, 0) + 1
@@ -419,12 +428,16 @@ class ParameterManager:
     # gradient) is held until its gradient hook says its gradient is final. A
     # frozen one has no hook: held so, every frozen weight backward reads would
     # stay gathered to the end of backward (a LoRA of a 19B Llama with 21.6 GiB of
-    # its base on NVMe was OOM-killed at 24 GB in its first backward). So an
-    # unpacked frozen value that was gathered into a buffer is handed to autograd
-    # as a copy and the hold dropped at once: the copy lives while the backward
-    # node that asked for it runs. Frozen weights in a recomputed forward (activation
-    # checkpointing) are still held to the end of backward: the checkpoint keeps
-    # the gathered tensor itself, and nothing says when its node has run.
+    # its base on NVMe was OOM-killed at 24 GB in its first backward). So a frozen
+    # value gathered into a buffer is handed to autograd and the hold dropped at
+    # once: on a CPU device the buffer itself, lent (Shard.lend_gathered_buffer:
+    # never reused, freed when autograd lets go of it), beside a device with memory
+    # of its own a copy (its buffers belong to the device layer's streams). The
+    # lent bytes are not in the device tier's count while autograd holds them.
+    # Frozen weights in a recomputed forward (activation checkpointing) are still
+    # held to the end of backward: autograd saves the parameter itself there (a
+    # leaf), so its `.data` must stay the gathered value until its node has run,
+    # and nothing says when that is.
     def end_backward(self) -> None:
         """After backward: drop holds whose gradient hook never ran (frozen params)."""
         for shard, count in list(self._backward_holds.items()):

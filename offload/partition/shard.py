@@ -152,6 +152,7 @@ class Shard:
         self.residency = Residency.RELEASED
         self._refs = 0
         self._full: torch.Tensor | None = None  # padded flat device buffer while gathered
+        self._full_lent = False  # _full is left to its other users when released (lend_gathered_buffer)
         # Note [zero-copy gather]: with one rank and the device tier in host
         # memory (CPU-only), a host partition already is the full parameter:
         # gathering points param.data at it and costs no bytes and no copy.
@@ -442,11 +443,21 @@ class Shard:
             return aligned_tensor(self.padded_numel, self.dtype)
         return torch.empty(self.padded_numel, dtype=self.dtype, device=self.ctx.device)
 
+    def lend_gathered_buffer(self) -> None:
+        """The gathered buffer goes with whoever still references it (autograd, for a frozen
+        value read in backward: Note [frozen holds in backward]): when released it is left
+        to them, not reused. A host buffer on a CPU device only."""
+        if self.residency is not Residency.GATHERED or self.ctx.layer.separate_memory or self._zero_copy:
+            raise RuntimeError(f"parameter {self.name}: only a gathered host buffer can be lent")
+        self._full_lent = True
+
     def _drop_full(self) -> None:
         self.param.data = self._placeholder
+        lent, self._full_lent = self._full_lent, False
         if self.ctx.layer.separate_memory:
             self.ctx.layer.free(self._full)
-        elif self.ctx.buffers is not None and not self._zero_copy and self._full.device.type == "cpu":
+        elif (self.ctx.buffers is not None and not self._zero_copy and self._full.device.type == "cpu"
+              and not lent):
             self.ctx.buffers.give(self._full)
         self._full = None
         if not self._zero_copy:
