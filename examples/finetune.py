@@ -523,6 +523,13 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        # Ctrl-C inside a library's cleanup can surface as another error raised while
+        # handling it (tqdm's write lock: "cannot release un-acquired lock"): still Ctrl-C.
+        if not _interrupted(exc):
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130
     finally:
         if engine is not None:
             engine.close()  # removes the swap files, also on error and Ctrl-C
@@ -543,6 +550,17 @@ def main(argv=None) -> int:
               f"steps {last:.4f})", file=sys.stderr)
         return 1
     return 0
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether `exc` was raised while a KeyboardInterrupt was being handled."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__context__
+    return False
 
 
 if __name__ == "__main__":
