@@ -206,6 +206,41 @@ def _sim_summary(engine, steps: list[dict]) -> dict:
     return out
 
 
+def _bus_rate(device) -> dict:
+    """GB/s of one 1 GiB copy each way between pinned host memory and the GPU (the
+    median of three after one untimed): the rate the bus floor of a step is taken at."""
+    import torch
+
+    n = 2**28  # fp32: 1 GiB
+    host = torch.empty(n, dtype=torch.float32, pin_memory=True).uniform_()
+    dev = torch.empty(n, dtype=torch.float32, device=device)
+    rate = {}
+    for way, (dst, src) in {"up": (dev, host), "down": (host, dev)}.items():
+        times = []
+        for _ in range(4):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000.0)
+        rate[way] = round(4 * n / statistics.median(times[1:]) / 1e9, 2)
+    del host, dev
+    torch.cuda.empty_cache()
+    return rate
+
+
+def _bus_step(layer, before) -> dict:
+    """Bytes each way over the bus in the step just run, and, on cuda, the seconds
+    the copies took each way (CudaDevice.time_copies)."""
+    out = {"up_bytes": layer.counters.bytes_to_device - before[0],
+           "down_bytes": layer.counters.bytes_to_host - before[1]}
+    seconds = layer.copy_seconds() if hasattr(layer, "copy_seconds") else {}
+    for way, sec in seconds.items():
+        out[f"{way}_s"] = round(sec, 6)
+    return out
+
+
 def run_contender(name: str, spec: dict) -> dict:
     """Runs one contender in this process; returns its figures."""
     import torch
@@ -247,11 +282,16 @@ def run_contender(name: str, spec: dict) -> dict:
     moved = None
     sim_steps: list[dict] = []  # --device sim, ours: each timed step's hidden fractions
     paths: list[dict] = []  # ours: each timed step (Note [critical path] in train_timeline.py)
+    layer = engine.device_layer if engine is not None and name.startswith("offload-") else None
+    if layer is not None and cuda:
+        res["bus_rate_gbps"] = _bus_rate(device)
     for i in range(s["warmup"] + s["steps"]):
         if i == s["warmup"]:
             moved = [(st.stats.bytes_read, st.stats.bytes_written) for st in stores]
             usage = resource.getrusage(resource.RUSAGE_SELF)
-        layer = engine.device_layer if engine is not None and name.startswith("offload-") else None
+            if layer is not None and hasattr(layer, "time_copies"):
+                layer.time_copies()
+        bus_before = (layer.counters.bytes_to_device, layer.counters.bytes_to_host) if layer is not None else None
         modeled = getattr(layer, "compute", None)  # --device sim with OFFLOAD_SIM_TFLOPS
         if modeled is not None:
             layer.reset_modeled_compute()
@@ -270,6 +310,7 @@ def run_contender(name: str, spec: dict) -> dict:
                 paths.append(critical_path(engine.timeline(), round(dt, 6), sim_steps[-1] if sim_steps else None))
                 paths[-1]["optimizer_gparams_per_s"] = round(
                     res["params"] / 1e9 / max(paths[-1]["optimizer_s"], 1e-9), 4)
+                paths[-1]["bus"] = _bus_step(layer, bus_before)
                 if modeled is not None:  # the device compute's modeled time (Note [sim modeled compute])
                     paths[-1]["modeled_compute_s"] = round(layer.reset_modeled_compute().modeled_s, 6)
         print(f"[{name}] step {i} {'warmup' if i < s['warmup'] else 'timed'} "

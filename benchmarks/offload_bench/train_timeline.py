@@ -41,6 +41,10 @@ TIMELINE_PER_STEP_DOC = {
     "writes": "NVMe writes in the step",
     "copies": "--device sim: host<->device copies in the step (copies_busy_s: their union; "
               "copies_exposed_s: the part with compute blocked)",
+    "bus": "bytes up (host -> device) and down the bus in the step, counted by the device layer; "
+           "on cuda also the seconds those copies took each way (CUDA events around each copy, "
+           "summed: one stream each way, so the time that way was busy). bus_rate_gbps beside "
+           "timeline_per_step is a 1 GiB pinned copy's rate each way, for the floor bytes / rate",
     "optimizer_gparams_per_s": "trainable parameters / optimizer_s: the optimizer's rate inside the step",
     "modeled_compute_s": "--device sim with OFFLOAD_SIM_TFLOPS: the device compute's modeled time "
                          "in the step (Note [sim modeled compute] in offload/device/sim_compute.py)",

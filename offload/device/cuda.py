@@ -1,7 +1,12 @@
 """The `cuda` device layer: torch.cuda streams and events, pinned host memory.
 
 Thin on purpose (Note [device layer] in device/layer.py): each method is the
-torch.cuda call it names. Not yet run on a GPU (none has been lent).
+torch.cuda call it names.
+
+`time_copies()` (off by default: two timing events a copy) times each copy
+up or down the bus with CUDA events, for the benchmark's bus seconds per step
+(`copy_seconds()`): the engine makes each way's copies on one stream
+(Note [copy streams]), so their sum is the time that way of the bus was busy.
 
 Reuse is `record_stream`-safe: a copy on a side stream records each device
 tensor it touches on that stream, so when the caller drops the tensor the
@@ -67,6 +72,23 @@ class CudaDevice(DeviceLayer):
         require_cuda()
         super().__init__()
         self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = None
+
+    def time_copies(self, on: bool = True) -> None:
+        """From now on, time each copy up and down the bus (read with copy_seconds())."""
+        self._timed = [] if on else None
+
+    def copy_seconds(self) -> dict[str, float]:
+        """Seconds of copies "up" (host -> device) and "down" since the last call, summed
+        over copies; waits for them to finish. Empty where time_copies() is off."""
+        if self._timed is None:
+            return {}
+        timed, self._timed = self._timed, []
+        seconds = {"up": 0.0, "down": 0.0}
+        for way, start, end in timed:
+            end.synchronize()
+            seconds[way] += start.elapsed_time(end) / 1000.0
+        return seconds
 
     def alloc(self, numel: int, dtype: torch.dtype, name: str) -> torch.Tensor:
         buf = torch.empty(numel, dtype=dtype, device=self.device)
@@ -93,13 +115,22 @@ class CudaDevice(DeviceLayer):
         return CudaEvent()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream | None = None) -> Event:
-        self._count_copy(dst, src)
+        way = None if dst.is_cuda == src.is_cuda else "up" if dst.is_cuda else "down"
+        self._count_copy(dst, src, way)
         stream = stream or self.current_stream()
         assert isinstance(stream, CudaStream), f"not a cuda stream: {stream!r}"
+        timed = self._timed if way is not None else None
         with torch.cuda.stream(stream.raw):
+            if timed is not None:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(stream.raw)
             # non_blocking is asynchronous only with pinned host memory; with
             # pageable memory CUDA stages the copy and the host waits for it.
             dst.copy_(src, non_blocking=True)
+            if timed is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(stream.raw)
+                timed.append((way, start, end))  # list.append: safe from the host worker too
             for t in (dst, src):
                 if t.is_cuda:
                     t.record_stream(stream.raw)

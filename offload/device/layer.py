@@ -65,7 +65,9 @@ class DeviceCounters:
     pinned_allocations: int = 0
     pinned_bytes_allocated: int = 0  # cumulative
     copies: int = 0
-    bytes_copied: int = 0
+    bytes_copied: int = 0  # every copy, whichever way
+    bytes_to_device: int = 0  # host -> device: up the bus
+    bytes_to_host: int = 0  # device -> host: down the bus
 
     def allocated(self, buf: torch.Tensor, *, pinned: bool = False) -> torch.Tensor:
         """Counts an allocation (device memory, or pinned host memory); returns buf."""
@@ -189,10 +191,16 @@ class DeviceLayer(abc.ABC):
     def close(self) -> None:
         """Release what the layer holds (the sim's worker threads)."""
 
-    def _count_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def _count_copy(self, dst: torch.Tensor, src: torch.Tensor, way: str | None = None) -> None:
+        """Counts a copy; `way` is "up" (host -> device), "down" (device -> host) or
+        None (within one side: the cpu layer's copies, device -> device)."""
         check_copy_shapes(dst, src)
         self.counters.copies += 1
         self.counters.bytes_copied += nbytes(src)
+        if way == "up":
+            self.counters.bytes_to_device += nbytes(src)
+        elif way == "down":
+            self.counters.bytes_to_host += nbytes(src)
 
 
 def nbytes(t: torch.Tensor) -> int:

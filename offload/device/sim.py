@@ -324,9 +324,10 @@ class SimDevice(DeviceLayer):
         stream = stream or self.default
         assert isinstance(stream, SimStream), f"not a sim stream: {stream!r}"
         self.raise_worker_error()
-        self._count_copy(dst, src)
         dst_record, src_record = self._record_for(dst), self._record_for(src)
         kinds = [r.kind if r is not None else "pageable" for r in (dst_record, src_record)]
+        self._count_copy(dst, src, None if kinds[0] == kinds[1] else "up" if kinds[0] == "device"
+                         else "down" if kinds[1] == "device" else None)
         if "device" not in kinds:
             raise TypeError("sim device: copy() between two host tensors; the layer copies to, "
                             "from or within the device")

@@ -125,3 +125,25 @@ def test_no_pinned_allocation_after_the_first_step_on_cuda(tmp_path, monkeypatch
         after_first = engine.device_layer.counters.pinned_allocations
         _train(step, data[1:])
         assert engine.device_layer.counters.pinned_allocations == after_first > 0
+
+
+def test_copy_timing_counts_each_way_of_the_bus_on_cuda(tmp_path, monkeypatch):
+    """What the benchmark's bus figures stand on: a cpu/cpu step moves every parameter
+    up (its gather) and every gradient down, counted each way and timed by events."""
+    monkeypatch.setenv("OFFLOAD_DEVICE", "cuda")
+    data = batches(STEPS)
+    model = build("tiny_gpt")
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    with offload.initialize(model, make_config("cpu", "cpu", tmp_path)) as engine:
+        step = _engine_step(engine)
+        layer = engine.device_layer
+        _train(step, data[:1])
+        layer.time_copies()
+        up, down = layer.counters.bytes_to_device, layer.counters.bytes_to_host
+        _train(step, data[1:2])
+        torch.cuda.synchronize()
+        seconds = layer.copy_seconds()
+        assert layer.counters.bytes_to_device - up >= param_bytes
+        assert layer.counters.bytes_to_host - down >= param_bytes
+        assert seconds["up"] > 0 and seconds["down"] > 0
+        assert layer.copy_seconds() == {"up": 0.0, "down": 0.0}

@@ -190,6 +190,17 @@ def test_the_cpu_layer_is_synchronous():
     assert layer.counters.copies == 1 and layer.counters.bytes_copied == N * 4
 
 
+def test_copies_are_counted_by_the_way_they_cross_the_bus(make_sim):
+    layer = make_sim(gbps=gbps_for(0.001))
+    values = torch.arange(N, dtype=torch.float32)
+    buf = to_device(layer, values, "w")  # up: 4 KB
+    twin = layer.alloc(N, torch.float32, "twin")
+    layer.copy(twin, buf).synchronize()  # within the device: neither way
+    assert_close(to_host(layer, twin), values, rtol=0, atol=0)  # down: 4 KB
+    c = layer.counters
+    assert (c.copies, c.bytes_copied, c.bytes_to_device, c.bytes_to_host) == (3, 3 * N * 4, N * 4, N * 4)
+
+
 def test_layer_selection_from_the_environment(monkeypatch):
     monkeypatch.delenv(device.ENV_DEVICE, raising=False)
     assert device.selected_name() == ("cuda" if torch.cuda.is_available() else "cpu")
