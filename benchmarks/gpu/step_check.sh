@@ -3,6 +3,8 @@
 # as for check.sh), what matters first; each part writes its files as it ends,
 # so a call cut short still returns what it had:
 #   setup     check.sh's setup (DeepSpeed, the project, DeepSpeed's ops)
+#   project   the project alone (py-libaio, pip install -e .: ~30 s), for a rerun of
+#             ours without DeepSpeed on a fresh machine, in place of setup
 #   1b_fp32   GPT 0.94B, batch 8 x seq 1024: torch in GPU memory, offload-cpu,
 #             offload-auto (the card's default budget), deepspeed-cpu; then
 #             offload-auto with a 24 GB card's budget (--device-budget 24GB)
@@ -21,6 +23,7 @@
 # fresh machine keeps setup), STEP_CHECK_TOTAL_S (default 575), STEP_CHECK_1B_FP32
 # (default torch,offload-cpu,offload-auto,deepspeed-cpu), STEP_CHECK_1B_BF16 (default
 # torch,offload-cpu,offload-auto: DeepSpeed's bf16 step is not a target),
+# STEP_CHECK_24GB=0 (no offload-auto run with a 24 GB card's budget),
 # STEP_CHECK_ALLOW_CPU=1 (a test of this script on the CPU, tiny settings).
 # Writes to $OUT (./gpu-check-out where unset): summary.txt, setup.log, bench.log,
 # tests.log, train_1b_fp32.json, train_1b_bf16.json, train_67m.json.
@@ -35,8 +38,8 @@ PARTS=" ${STEP_CHECK_PARTS:-setup 1b_fp32 1b_bf16 67m tests} "
 WORK=/tmp/step-check
 PY=$(command -v python3 || command -v python)
 for w in $PARTS; do
-  case $w in setup|1b_fp32|1b_bf16|67m|tests) ;;
-    *) echo "step-check: refused: STEP_CHECK_PARTS has '$w' (setup, 1b_fp32, 1b_bf16, 67m, tests)" >&2; exit 2 ;;
+  case $w in setup|project|1b_fp32|1b_bf16|67m|tests) ;;
+    *) echo "step-check: refused: STEP_CHECK_PARTS has '$w' (setup, project, 1b_fp32, 1b_bf16, 67m, tests)" >&2; exit 2 ;;
   esac
 done
 want() { [[ $PARTS == *" $1 "* ]]; }
@@ -58,10 +61,21 @@ if want setup; then
   note "setup exit $? after $(( $(date +%s) - T0 )) s"
   cat "$WORK/setup-out/summary.txt" "$WORK/setup-out/setup.log" >"$OUT_DIR/setup.log" 2>/dev/null
 fi
+if want project; then
+  { "$PY" -m pip install -q --no-index --no-deps --find-links .gpu-check/wheels libaio==0.9.5 &&
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e . &&
+    "$PY" -c "import offload._C"; } >"$OUT_DIR/setup.log" 2>&1
+  note "project exit $? after $(( $(date +%s) - T0 )) s"
+fi
 # What check.sh's benches run under: libaio from the carried .debs (DeepSpeed's
-# async_io, py-libaio), and the arch list DeepSpeed's ops were built with.
-AIO_LIB=$(dirname "$(find /tmp/gpu-check/libaio -name 'libaio.so*' 2>/dev/null | head -n 1)" 2>/dev/null)
-[ -n "$AIO_LIB" ] && [ "$AIO_LIB" != . ] && export LD_LIBRARY_PATH="$AIO_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# async_io: its compatibility test compiles against it at run time too, and
+# py-libaio), and the arch list DeepSpeed's ops were built with.
+AIO=/tmp/gpu-check/libaio
+AIO_LIB=$(dirname "$(find "$AIO" -name 'libaio.so*' 2>/dev/null | head -n 1)" 2>/dev/null)
+if [ -n "$AIO_LIB" ] && [ "$AIO_LIB" != . ]; then
+  export LD_LIBRARY_PATH="$AIO_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export CFLAGS="-I$AIO/usr/include" LDFLAGS="-L$AIO_LIB" CPATH="$AIO/usr/include" LIBRARY_PATH="$AIO_LIB"
+fi
 if [ "$CPU" = 1 ]; then export TORCH_EXTENSIONS_DIR=/tmp/gpu-check-torch-extensions; else export TORCH_CUDA_ARCH_LIST=9.0; fi
 HAVE_DS=$("$PY" -c "import deepspeed" >/dev/null 2>&1 && echo 1 || echo 0)
 ds() { if [ "$HAVE_DS" = 1 ]; then echo "$1"; else echo "$1" | tr ',' '\n' | grep -v '^deepspeed' | paste -sd,; fi; }
@@ -80,8 +94,9 @@ bench() {  # NAME KEEP ARGS...: benchmarks/train.py within what the budget leave
 
 one_b() {  # PRECISION KEEP CONTENDERS: the 1B contenders, then offload-auto with a 24 GB card's budget
   local p=$1 keep=$2 json=$WORK/1b_$1/train.json
-  bench "1b_$p" $((keep + 45)) "${ONE_B[@]}" --precision "$p" --timeout 150 --contenders "$(ds "$3")"
+  bench "1b_$p" $((keep + $([ "${STEP_CHECK_24GB:-1}" = 0 ] && echo 0 || echo 45))) "${ONE_B[@]}" --precision "$p" --timeout 150 --contenders "$(ds "$3")"
   [ -f "$json" ] && cp "$json" "$OUT_DIR/train_1b_$p.json"
+  [ "${STEP_CHECK_24GB:-1}" = 0 ] && return
   bench "1b_${p}_24gb" "$keep" "${ONE_B[@]}" --precision "$p" --timeout 120 --contenders offload-auto \
     --device-budget 24GB || return
   # offload-auto-24GB joins the first run's JSON (the same machine, minutes apart)

@@ -28,6 +28,9 @@ CASES = [
     ("cpu", "cpu", "fp32", 2, 0.0, None, "during backward"),
     ("cpu", "cpu", "fp32", 1, 0.05, None, "under the next forward"),
     ("cpu", "cpu", "bf16", 2, 0.05, None, "under the next forward"),
+    # bf16 gradients updated straight from their staging buffers (Note [updates from the staging buffer])
+    ("cpu", "cpu", "bf16", 1, 0.0, None, "during backward"),
+    ("cpu", "cpu", "bf16", 2, 0.0, None, "during backward"),
     ("cpu", "cpu", "fp16", 1, 0.0, {"fp16": {"enabled": True, **FP16_SKIPS}}, "under the next forward"),
     # small parameters homed on the device (the persistence threshold), the rest on the host
     ("cpu", "cpu", "fp32", 2, 0.05, {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 200,
