@@ -78,7 +78,10 @@ def byte_windows(args, count: int, vocab: int) -> list[dict]:
     return [{"input_ids": data[s:s + args.seq_len], "labels": data[s:s + args.seq_len]} for s in starts.tolist()]
 
 
-def training_args(args, out: Path):
+def training_args(args, out: Path, device: torch.device):
+    """Trainer's arguments; `device` is where the engine computes (a GPU unless there is
+    none): Trainer puts each batch there, and its model.to(device) leaves the engine's
+    parameters as they are (Note [reading a parameter outside the engine])."""
     from transformers import TrainingArguments
 
     return TrainingArguments(
@@ -88,7 +91,7 @@ def training_args(args, out: Path):
         # torch's default AdamW (its fused variant rounds differently), which offload's update equals
         # bit for bit: so --compare's plain Trainer is the same arithmetic.
         optim="adamw_torch",
-        use_cpu=True, seed=args.seed, data_seed=args.seed, disable_tqdm=True, dataloader_drop_last=True)
+        use_cpu=device.type == "cpu", seed=args.seed, data_seed=args.seed, disable_tqdm=True, dataloader_drop_last=True)
 
 
 def decay_groups(model, weight_decay: float = 0.01) -> list[dict]:
@@ -135,23 +138,27 @@ def main(argv=None) -> int:
                                              config=offload_config(args, args.nvme_path or tmp))
         with engine:
             schedule = transformers.get_linear_schedule_with_warmup(engine.optimizer, 0, args.steps)
-            trainer = transformers.Trainer(model=model, args=training_args(args, out / "trainer"),
+            trainer = transformers.Trainer(model=model, args=training_args(args, out / "trainer", engine.device),
                                            train_dataset=data, optimizers=(engine.optimizer, schedule))
             trainer.train()
             trainer.save_model(out / "model")  # model.state_dict(): the trained weights
             losses = losses_of(trainer)
             sample = data[0]["input_ids"][None]
             with torch.no_grad():
-                logits = model(input_ids=sample).logits
+                logits = model(input_ids=sample.to(engine.device)).logits.cpu()
+            device = engine.device
             nvme_bytes = sum(store.stats.bytes_written + store.stats.bytes_read for store in engine.swap_stores)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out / "model")
     with torch.no_grad():
-        reloaded_diff = float((loaded(input_ids=sample).logits - logits).abs().max())
+        reloaded_diff = float((loaded.to(device)(input_ids=sample.to(device)).logits.cpu() - logits).abs().max())
     summary = {"steps": args.steps, "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
                "saved_model": str(out / "model"), "reloaded_max_abs_logit_diff": reloaded_diff,
                "offload": args.offload, "nvme_bytes_moved": nvme_bytes}
     if reference is not None:
-        plain = transformers.Trainer(model=reference, args=training_args(args, out / "plain"), train_dataset=data)
+        # On the engine's device: on a GPU its AdamW steps there, so the losses agree to
+        # fp32 rounding rather than bit for bit (the engine's Adam runs on the host).
+        plain = transformers.Trainer(model=reference, args=training_args(args, out / "plain", device),
+                                     train_dataset=data)
         plain.train()
         summary["plain_losses"] = losses_of(plain)
         summary["max_abs_loss_diff"] = max(abs(a - b) for a, b in zip(losses, summary["plain_losses"]))

@@ -28,8 +28,10 @@ def test_the_example_matches_plain_trainer_and_its_model_reloads(tmp_path, where
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(summary["losses"]) == len(summary["plain_losses"]) == 6
-    # Bit for bit: the same parameter groups and torch's default AdamW arithmetic.
-    assert summary["losses"] == summary["plain_losses"]
+    # Bit for bit: the same parameter groups and torch's default AdamW arithmetic (on a
+    # GPU plain Trainer's AdamW steps there: equal to fp32 rounding, tests/layer_under_test.py).
+    torch.testing.assert_close(torch.tensor(summary["losses"], dtype=torch.float64),
+                               torch.tensor(summary["plain_losses"], dtype=torch.float64), **exact())
     assert summary["reloaded_max_abs_logit_diff"] == 0.0
     if where == "nvme":
         assert summary["nvme_bytes_moved"] > 0

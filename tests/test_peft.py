@@ -59,13 +59,22 @@ def config(where, path, *, precision="fp32", gas=1, clip=0.0):
     return cfg
 
 
-def plain_run(model, data, *, gas=1, clip=0.0, mixed=False):
+def plain_run(model, data, *, gas=1, clip=0.0, mixed=False, state_on_device=False):
     """Plain PEFT on plain PyTorch: AdamW over the trainable parameters (torch's; in bf16 an
-    fp32 master of each, stepped by CPUAdam, equal to torch's AdamW element by element)."""
+    fp32 master of each, stepped where the engine steps it: on the host by CPUAdam, equal to
+    torch's AdamW element by element; with state_on_device on a GPU by torch's fused AdamW
+    there, as the engine's state on the device is)."""
     model = model.to(test_device())
     trainable = [p for p in model.parameters() if p.requires_grad]
-    masters = [p.detach().float().clone().requires_grad_() for p in trainable] if mixed else trainable
-    opt = (CPUAdam if mixed else torch.optim.AdamW)(masters, lr=LR, weight_decay=WD)
+    on_gpu = state_on_device and test_device().type == "cuda"
+    masters = ([p.detach().float().to("cuda" if on_gpu else "cpu").requires_grad_() for p in trainable] if mixed
+               else trainable)
+    if not mixed:
+        opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WD)
+    elif on_gpu:
+        opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WD, fused=True)
+    else:
+        opt = CPUAdam(masters, lr=LR, weight_decay=WD)
     losses = []
     for i, batch in enumerate(data):
         loss = model(**{k: v.to(test_device()) for k, v in batch.items()}).loss
@@ -77,7 +86,7 @@ def plain_run(model, data, *, gas=1, clip=0.0, mixed=False):
             torch.nn.utils.clip_grad_norm_(trainable, clip)
         if mixed:
             for m, p in zip(masters, trainable):
-                m.grad = p.grad.float()
+                m.grad = p.grad.float().to(m.device)
         opt.step()
         opt.zero_grad()
         model.zero_grad(set_to_none=True)
@@ -116,10 +125,13 @@ def test_a_lora_with_modules_to_save_in_your_own_loop_equals_plain_peft(tmp_path
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = lora(base_model(dtype))
     data = batches()
-    want = plain_run(copy.deepcopy(model), data, mixed=precision == "bf16")
+    reference = copy.deepcopy(model)
     with offload.initialize(model, config(where, tmp_path, precision=precision)) as engine:
         got = engine_run(engine, model, data)
         plan = engine.placement()
+    on_device = {s.state for s in plan.shards if s.trainable}
+    assert len(on_device) == 1, plan.format()  # one reference optimizer: all on the device or none
+    want = plain_run(reference, data, mixed=precision == "bf16", state_on_device=Tier.DEVICE in on_device)
     assert_same(got, want)
     frozen = [s for s in plan.shards if not s.trainable]
     assert frozen and all(s.state is None for s in frozen)

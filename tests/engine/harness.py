@@ -80,20 +80,37 @@ def run_reference(model, data, *, gas, clip, lr, weight_decay, world=1, schedule
     return model.cpu(), torch.stack(losses).cpu()
 
 
-def run_reference_mixed(model, data, *, dtype, gas, lr, weight_decay, world=1):
+def run_reference_mixed(model, data, *, dtype, gas, lr, weight_decay, world=1, state_on_device=False):
     """Plain PyTorch mixed precision: a `dtype` copy computes, fp32 masters step,
     gradients accumulate in fp32, the copy is refreshed after each step.
 
-    The masters step with offload.optim.CPUAdam (equal to torch.optim.AdamW
-    element by element, tests/test_cpu_adam.py) rather than torch's AdamW: an
-    fp32 ulp of difference in a master can flip its bf16 rounding, and that
-    flip grows over steps, hiding what this reference checks, the engine's
-    mixed-precision bookkeeping."""
+    The masters step where the engine's do, by the same arithmetic: an fp32
+    ulp of difference in a master can flip its bf16 rounding, and that flip
+    grows over steps, hiding what this reference checks, the engine's
+    mixed-precision bookkeeping. On the host, offload.optim.CPUAdam (equal to
+    torch.optim.AdamW element by element, tests/test_cpu_adam.py);
+    state_on_device (the engine's optimizer state on a GPU: "none", or an auto
+    plan with room), torch's fused AdamW there, as the engine updates it:
+    True for every parameter, or the set of names whose state the engine's
+    plan put on the device. On the cpu layer and the sim the engine's device
+    state steps with the host kernel, so state_on_device changes nothing there."""
     from offload.optim import CPUAdam
 
     master = copy.deepcopy(model)
+    on_gpu = set()
+    if test_device().type == "cuda" and state_on_device:
+        on_gpu = {n for n, _ in master.named_parameters() if state_on_device is True or n in state_on_device}
+    for name, p in master.named_parameters():
+        if name in on_gpu:
+            p.data = p.data.to(test_device())
     compute = copy.deepcopy(model).to(test_device(), dtype)
-    opt = CPUAdam(master.parameters(), lr=lr, weight_decay=weight_decay)
+    named = list(master.named_parameters())
+    opts = []
+    if len(on_gpu) < len(named):
+        opts.append(CPUAdam([p for n, p in named if n not in on_gpu], lr=lr, weight_decay=weight_decay))
+    if on_gpu:
+        opts.append(torch.optim.AdamW([p for n, p in named if n in on_gpu], lr=lr, weight_decay=weight_decay,
+                                      fused=True))
     pairs = list(zip(master.parameters(), compute.parameters()))
     losses = []
     for i, per_rank in enumerate(data):
@@ -102,7 +119,7 @@ def run_reference_mixed(model, data, *, dtype, gas, lr, weight_decay, world=1):
             x, y = on_test_device(x, y)
             loss = lm_loss(compute(x), y)
             (loss / gas).backward()
-            rank_grads.append([None if p16.grad is None else p16.grad.float().cpu() for _, p16 in pairs])
+            rank_grads.append([None if p16.grad is None else p16.grad.float().to(p32.device) for p32, p16 in pairs])
             compute.zero_grad(set_to_none=True)
             step_losses.append(loss.detach())
         for j, (p32, _) in enumerate(pairs):
@@ -112,12 +129,13 @@ def run_reference_mixed(model, data, *, dtype, gas, lr, weight_decay, world=1):
                 p32.grad = mean if p32.grad is None else p32.grad + mean
         losses.append(torch.stack(step_losses))
         if (i + 1) % gas == 0:
-            opt.step()
-            opt.zero_grad()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
             with torch.no_grad():
                 for p32, p16 in pairs:
                     p16.copy_(p32)
-    return master, torch.stack(losses).cpu()
+    return master.cpu(), torch.stack(losses).cpu()
 
 
 def train_engine(engine, data, *, rank=0, before_step=None):
