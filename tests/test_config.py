@@ -5,6 +5,7 @@ import json
 import pytest
 
 from offload.aio.config import Backend
+from tests.hf_configs import HF_ZERO3, HF_ZERO3_FILLED, filled
 from offload.config import (
     AUTO,
     AioConfig,
@@ -315,6 +316,10 @@ def test_max_grad_norm_points_to_gradient_clipping():
         Config.load(with_("optimizer.params.max_grad_norm", 1.0))
 
 
+# Note [Hugging Face autos] (offload/config/hf_autos.py): one "auto" the Trainer fills in, named alone
+HF_AUTO_ONE = r"^1 config value is 'auto', which Hugging Face's Trainer fills in[^\n]*\n  "
+
+
 @pytest.mark.parametrize("path, value, message", [
     ("zero_optimization.offload_param.device", "gpu",
      r"^zero_optimization\.offload_param\.device: 'gpu' is not one of none, cpu, nvme, auto$"),
@@ -342,11 +347,11 @@ def test_max_grad_norm_points_to_gradient_clipping():
     ("gradient_accumulation_steps", 0, r"^gradient_accumulation_steps: 0 is not an integer >= 1"),
     ("gradient_accumulation_steps", True, r"^gradient_accumulation_steps: True is not an integer"),
     ("gradient_clipping", -1.0, r"^gradient_clipping: -1\.0 is not a number >= 0"),
-    ("gradient_clipping", "auto", r"^gradient_clipping: 'auto' here is filled in by the Hugging Face Trainer"),
+    ("gradient_clipping", "auto", HF_AUTO_ONE + r"gradient_clipping: TrainingArguments\.max_grad_norm$"),
     ("steps_per_print", 0, r"^steps_per_print: 0 is not an integer >= 1"),
     ("wall_clock_breakdown", "false", r"^wall_clock_breakdown: 'false' is not true or false"),
     ("bf16.enabled", 1, r"^bf16\.enabled: 1 is not true or false"),
-    ("bf16.enabled", "auto", r"^bf16\.enabled: 'auto' here is filled in by the Hugging Face Trainer"),
+    ("bf16.enabled", "auto", HF_AUTO_ONE + r"bf16\.enabled: TrainingArguments\.bf16 \(true or false\)$"),
     ("fp16.loss_scale", -1, r"^fp16\.loss_scale: -1 is not a number >= 0"),
     ("fp16.initial_scale_power", 16.5, r"^fp16\.initial_scale_power: 16\.5 is not an integer"),
     ("fp16.loss_scale_window", 0, r"^fp16\.loss_scale_window: 0 is not an integer >= 1"),
@@ -354,7 +359,7 @@ def test_max_grad_norm_points_to_gradient_clipping():
     ("fp16.min_loss_scale", 0, r"^fp16\.min_loss_scale: 0 is not a number > 0"),
     ("optimizer.type", "Lamb", r"^optimizer\.type: 'Lamb' is not one of Adam, AdamW"),
     ("optimizer.type", DELETE, r"^optimizer\.type: missing"),
-    ("optimizer.params.lr", "auto", r"^optimizer\.params\.lr: 'auto' here is filled in by the Hugging Face"),
+    ("optimizer.params.lr", "auto", HF_AUTO_ONE + r"optimizer\.params\.lr: TrainingArguments\.learning_rate$"),
     ("optimizer.params.lr", -1e-3, r"^optimizer\.params\.lr: -0\.001 is not a number >= 0"),
     ("optimizer.params.betas", [0.9, 1.0], r"^optimizer\.params\.betas\[1\]: 1\.0 is not a number in \[0, 1\)"),
     ("optimizer.params.betas", [0.9], r"^optimizer\.params\.betas: \[0\.9\] is not a list of two numbers"),
@@ -365,10 +370,10 @@ def test_max_grad_norm_points_to_gradient_clipping():
                                    r"WarmupCosineLR$"),
     ("scheduler.params.total_num_steps", DELETE,
      r"^scheduler\.params\.total_num_steps: missing \(required by WarmupDecayLR\)"),
-    ("scheduler.params.warmup_num_steps", 0, r"^scheduler\.params\.warmup_num_steps: 0 is not an integer >= 1"),
+    ("scheduler.params.warmup_num_steps", -1, r"^scheduler\.params\.warmup_num_steps: -1 is not an integer >= 0"),
     ("scheduler.params.warmup_type", "cosine", r"^scheduler\.params\.warmup_type: 'cosine' is not one of log, "
                                                r"linear"),
-    ("scheduler.params.warmup_max_lr", "auto", r"^scheduler\.params\.warmup_max_lr: 'auto' here is filled in"),
+    ("scheduler.params.warmup_max_lr", "auto", HF_AUTO_ONE + r"scheduler\.params\.warmup_max_lr: "),
     ("aio.block_size", 1000, r"^aio\.block_size: 1000 is not an integer >= 4096"),
     ("aio.block_size", 4096 * 3 + 1, r"^aio\.block_size: 12289 is not a positive multiple of 4096"),
     ("aio.queue_depth", 0, r"^aio\.queue_depth: 0 is not an integer in \[1, 1024\]"),
@@ -386,14 +391,30 @@ def test_bad_values_name_the_key(path, value, message):
 
 
 @pytest.mark.parametrize("device", ["none", "cpu"])
-def test_nvme_only_keys_with_another_device_are_errors(device):
+def test_nvme_only_keys_beside_another_device_are_named_as_having_no_effect(device):
+    """A shared DeepSpeed config keeps its nvme_path (and NVMe buffer sizes) while
+    "device" says "cpu": it loads, the keys are dropped, and each is named once."""
     d = with_("zero_optimization.offload_param.device", device)
-    with pytest.raises(ConfigError, match=r"^zero_optimization\.offload_param\.nvme_path: '/local_nvme' is "
-                                          rf"only used when .*device is 'nvme' \(it is '{device}'\)"):
-        Config.load(d)
-    d = with_("zero_optimization.offload_optimizer", {"device": device, "buffer_count": 4})
-    with pytest.raises(ConfigError, match=r"offload_optimizer\.buffer_count: 4 is only used when"):
-        Config.load(d)
+    d = with_("zero_optimization.offload_optimizer", {"device": device, "nvme_path": "/local_nvme",
+                                                       "buffer_count": 4, "pin_memory": True}, base=d)
+    c = Config.load(d)
+    notes = dict(c.no_effect())
+    for key, value in (("offload_param.nvme_path", "'/local_nvme'"), ("offload_param.buffer_count", "5"),
+                       ("offload_optimizer.nvme_path", "'/local_nvme'"), ("offload_optimizer.buffer_count", "4")):
+        assert notes[f"zero_optimization.{key}"] == (
+            f"{value} has no effect: it is used only when zero_optimization.{key.split('.')[0]}.device is "
+            f"'nvme' or 'auto' (it is '{device}')"), notes
+    zero = c.zero_optimization
+    assert zero.offload_param.nvme_path is zero.offload_optimizer.nvme_path is None
+    assert "unused" not in zero.offload_param.to_dict() and "nvme_path" not in zero.offload_param.to_dict()
+    plain = with_("zero_optimization.offload_param", {"device": device, "pin_memory": True})
+    plain = with_("zero_optimization.offload_optimizer", {"device": device, "pin_memory": True}, base=plain)
+    assert c == Config.load(plain)  # no effect on any setting
+    assert "zero_optimization.offload_param.nvme_path: '/local_nvme' has no effect" in c.no_effect_line()
+    # auto uses an nvme_path (for what does not fit in memory): kept, no note
+    auto = Config.load(with_("zero_optimization.offload_param.device", "auto"))
+    assert auto.zero_optimization.offload_param.nvme_path is not None
+    assert not [k for k, _ in auto.no_effect() if "offload_param" in k]
     # pin_memory is honoured whatever the device (Note [pin_memory] in sections.py): not refused
     assert Config.load(with_("zero_optimization.offload_param", {"pin_memory": False})
                        ).zero_optimization.offload_param.pin_memory is False
@@ -482,7 +503,7 @@ def test_batch_rules_follow_deepspeed():
     assert resolved(1) == (None, None, 1)
     assert resolved(2, train_batch_size=32, train_micro_batch_size_per_gpu="auto",
                     gradient_accumulation_steps="auto") == (32, 16, 1)
-    with pytest.raises(ConfigError, match=r"^train_micro_batch_size_per_gpu: 'auto' needs train_batch_size"):
+    with pytest.raises(ConfigError, match=HF_AUTO_ONE + r"train_micro_batch_size_per_gpu: "):
         resolved(1, train_micro_batch_size_per_gpu="auto")
     with pytest.raises(ConfigError, match=r"gradient_accumulation_steps: cannot be derived: train_batch_size 30"):
         resolved(4, train_batch_size=30, train_micro_batch_size_per_gpu=4)
@@ -513,3 +534,21 @@ def test_offload_device_auto_round_trips_and_keeps_the_nvme_keys():
     assert Config.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match=r"unknown key 'zero_optimization\.offload_param\.auto'"):
         Config.from_dict({"zero_optimization": {"offload_param": {"auto": True}}})
+
+
+def test_hugging_faces_zero3_config_names_every_auto_the_trainer_fills_in_one_error():
+    with pytest.raises(ConfigError) as err:
+        Config.load(HF_ZERO3)
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith("11 config values are 'auto', which Hugging Face's Trainer fills in")
+    assert [line.split(":")[0].strip() for line in lines[1:]] == list(HF_ZERO3_FILLED)
+    assert "  gradient_clipping: TrainingArguments.max_grad_norm" in lines
+    # the autos offload resolves itself (sizes from the model, batch sizes from each other) are not named
+    assert not [line for line in lines if "bucket" in line or "train_batch_size:" in line]
+
+
+def test_hugging_faces_zero3_config_with_the_trainers_values_loads_and_resolves():
+    c = Config.load(filled()).resolve_auto(hidden_size=64, num_params=10_000)
+    assert (c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps, c.train_batch_size) == (4, 1, 4)
+    assert c.gradient_clipping == 1.0 and c.optimizer.lr == 5e-5
+    assert c.zero_optimization.reduce_bucket_size == 64 * 64

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Mapping
 
 from offload.aio.config import AioConfig
 from offload.config.activations import ActivationCheckpointingConfig
+from offload.config.hf_autos import autos_message, trainer_autos
 from offload.tiers import Tier
 from offload.config.base import (AUTO, ConfigError, OptimizerType, Precision,
                                  SchedulerType, WarmupType, _apply_renames, _bool, _fail, _float,
@@ -155,6 +156,9 @@ class Config(_Section):
     def from_dict(cls, d: Mapping) -> "Config":
         """From a DeepSpeed-style dict. Absent gradient_accumulation_steps with both batch sizes
         given is derived as DeepSpeed does (it becomes AUTO until `resolve_auto`)."""
+        autos = trainer_autos(d) if isinstance(d, Mapping) else []
+        if autos:  # Note [Hugging Face autos]: all at once, before any section is built
+            raise ConfigError(autos_message(autos))
         raw, d = d, cls._fields_of(d)
         if ("gradient_accumulation_steps" not in d and isinstance(d.get("train_batch_size"), (int, float))
                 and isinstance(d.get("train_micro_batch_size_per_gpu"), (int, float))):

@@ -14,7 +14,9 @@ from offload.config.base import (ConfigError, SchedulerType, WarmupType, _check_
 
 def _check_warmup(obj, path: str) -> None:
     k = lambda name: _join(path, name)  # noqa: E731
-    obj._set("warmup_num_steps", _int(k("warmup_num_steps"), obj.warmup_num_steps, lo=1))
+    # 0 as DeepSpeed takes it (what Hugging Face's Trainer fills in without warmup): its
+    # schedulers, and ours, warm up over max(2, warmup_num_steps) steps.
+    obj._set("warmup_num_steps", _int(k("warmup_num_steps"), obj.warmup_num_steps, lo=0))
     obj._set("warmup_type", _enum(k("warmup_type"), obj.warmup_type, WarmupType))
 
 

@@ -209,7 +209,8 @@ _OFFLOAD_OPTIMIZER_INERT = {
 
 
 class _OffloadSection(_Section):
-    """offload_param and offload_optimizer: `device` may be "auto" (held as `auto`)."""
+    """offload_param and offload_optimizer: `device` may be "auto" (held as `auto`);
+    `unused`: (dotted key, why) for the NVMe keys given beside another device."""
 
     def to_dict(self) -> dict:
         out = super().to_dict()
@@ -220,7 +221,9 @@ class _OffloadSection(_Section):
 
 def _check_offload(obj, nvme_only: tuple[str, ...]) -> None:
     """device (DeepSpeed's "none", "cpu", "nvme": a Tier), nvme_path, and the keys
-    that only mean something for NVMe."""
+    that only mean something for NVMe: beside another device (a shared config
+    that keeps its nvme_path while "device" says "cpu") each is dropped and
+    named once at initialize as having no effect (`unused`)."""
     k = obj._key
     if obj.device is AUTO or obj.device == "auto":
         # Note [automatic placement] (offload/placement.py): the planner picks each
@@ -235,11 +238,14 @@ def _check_offload(obj, nvme_only: tuple[str, ...]) -> None:
         obj._set("nvme_path", Path(obj.nvme_path))
     if obj.device is Tier.NVME and obj.nvme_path is None:
         raise ConfigError(f"{k('nvme_path')}: required when {k('device')} is 'nvme'")
+    unused = []
     for name in nvme_only:
         value = getattr(obj, name)
         if value is not None and obj.device is not Tier.NVME and not obj.auto:
-            raise ConfigError(f"{k(name)}: {_show(value)} is only used when {k('device')} is 'nvme' "
-                              f"(it is {_show(obj.device)}); remove it")
+            unused.append((k(name), f"{_show(value)} has no effect: it is used only when {k('device')} is "
+                                    f"'nvme' or 'auto' (it is {_show(obj.device)})"))
+            obj._set(name, None)
+    obj._set("unused", tuple(unused))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,7 +262,8 @@ class OffloadParamConfig(_OffloadSection):
     device: Tier = Tier.DEVICE
     # "device": "auto" (Note [automatic placement]): set from `device`, not a key of its own.
     auto: bool = False
-    NOT_KEYS: ClassVar[tuple] = ("auto",)
+    unused: tuple = field(default=(), compare=False, repr=False)
+    NOT_KEYS: ClassVar[tuple] = ("auto", "unused")
     nvme_path: Path | None = None
     buffer_count: int | None = None
     buffer_size: int | None = None
@@ -280,7 +287,8 @@ class OffloadOptimizerConfig(_OffloadSection):
     INERT: ClassVar[dict] = _OFFLOAD_OPTIMIZER_INERT
     device: Tier = Tier.DEVICE
     auto: bool = False  # "device": "auto", as offload_param's
-    NOT_KEYS: ClassVar[tuple] = ("auto",)
+    unused: tuple = field(default=(), compare=False, repr=False)
+    NOT_KEYS: ClassVar[tuple] = ("auto", "unused")
     nvme_path: Path | None = None
     buffer_count: int | None = None
     # DeepSpeed's key (SuperOffload's there): the share of this process's cores
@@ -425,10 +433,11 @@ class ZeroConfig(_Section):
 
     def value_notes(self) -> list[tuple[str, str]]:
         """(key, why) for values that have no effect here (Note [DeepSpeed keys])."""
-        if self.contiguous_gradients:
-            return []
-        return [("zero_optimization.contiguous_gradients",
-                 "false has no effect: gradients are always written into contiguous per-shard buffers")]
+        notes = [*self.offload_param.unused, *self.offload_optimizer.unused]
+        if not self.contiguous_gradients:
+            notes.append(("zero_optimization.contiguous_gradients",
+                          "false has no effect: gradients are always written into contiguous per-shard buffers"))
+        return notes
 
     def resolve_auto(self, hidden_size: int | None, num_params: int) -> "ZeroConfig":
         """A copy with AUTO sizes replaced (rules in `Config.resolve_auto`)."""

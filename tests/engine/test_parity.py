@@ -47,6 +47,24 @@ def test_gradient_clipping_matches_pytorch(tmp_path, param, optim):
         torch.testing.assert_close(weights[name], p.detach())
 
 
+def test_hugging_faces_zero3_config_with_the_trainers_values_trains_like_plain_pytorch(tmp_path):
+    """Hugging Face's published ZeRO-3 config, its autos given what the Trainer would
+    (Note [Hugging Face autos]): WarmupLR, clipping at 1.0, cpu offload of both."""
+    from offload.schedulers import build_scheduler
+    from tests.hf_configs import filled
+
+    cfg = filled({"train_micro_batch_size_per_gpu": 3, "optimizer.params.lr": 1e-2,
+                  "scheduler.params.warmup_max_lr": 1e-2, "scheduler.params.warmup_num_steps": 3})
+    model = build("tiny_gpt")
+    data = batches(6, seed=8)
+    ref_model, ref_losses = run_reference(model, data, gas=1, clip=1.0, lr=1e-2, weight_decay=0.0,
+                                          scheduler_fn=lambda opt: build_scheduler(opt, cfg["scheduler"]))
+    weights, losses, _ = run_engine(model, data, cfg)
+    torch.testing.assert_close(losses, ref_losses[:, 0])  # the norm sums in another order than torch's
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach())
+
+
 def test_scheduler_drives_the_engine_lr(tmp_path):
     from offload.schedulers import build_scheduler
 
