@@ -4,7 +4,7 @@ Needs transformers and accelerate: `pip install transformers accelerate`, then
 
     python examples/hf_trainer.py [--model DIR] [--steps N] [--compare] [--out DIR]
 
-The route (README, "Hugging Face Trainer and Accelerate", says why it is this one):
+The route (docs/guide/huggingface.md says why it is this one):
 
     engine, *_ = offload.initialize(model=model, model_parameters=decay_groups(model),
                                     config=config)          # parameters and Adam state on NVMe

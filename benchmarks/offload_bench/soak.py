@@ -3,7 +3,7 @@
 A small GPT (vocab 256, hidden 128, 2 layers, untied head: 0.46M
 parameters; batch 4, sequence 64, fp32) is trained with parameters and AdamW
 state on NVMe (a temporary directory, or --nvme-dir) through the user's own
-loop, as the README's "Your own loop" shows: `model(x)`, `loss.backward()`,
+loop, as docs/guide/huggingface.md shows: `model(x)`, `loss.backward()`,
 `engine.optimizer.step()`, `engine.optimizer.zero_grad()`. Every
 --checkpoint-every steps `engine.save_checkpoint(dir, tag)` runs and the
 checkpoints older than the last --keep are deleted, as a user's script does;

@@ -85,7 +85,7 @@ class _GroupHandle:
     `ProcessGroupInfo.release()` (engine.close()) drops it everywhere at once.
     A gloo group kept alive past dist.destroy_process_group() is destroyed
     at the interpreter's exit, with its worker threads, and that aborted
-    (SIGABRT) two-rank runs after a clean close (issue 16). Two handles are
+    (SIGABRT) two-rank runs after a clean close. Two handles are
     equal when they hold the same group."""
 
     __slots__ = ("group", "released", "counter")
