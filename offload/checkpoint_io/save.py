@@ -14,10 +14,11 @@ What a save must capture changes at different moments of training:
 With async_save the second part runs on a writer thread while training goes
 on; Engine.step() calls `before_update()` before the optimizer update, which
 waits until the writer has read every tensor (not for the fsyncs or the
-commit). Forward and backward of the next steps overlap with the write. If
-the optimizer update ever moves earlier (into backward), that hook must move
-with it; tests/engine/test_checkpoint.py checks the snapshot is unchanged by
-steps run while it is written.
+commit). Forward and backward of the next steps overlap with the write.
+Updates that run during backward or under the next forward wait for it too:
+the engine calls the same hook before it lets the first of them start
+(Engine._before_update); tests/engine/test_checkpoint.py checks the snapshot
+is unchanged by steps run while it is written.
 
 The commit (manifest, rename, `latest`; Note [checkpoint layout]) needs every
 rank's files: with one rank the writer thread commits as soon as it is done;

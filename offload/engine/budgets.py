@@ -1,5 +1,5 @@
 """What the engine itself holds on each budgeted tier, checked before anything
-moves (`preflight_budgets`): an impossible configuration fails at initialize
+moves (`tier_needs`, checked by `check_needs`): an impossible configuration fails at initialize
 with the numbers, and an auto placement is planned within what is left
 (Note [automatic placement] in offload/placement.py)."""
 from __future__ import annotations
@@ -35,17 +35,6 @@ def largest_module_group(model: torch.nn.Module, named, planned: list, separate_
         largest = max(largest, sum(by_id[i].padded_numel for i in own
                                    if i in by_id and gathers_to_a_buffer(by_id[i], separate_memory, world_size)))
     return largest
-
-
-def preflight_budgets(planned: list, config: Config, dtype: torch.dtype,
-                       staging_bytes: int = 0, *, separate_memory: bool = False,
-                       world_size: int = 1, on_demand: int = 0, param_staging_bytes: int = 0) -> dict[Tier, str]:
-    """`tier_needs`, checked: refuses, before any parameter moves, a configuration whose
-    budgets cannot hold what the engine itself will hold at once; returns, per budgeted
-    tier, a line saying what was reserved (for TierBudgetError's message at a step)."""
-    need = tier_needs(planned, config, dtype, staging_bytes, separate_memory=separate_memory,
-                      world_size=world_size, on_demand=on_demand, param_staging_bytes=param_staging_bytes)
-    return check_needs(need, config)
 
 
 def tier_needs(planned: list, config: Config, dtype: torch.dtype,

@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from offload.engine.step_phase import StepPhase
+
 
 class CheckpointMethods:
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state=None, save_latest: bool = True, *,
@@ -84,7 +86,7 @@ class CheckpointMethods:
         from offload.checkpoint_io import load_checkpoint
 
         self._check_open()
-        if self._nothing_to_load(load_dir, tag, load_module_strict, custom_load_fn):  # deepspeed_api.py
+        if self._nothing_to_load(load_dir, tag, load_module_strict, custom_load_fn):  # deepspeed_methods.py
             return None, None
         self.wait_checkpoint()
         if self.steps.updating_in_backward:  # no update may write while the files are rewritten
@@ -97,7 +99,8 @@ class CheckpointMethods:
         # Every key was rewritten: a failed step's kept values and its retry are moot.
         for store in self._stores:
             store.discard_unwritten()
-        self.steps.to_ready()
+        # Any phase but updating in backward, which was abandoned above.
+        self.steps.to_ready(StepPhase.READY, StepPhase.UPDATING_UNDER_FORWARD, StepPhase.FAILED)
         return os.fspath(tag_dir), client_state
 
     def wait_checkpoint(self) -> None:

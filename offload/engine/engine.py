@@ -24,7 +24,7 @@ from offload.config import Config, Precision
 from offload.engine.build import build_shards
 from offload.engine.checkpoint_methods import CheckpointMethods
 from offload.engine.closed import EngineClosedError, close_off, weak_callback
-from offload.engine.deepspeed_api import DeepSpeedMethods
+from offload.engine.deepspeed_methods import DeepSpeedMethods
 from offload.engine.gradients import (NormTerms, all_finite, clip_by_global_norm, clip_coefficient,
                                      updates_from_staging)
 from offload.engine.step_phase import StepPhase, StepPhases
@@ -43,7 +43,6 @@ from offload.placement import Placement
 from offload.tiers import Tier
 from offload.simd import overlap_threads
 from offload.timeline import Timeline
-from offload.torch_release import check_torch_release
 
 log = logging.getLogger("offload")
 
@@ -175,7 +174,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         # Note [norm terms during backward] (engine/gradients.py): this backward's terms, if taken.
         self._norm_terms: NormTerms | None = None
         self._norm_scratch: NormTerms | None = None
-        # DeepSpeed's methods (deepspeed_api.py): set_gradient_accumulation_boundary (None: by micro_steps),
+        # DeepSpeed's methods (deepspeed_methods.py): set_gradient_accumulation_boundary (None: by micro_steps),
         # was_step_applied, get_global_grad_norm; step() calls since the last update (or skipped one).
         self._boundary, self._step_applied, self._global_grad_norm, self._micro_in_window = None, False, None, 0
         self._closed = False
@@ -224,7 +223,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
             scale *= self.loss_scaler.scale
         self.optimizer.deferred.settle()  # the last step's updates, before new gradients arrive
         if self.steps.phase is StepPhase.UPDATING_UNDER_FORWARD:
-            self.steps.to_ready()
+            self.steps.to_ready(StepPhase.UPDATING_UNDER_FORWARD)
         if self._can_overlap():
             # Updates start during this backward: an async checkpoint must have
             # read what it saves first (Note [consistent async checkpoint]).
@@ -286,7 +285,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         except Exception:  # noqa: BLE001 - the backward error is the one to raise
             log.exception("while finishing optimizer updates after a failed backward")
         finally:
-            self.steps.to_ready()
+            self.steps.to_ready(StepPhase.UPDATING_IN_BACKWARD)
 
     def step(self) -> None:
         """DeepSpeed's step: counts a micro-step; at the end of an accumulation window
@@ -345,7 +344,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         _, clipped_norm = self.steps.failure
         self._applying(self._rewrite_unwritten, clipped_norm)
         self._applying(self.optimizer.update, clipped_norm)
-        self.steps.to_ready()
+        self.steps.to_ready(StepPhase.FAILED)
         self._finish_update(clipped_norm)
 
     def _rewrite_unwritten(self) -> None:
@@ -363,7 +362,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
             return
         if self.steps.updating_in_backward:
             self._applying(self.optimizer.update)  # waits for the updates that ran during backward
-            self.steps.to_ready()
+            self.steps.to_ready(StepPhase.UPDATING_IN_BACKWARD)
             self._finish_update()
             return
         if self.loss_scaler is not None:
@@ -403,7 +402,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         self._finish_update(clipped_norm)
 
     def _finish_update(self, grad_norm: float | None = None) -> None:
-        self._record_grad_norm(grad_norm)  # Note [global gradient norm] (engine/deepspeed_api.py)
+        self._record_grad_norm(grad_norm)  # Note [global gradient norm] (engine/deepspeed_methods.py)
         if self._placement.uses(Tier.NVME):
             # Host memory is what an NVMe run is short of, and its step waits on
             # the disk anyway (Note [engine bytes and the OS]).
@@ -585,51 +584,3 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def initialize(*args, **kwargs):
-    """offload.initialize(model, config, weights=None) -> Engine: the model positional (_initialize).
-    DeepSpeed's form, model= as a keyword (or DeepSpeed's positional order, args first) ->
-    (engine, engine.optimizer, training dataloader or None, lr scheduler or None):
-    offload/engine/deepspeed_api.py; docs/CONFIG.md, "DeepSpeed drop-in"."""
-    if args and isinstance(args[0], torch.nn.Module):
-        extra = set(kwargs) - {"config", "weights"}
-        if extra:
-            raise TypeError(f"initialize(model, config, weights=None) got {sorted(extra)}: DeepSpeed's form, "
-                            "which returns (engine, optimizer, dataloader, lr_scheduler), takes model= as a keyword")
-        return _initialize(*args, **kwargs)
-    from offload.engine.deepspeed_api import initialize_deepspeed
-
-    return initialize_deepspeed(*args, **kwargs)
-
-
-def _initialize(model: torch.nn.Module, config, weights=None, *, param_groups=None) -> Engine:
-    """Wraps `model` for training with its state spread over device, host and NVMe.
-
-    config: a dict, a path to a JSON file, or an offload.Config (DeepSpeed's
-    keys where the concept is the same; see docs/CONFIG.md).
-    weights: values for the parameters (and buffers), read one tensor at a
-    time: a state dict, a .safetensors or .bin/.pt file, or a Hugging Face
-    directory (offload/engine/weights.py). Parameters on the meta device need
-    them. A model built under offload.init(config) is adopted where it lies.
-    """
-    from offload.engine.init_context import claim
-
-    check_torch_release()  # before anything moves: a torch we cannot train exactly on is named here
-    config = Config.load(config)
-    no_effect = config.no_effect_line()
-    if no_effect is not None:
-        log.warning(no_effect)  # once per initialize; Note [DeepSpeed keys] in offload/config/base.py
-    if config.has_auto():
-        hf_config = getattr(model, "config", None)
-        hidden = getattr(hf_config, "hidden_size", None) or getattr(hf_config, "n_embd", None)
-        num_params = sum(p.numel() for p in model.parameters())
-        config = config.resolve_auto(hidden, max(num_params, 1),
-                                     world_size=ProcessGroupInfo.current().world_size)
-    builder = claim(model, config)
-    try:
-        return Engine(model, config, builder=builder, weights=weights, param_groups=param_groups)
-    except BaseException:
-        if builder is not None:
-            builder.unclaim()  # refused before taking it over: initialize may be called again
-        raise

@@ -39,7 +39,12 @@ class StepPhases:
             raise AssertionError(f"step phase {self.phase.value!r}: expected one of "
                                  f"{', '.join(p.value for p in allowed)}")
 
-    def to_ready(self) -> None:
+    def to_ready(self, *leaving: StepPhase) -> None:
+        """Back to READY from one of `leaving`, which each caller names (the phases its
+        path can be in: a step's end, a retry, an abandon, a load)."""
+        if not leaving:
+            raise TypeError("to_ready() names the phases it may leave")
+        self._leave(*leaving)
         self.phase, self.failure = StepPhase.READY, None
 
     def to_updating_in_backward(self) -> None:

@@ -25,7 +25,7 @@ Note [updates under the next forward]
 Gradient clipping and the fp16 overflow check need every gradient before any
 update, so those updates cannot run during backward. Instead step() computes
 the norm (or the check), then hands every update to the host worker in
-forward order (start_deferred) and returns; each shard's `pending_update`
+forward order (DeferredUpdates.start) and returns; each shard's `pending_update`
 gates every read of its home (Shard.await_update: the copy-in for the next
 forward, home_partition, a new gradient) and settle() waits for all of them
 (anything that reads optimizer state or every value). So the next forward
@@ -55,8 +55,8 @@ from offload.partition.shard import Residency, Shard
 from offload.tiers import Tier
 
 if TYPE_CHECKING:
-    from offload.optim.sharded_adam import ShardedAdam
     from offload.optim.state_stream import StateStream
+    from offload.optim.update_target import UpdateTarget
 
 
 @dataclass
@@ -84,7 +84,7 @@ class OverlappedStep:
 class DeferredUpdates:
     """The updates step() left running on the host worker (Note [updates under the next forward])."""
 
-    def __init__(self, optimizer: "ShardedAdam", worker: HostWorker, *, kernel_threads: int):
+    def __init__(self, optimizer: "UpdateTarget", worker: HostWorker, *, kernel_threads: int):
         self.optimizer = weakref.proxy(optimizer)  # no cycle: a deleted engine goes without the collector
         self.worker = worker
         self.kernel_threads = kernel_threads
@@ -139,9 +139,9 @@ class DeferredUpdates:
 
 
 class OverlappedUpdates:
-    """The overlapped step of one ShardedAdam, run on the host worker it was given."""
+    """The overlapped step of one optimizer (an UpdateTarget: ShardedAdam), run on the host worker it was given."""
 
-    def __init__(self, optimizer: "ShardedAdam", worker: HostWorker, *, kernel_threads: int,
+    def __init__(self, optimizer: "UpdateTarget", worker: HostWorker, *, kernel_threads: int,
                  pending_grad_elems: int):
         """kernel_threads: Adam kernel threads while updates overlap backward (Note
         [optimizer threads] in offload/simd.py). pending_grad_elems: elements of final

@@ -39,7 +39,7 @@ class MemoryAccount:
         self._settlers: list = []
         self._reclaimers: dict[Tier, object] = {}
         # Per tier, what initialize reserved out of the budget, said in a refusal
-        # (engine/build.py `_preflight_budgets`).
+        # (engine/budgets.py `tier_needs` and `check_needs`, called by engine/build.py).
         self.budget_notes: dict[Tier, str] = {}
         # The engine's page-locked host bytes (offload.aio.buffer_pool.PinnedLedger:
         # now, peak, budget), set by engine/build.py; part of the host tier, not a tier.

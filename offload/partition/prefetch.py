@@ -31,7 +31,7 @@ budget, the manager first gives back what the scheduler holds (`reclaim`:
 retained parameters, reads not yet used) and the charge is tried again
 (MemoryAccount reclaimers). So prefetching never turns a budget that trains
 without it into a TierBudgetError, and initialize's check
-(`_preflight_budgets` in offload/engine/build.py) counts the scheduler's
+(`budgets.tier_needs` in offload/engine/budgets.py, checked by build.py) counts the scheduler's
 live limit plus the one read ahead (`working_set_elems`) so that at an
 accepted budget the configured depth has room.
 Only transfers are started ahead (`Shard.reads_ahead`): NVMe reads, and on a

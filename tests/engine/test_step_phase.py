@@ -18,7 +18,11 @@ def test_a_transition_from_the_wrong_phase_is_refused():
     assert steps.failed and steps.failure[1] == 1.5
     with pytest.raises(AssertionError, match="failed"):
         steps.to_updating_in_backward()
-    steps.to_ready()
+    with pytest.raises(AssertionError, match="failed"):
+        steps.to_ready(StepPhase.UPDATING_IN_BACKWARD)  # a caller that expected another phase
+    with pytest.raises(TypeError, match="names the phases"):
+        steps.to_ready()
+    steps.to_ready(StepPhase.FAILED)
     assert steps.phase is StepPhase.READY and steps.failure is None
 
 

@@ -1,0 +1,158 @@
+"""DeepSpeedEngine's methods on Engine (a base of it): their names and return
+values are DeepSpeed's, for scripts, Trainer and Accelerate written for it
+(the module functions of DeepSpeed's API: offload/engine/deepspeed_api.py).
+
+Note [global gradient norm]
+get_global_grad_norm() is the 2-norm over every gradient the last update
+applied, before clipping (torch.nn.utils.clip_grad_norm_'s return value).
+With clipping on it is the clipping's own norm. With clipping off it is
+summed in ShardedAdam.update_shard from each shard's gradient as its update
+applies it (on the host worker when updates overlap backward, where no
+later point still has the gradients), then summed over ranks when the step
+completes. The Adam kernel takes each block's squares right after its
+update read the block (offload.ops.adam_step(sum_grad_squares=True)), from
+cache: a second pass over the gradient, as this once was, read it from
+memory again, 23% of the update's own time (16M elements, one core), on the
+host worker's path that bounds backward beside a GPU. The sum is the
+kernel's, in its own order (fp32 lanes, double across blocks): equal to
+torch.linalg.vector_norm's to fp32 rounding, not bit for bit. The torch
+fallback (no extension) and device-tier state take a separate pass.
+With device-tier optimizer state each shard's norm syncs the device once.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+
+
+log = logging.getLogger("offload")
+
+
+class DeepSpeedMethods:
+    """DeepSpeedEngine's methods, on Engine; their names and return values are DeepSpeed's."""
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int | None:
+        """train_batch_size, or micro batch * accumulation * world size when only the micro batch is given."""
+        if self.config.train_batch_size is not None:
+            return self.config.train_batch_size
+        mb = self.config.train_micro_batch_size_per_gpu
+        return None if mb is None else mb * self.gradient_accumulation_steps() * self.pg.world_size
+
+    def dataloader_drop_last(self) -> bool:
+        return self.config.dataloader_drop_last
+
+    @property
+    def global_samples(self) -> int:
+        """Samples consumed by the steps taken so far (DeepSpeed's counter): the
+        global batch per step; 0 when no batch size is configured."""
+        return self.global_steps * (self.train_batch_size() or 0)
+
+    @property
+    def local_rank(self) -> int:
+        """The launcher's LOCAL_RANK (0 without one); scripts move batches with it."""
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def global_rank(self) -> int:
+        return self.pg.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.pg.world_size
+
+    def fp16_enabled(self) -> bool:
+        return self.compute_dtype == torch.float16
+
+    def bfloat16_enabled(self) -> bool:
+        return self.compute_dtype == torch.bfloat16
+
+    def get_lr(self) -> list[float]:
+        """Each parameter group's learning rate now."""
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The 2-norm of the gradients the last update applied, before clipping; None before
+        the first (Note [global gradient norm])."""
+        return self._global_grad_norm
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Overrides whether the next engine.step() applies the update (and whether the next
+        backward may overlap it); None goes back to counting micro-steps. As DeepSpeed, set it
+        before each forward/backward of the window; the loss is still divided by
+        gradient_accumulation_steps."""
+        self._boundary = None if is_boundary is None else bool(is_boundary)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next engine.step() applies the update."""
+        if self._boundary is not None:
+            return self._boundary
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def was_step_applied(self) -> bool:
+        """Whether the last engine.step() updated the parameters (False inside an accumulation
+        window and after an fp16 overflow skip)."""
+        return self._step_applied
+
+    def zero_grad(self) -> None:
+        """Forgets the gradients accumulated since the last update (DeepSpeed sets each
+        param.grad to None, which here clears the gradient partitions)."""
+        self._check_open()
+        self.optimizer.zero_grad()
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The consolidated weights in the compute dtype (DeepSpeed's "16-bit": fp32 when training
+        in fp32), as the model's state_dict keys, written by rank 0; returns True.
+
+        A name ending in .safetensors is streamed one tensor at a time (a model larger than
+        RAM is fine; tied weights once, under their first name). Any other name is DeepSpeed's
+        torch.save of the state dict, which holds it all in memory: refused when it does not
+        fit. Unlike DeepSpeed, stage3_gather_16bit_weights_on_model_save=false does not skip
+        the save (its weights would be empty there; here reading them is what the engine does).
+        A collective with several ranks: every rank calls it."""
+        from offload.checkpoint_io.pretrained import save_state_dict
+
+        self._check_open()
+        path = os.path.join(os.fspath(save_dir), save_filename)
+        save_state_dict(self, path, dtype=self.compute_dtype, exclude_frozen=exclude_frozen_parameters,
+                        streamed=save_filename.endswith(".safetensors"))
+        return True
+
+    # ---- pieces of Engine's own methods --------------------------------------
+    def _record_grad_norm(self, clipped_norm: float | None) -> None:
+        """At each update: the clipping's norm, else the one the optimizer summed (Note [global gradient norm])."""
+        if clipped_norm is None:
+            self.optimizer.deferred.settle()  # the sum is complete once every update ran
+            dtype = torch.float64 if self.device.type == "cpu" else torch.float32
+            sq = torch.tensor([self.optimizer.grad_sq], dtype=dtype, device=self.device)
+            clipped_norm = math.sqrt(float(self.pg.sum_scalar(sq).item()))
+        self._global_grad_norm = clipped_norm
+        self.optimizer.grad_sq = 0.0
+
+    def _nothing_to_load(self, load_dir, tag, load_module_strict, custom_load_fn) -> bool:
+        """load_checkpoint's refusals, and DeepSpeed's (None, None) where nothing was ever saved."""
+        from offload.checkpoint_io.manifest import LATEST, MANIFEST
+
+        if not load_module_strict:
+            raise ValueError("load_checkpoint(load_module_strict=False) is not supported: the checkpoint is "
+                             "verified against the whole model (every name and shape) before anything loads")
+        if custom_load_fn is not None:
+            raise ValueError("load_checkpoint(custom_load_fn=...) is not supported: offload's checkpoint "
+                             "layout is its own (offload/checkpoint_io); read it with offload.consolidate")
+        if tag is not None:
+            return False
+        # No `latest` and no complete tag: a fresh start. A tag without `latest` is damage: an error, later.
+        nothing = not os.path.isdir(load_dir) or (not os.path.exists(os.path.join(load_dir, LATEST)) and not any(
+            os.path.isfile(os.path.join(load_dir, d, MANIFEST)) for d in os.listdir(load_dir)))
+        if nothing:
+            log.warning("load_checkpoint: no checkpoint was completed in %s; nothing loaded", load_dir)
+        return nothing

@@ -1,0 +1,50 @@
+"""What the update schedulers (offload/optim/overlap.py) need of the optimizer whose
+updates they run: a small interface, so they depend on it rather than on ShardedAdam
+(which makes them, and so imports them)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from offload.partition.accounting import MemoryAccount
+from offload.partition.shard import Shard
+from offload.tiers import Tier
+from offload.timeline import Timeline
+
+if TYPE_CHECKING:
+    import torch
+
+    from offload.optim.state_stream import StateStream
+
+
+class UpdateTarget(Protocol):
+    """The optimizer side of an overlapped or deferred update (ShardedAdam is one)."""
+
+    param_groups: list[dict]
+    shards: list[Shard]
+    account: MemoryAccount
+    timeline: Timeline
+    # Threads each update's kernel may use while the compute thread runs beside it;
+    # None: every core (Note [optimizer threads] in offload/simd.py).
+    kernel_threads: int | None
+
+    @property
+    def state_tiers(self) -> frozenset: ...
+
+    def group_index(self, shard: Shard) -> int: ...
+
+    def state_tier(self, shard: Shard) -> Tier | None: ...
+
+    def shares_master(self, shard: Shard) -> bool: ...
+
+    def stepping(self) -> list[Shard]: ...
+
+    def open_stream(self, order: list[Shard], skip_master: frozenset = frozenset()) -> "StateStream | None": ...
+
+    def close_stream(self, stream: "StateStream | None") -> None: ...
+
+    def update_shard(self, shard: Shard, group: dict, stream: "StateStream | None",
+                     master_value: "torch.Tensor | None" = None) -> None: ...
+
+    def uploads_after_update(self, shard: Shard) -> bool: ...
+
+    def flush_publishes(self) -> None: ...

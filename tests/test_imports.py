@@ -1,0 +1,87 @@
+"""The package's modules import one another without a circle: every import counted,
+those inside functions and under TYPE_CHECKING too (a lazy import that closes a
+circle is still a circle a reader has to hold in mind)."""
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "offload"
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def imported(name: str, path: Path, known: dict) -> set[str]:
+    """The package's modules that `name` imports, anywhere in its source."""
+    out = set()
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - (node.level - 1)] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        for target in targets:
+            while target not in known and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target in known and target != name and target.startswith("offload"):
+                out.add(target)
+    return out
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_package_has_no_import_circle():
+    known = modules()
+    assert len(known) > 50  # the walk found the package
+    graph = {name: imported(name, path, known) for name, path in known.items()}
+    assert graph["offload.engine.entry"] >= {"offload.engine.create", "offload.engine.deepspeed_api"}
+    assert circles(graph) == []
+
+
+@pytest.mark.parametrize("planted", [("offload.optim.overlap", "offload.optim.sharded_adam")])
+def test_a_planted_circle_is_found(planted):
+    known = modules()
+    graph = {name: imported(name, path, known) for name, path in known.items()}
+    a, b = planted
+    graph[a] = graph[a] | {b}
+    assert any(set(planted) <= set(c) for c in circles(graph))
