@@ -1,7 +1,7 @@
 """The `offload` command (also `python -m offload`).
 
   offload report            versions, native extension, SIMD, threads, I/O backends
-  offload estimate ...      memory per tier for a model size and a config (offload/estimate.py)
+  offload estimate ...      memory per tier for a model size and a config (offload/estimate/)
   offload consolidate ...   one safetensors file from a checkpoint (offload/checkpoint_io/consolidation.py)
   offload bench adam ...    CPU Adam benchmark (benchmarks/offload_bench/cpu_adam.py)
   offload bench io ...      NVMe path benchmark (benchmarks/offload_bench/io.py)

@@ -532,3 +532,13 @@ def test_adapter_counts_match_peft_on_the_same_model(tmp_path, kind, extra, lora
             sum(p.numel() for p in wrapped.parameters()))
     s = model_sizes(config, adapter=tmp_path / "adapter_config.json")
     assert (s.trainable_params, s.num_params) == want
+
+
+def test_offload_estimate_is_the_function_whichever_way_it_was_reached():
+    """offload.estimate names the package and its function (the lazy attribute gives the
+    function until the package is imported, then the package stands there): both call."""
+    import offload
+    import offload.estimate as package
+
+    first, second = offload.estimate(10**6), package(10**6)
+    assert first.format() == second.format() == estimate(10**6).format()

@@ -1,0 +1,57 @@
+"""`offload estimate`: bytes per tier, and the minimum device, host and NVMe,
+for a model size and a configuration, before anything is allocated (the
+memory model: offload/estimate/memory_model.py)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from offload.config import ConfigError
+from offload.estimate.memory_model import CLI_FLAGS, LARGEST_LAYER_FRACTION, estimate_from
+from offload.estimate.trainable import parse_count
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `offload estimate`."""
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", type=parse_count, help="parameter count (7e9, 7B, 350M)")
+    src.add_argument("--model-config", help="a Hugging Face config.json (GPT-2 or Llama style)")
+    parser.add_argument("--config", help="offload / DeepSpeed JSON config (default: fp32, nothing offloaded)")
+    parser.add_argument("--largest-layer", type=parse_count, default=None,
+                        help="parameters of the largest module (default: from --model-config, "
+                             f"else --params / {LARGEST_LAYER_FRACTION})")
+    parser.add_argument("--persistent-params", type=parse_count, default=None,
+                        help="parameters kept whole on every device (default: from --model-config, else 0)")
+    parser.add_argument("--world-size", type=int, default=1, help="total ranks (default 1)")
+    parser.add_argument("--num-nodes", type=int, default=1, help="hosts the ranks run on (default 1)")
+    # A string, parsed by estimate(): its errors name the flag and every accepted form.
+    parser.add_argument("--trainable", default=None,
+                        help="how much trains, the rest frozen: a count (8M, 3.4e6), a fraction (0.011, 1.1%%), "
+                             "or a PEFT LoRA adapter_config.json or its folder (with --model-config; the adapters "
+                             "are added to the model). Default: all of it")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs `offload estimate`; 0 on success, 2 on a bad config or argument (message on stderr)."""
+    try:
+        est = estimate_from(args.params, model_config=args.model_config, config=args.config,
+                        largest_layer_params=args.largest_layer, persistent_params=args.persistent_params,
+                        world_size=args.world_size, num_nodes=args.num_nodes,
+                        trainable=args.trainable, names=CLI_FLAGS)
+    except ConfigError as exc:
+        print(f"offload estimate: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(est.to_dict(), indent=2))
+    else:
+        print(est.format())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="offload estimate", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+

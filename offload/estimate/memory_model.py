@@ -1,0 +1,385 @@
+"""`offload estimate`'s memory model: bytes per tier, and the minimum device, host and NVMe,
+for a model size and a configuration, before anything is allocated.
+
+    est = estimate(7e9, config="ds.json", world_size=8)
+    est = estimate(model_config="config.json", config={...}, trainable="adapter_config.json")
+    print(est.format())
+
+Note [memory model] (per parameter; W = world size, the states are sharded 1/W):
+  trainable parameters (all of them unless `trainable` says otherwise):
+  compute copy     c B (2 for bf16/fp16, 4 for fp32)    -> offload_param tier
+  grad accumulation 4 B (fp32)                           -> device if offload_optimizer
+                                                            is none, else host
+  fp32 master      4 B, only when c != 4 (in fp32 the    -> offload_optimizer tier
+                   parameter copy is the master)
+  exp_avg, exp_avg_sq 4 B + 4 B                          -> offload_optimizer tier
+  frozen parameters (requires_grad=False: a LoRA's base; Note [frozen
+  parameters] in offload/placement.py):
+  compute copy     c B                                   -> offload_param tier
+                   and nothing else: no gradient, master, moments or NVMe state
+  Device, always: the largest layer gathered (c B per param, unsharded) twice
+  (the one computing and the one prefetched), plus the persistent parameters
+  (those under stage3_param_persistence_threshold, kept whole on every rank).
+  Host bounce buffers: with offload_param nvme, 2 x largest layer x c; with
+  offload_optimizer nvme, min(sub_group_size, trainable shard) x 16 B (master,
+  m, v, grad) x 2 (double buffering).
+Tiers are reported per rank; the minimum host and NVMe are per node (ranks per
+node x per rank), the minimum device per device. docs/CONFIG.md compares this
+with DeepSpeed's estimate_zero3_model_states_mem_needs term by term.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+from offload.config import AUTO, Config, ConfigError, Precision, Tier
+from offload.placement import DEVICE_SHARE, HOST_SHARE, Budgets, ParamSpec, Placement, plan_placement
+from offload.tiers import grad_tier_of
+from offload.estimate.hf_config import CountedModel
+from offload.estimate.model_shapes import counted_model
+from offload.estimate.trainable import parse_trainable
+
+GiB = 1 << 30
+TIERS = ("device", "host", "nvme")
+# Without a model config or an explicit largest layer: a transformer's largest
+# module (its embedding or an MLP projection) is rarely above 1/16 of it for
+# models of 1B parameters and more; smaller models can exceed it (GPT-2 124M's
+# embedding is 31%), so give --largest-layer or --model-config for those.
+LARGEST_LAYER_FRACTION = 16
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per tier per rank, what contributes what, and the minimum per device / node."""
+
+    num_params: int
+    trainable_params: int  # of num_params; the rest are frozen (Note [trainable share])
+    largest_layer_params: int
+    persistent_params: int
+    world_size: int
+    num_nodes: int
+    precision: Precision
+    offload_param: Tier
+    offload_optimizer: Tier
+    device: int
+    host: int
+    nvme: int
+    breakdown: dict[str, dict[str, int]]
+    minimum_device: int
+    minimum_host: int
+    minimum_nvme: int
+    notes: tuple[str, ...] = ()
+    placement: Placement | None = None  # "auto": the plan (Note [automatic placement])
+    auto_param: bool = False  # offload_param.device "auto"
+    auto_optimizer: bool = False
+
+    @property
+    def frozen_params(self) -> int:
+        return self.num_params - self.trainable_params
+
+    def _side(self, which: str) -> str:
+        """DeepSpeed's spelling of offload_<which>.device: none, cpu, nvme or auto."""
+        if getattr(self, f"auto_{which}"):
+            return "auto"
+        return getattr(self, f"offload_{which}").offload_device
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.num_nodes
+
+    def check_budgets(self, memory) -> list[str]:
+        """What does not fit in `memory` (a MemoryConfig) per rank: one line each; [] when all fit."""
+        problems = []
+        for tier, budget in (("device", memory.device_budget), ("host", memory.host_budget)):
+            need = getattr(self, tier)
+            if budget is not None and need > budget:
+                problems.append(f"memory.{tier}_budget: {_gib(budget)} is less than the {_gib(need)} "
+                                f"the {tier} tier needs per rank")
+        return problems
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(dataclasses.replace(self, placement=None))
+        d["placement"] = None if self.placement is None else self.placement.to_dict()
+        d.update(precision=self.precision.value, offload_param=self._side("param"),
+                 offload_optimizer=self._side("optimizer"), notes=list(self.notes),
+                 frozen_params=self.frozen_params)
+        return d
+
+    def format(self) -> str:
+        lines = [
+            f"offload estimate: {_count(self.num_params)} params ({_count(self.trainable_params)} trainable, "
+            f"{_count(self.frozen_params)} frozen), largest layer "
+            f"{_count(self.largest_layer_params)}, persistent {_count(self.persistent_params)}; "
+            f"{self.precision.value}, offload_param={self._side('param')}, "
+            f"offload_optimizer={self._side('optimizer')}; "
+            f"{self.world_size} rank(s) on {self.num_nodes} node(s)",
+            "",
+            f"{'tier':<8}{'per rank':>12}   contributions",
+        ]
+        for tier in TIERS:
+            lines.append(f"{tier:<8}{_gib(getattr(self, tier)):>12}")
+            for what, nbytes in self.breakdown[tier].items():
+                lines.append(f"{'':<8}{'':>12}   {_gib(nbytes):>11}  {what}")
+        lines += ["",
+                  f"minimum: device {_gib(self.minimum_device)} per device, host {_gib(self.minimum_host)} "
+                  f"per node, nvme {_gib(self.minimum_nvme)} per node",
+                  "(model states only: activations, the CUDA context and allocator slack come on top)"]
+        if self.placement is not None:
+            lines += ["", self.placement.format()]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def _count(n: int) -> str:
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+# What `offload estimate` calls each argument of estimate(): its messages and
+# notes name the flag the user typed, not the Python keyword.
+CLI_FLAGS = {"num_params": "--params", "model_config": "--model-config",
+             "largest_layer_params": "--largest-layer", "persistent_params": "--persistent-params",
+             "world_size": "--world-size", "num_nodes": "--num-nodes", "trainable": "--trainable"}
+
+
+def estimate(num_params: int | None = None, *, model_config: str | os.PathLike | Mapping | None = None,
+             config: Config | Mapping | str | os.PathLike | None = None,
+             largest_layer_params: int | None = None, persistent_params: int | None = None,
+             world_size: int = 1, num_nodes: int = 1,
+             trainable: int | float | str | os.PathLike | Mapping | None = None) -> Estimate:
+    """Bytes per tier for `num_params` (or a HF model config) under `config`; see Note [memory model].
+
+    world_size is the total number of ranks, num_nodes how many hosts they share.
+    trainable: how much of the model trains (Note [trainable share]): a count
+    (8_000_000, "8M"), a fraction (0.011, "1.1%"), or a PEFT LoRA adapter config
+    (a path to adapter_config.json or its folder, or the dict; needs model_config);
+    None: all of it.
+    Without config: Config() (fp32, nothing offloaded).
+    """
+    return estimate_from(num_params, model_config=model_config, config=config,
+                     largest_layer_params=largest_layer_params, persistent_params=persistent_params,
+                     world_size=world_size, num_nodes=num_nodes, trainable=trainable, names={})
+
+
+def estimate_from(num_params, *, model_config, config, largest_layer_params, persistent_params, world_size,
+              num_nodes, trainable, names: Mapping[str, str]) -> Estimate:
+    """estimate(), its errors and notes naming each argument as `names` spells it
+    (the keyword itself where absent)."""
+    def name(keyword: str) -> str:
+        return names.get(keyword, keyword)
+
+    cfg = Config() if config is None else Config.load(config)
+    for key, v in (("world_size", world_size), ("num_nodes", num_nodes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name(key)}: {v!r} is not a positive integer")
+    if world_size % num_nodes:
+        raise ConfigError(f"{name('world_size')}: {world_size} is not a multiple of {name('num_nodes')} "
+                          f"{num_nodes}")
+    share = None if trainable is None else parse_trainable(trainable, name("trainable"))
+    adapter = None if share is None else share.adapter
+    notes = []
+    zero = cfg.zero_optimization
+    threshold = zero.stage3_param_persistence_threshold
+    model = None
+    if model_config is not None:
+        if num_params is not None:
+            raise ConfigError(f"estimate: give {name('num_params')} or {name('model_config')}, not both")
+        model = counted_model(model_config, adapter, name("trainable"))
+        sizes = model.sizes(None if threshold is AUTO else threshold)
+        num_params, hidden, trainable_params = sizes.num_params, sizes.hidden_size, sizes.trainable_params
+        notes += model.notes
+        if largest_layer_params is None:
+            largest_layer_params = sizes.largest_layer_params
+            notes.append(f"largest layer and persistent parameters counted from the {sizes.source}"
+                         + (" with the adapters" if adapter is not None else ""))
+        if persistent_params is None:
+            persistent_params = sizes.persistent_params
+    else:
+        if num_params is None:
+            raise ConfigError(f"estimate: give {name('num_params')} or {name('model_config')}")
+        if adapter is not None:
+            raise ConfigError(f"{name('trainable')}: a PEFT adapter config needs {name('model_config')} (the "
+                              f"shapes of the modules it adapts); with {name('num_params')}, give "
+                              f"{name('trainable')} a count (8M) or a fraction (0.011, 1.1%)")
+        hidden = None
+        if isinstance(num_params, float) and num_params.is_integer():
+            num_params = int(num_params)
+        if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 1:
+            raise ConfigError(f"{name('num_params')}: {num_params!r} is not a positive integer")
+        trainable_params = num_params
+        if largest_layer_params is None:
+            largest_layer_params = math.ceil(num_params / LARGEST_LAYER_FRACTION)
+            notes.append(f"largest layer not given: assumed {name('num_params')} / {LARGEST_LAYER_FRACTION} "
+                         f"(give {name('largest_layer_params')} or {name('model_config')} for an exact figure)")
+        if persistent_params is None:
+            persistent_params = 0
+            notes.append(f"persistent parameters not given: assumed 0 (give {name('persistent_params')}, "
+                         f"or {name('model_config')} to count them)")
+    if share is not None and adapter is None:
+        trainable_params = share.of(num_params, name("trainable"))
+    for key, v in (("largest_layer_params", largest_layer_params), ("persistent_params", persistent_params)):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > num_params:
+            raise ConfigError(f"{name(key)}: {v!r} is not an integer in [0, {num_params}] "
+                              "(from 0 to the model's parameter count)")
+    largest_layer_params, persistent_params = int(largest_layer_params), int(persistent_params)
+    # What one module's update holds at once: the largest layer, or less of it where
+    # some is frozen (a LoRA's largest trainable module is an adapter or a saved copy).
+    largest_trainable = min(largest_layer_params, trainable_params)
+    if adapter is not None:
+        largest_trainable = min(largest_trainable, model.largest_trainable)
+    zero = zero.resolve_auto(hidden, num_params)
+
+    c = cfg.precision.itemsize
+    shard = math.ceil(num_params / world_size)
+    trainable_shard = math.ceil(trainable_params / world_size)
+    frozen = trainable_params < num_params
+    # Optimizer terms are per trainable element: said so where some are frozen.
+    per = "B/trainable param" if frozen else "B/param"
+    p_dev, o_dev = zero.offload_param.device, zero.offload_optimizer.device
+    p_tier, o_tier, grad_tier = p_dev.value, o_dev.value, zero.offload_optimizer.grad_tier.value
+    prec = cfg.precision.value
+    breakdown: dict[str, dict[str, int]] = {t: {} for t in TIERS}
+    if frozen:  # the frozen ones' home is all they cost (Note [frozen parameters] in offload/placement.py)
+        breakdown[p_tier][f"parameter shards, trainable ({prec}, {c} B/param)"] = trainable_shard * c
+        breakdown[p_tier][f"parameter shards, frozen ({prec}, {c} B/param, nothing else)"] = \
+            (shard - trainable_shard) * c
+    else:
+        breakdown[p_tier][f"parameter shards ({prec}, {c} B/param)"] = shard * c
+    breakdown[grad_tier][f"gradient accumulation (fp32, 4 {per})"] = trainable_shard * 4
+    if c != 4:
+        breakdown[o_tier][f"fp32 master weights (4 {per})"] = trainable_shard * 4
+    breakdown[o_tier][f"Adam exp_avg + exp_avg_sq (fp32, 8 {per})"] = trainable_shard * 8
+    breakdown["device"][f"gathered layers (2 x largest layer, {prec})"] = 2 * largest_layer_params * c
+    breakdown["device"][f"persistent parameters ({prec}, whole on every rank)"] = persistent_params * c
+    if p_dev is Tier.NVME:
+        breakdown["host"][f"parameter NVMe bounce buffers (2 x largest layer, {prec})"] = \
+            2 * largest_layer_params * c
+    if o_dev is Tier.NVME:
+        group = min(zero.sub_group_size, trainable_shard)
+        breakdown["host"][f"optimizer NVMe swap buffers (2 x {group} elements x 16 B)"] = 2 * group * 16
+    placement = None
+    if zero.offload_param.auto or zero.offload_optimizer.auto:
+        placement = _auto_plan(cfg, zero, num_params, trainable_params, largest_layer_params, largest_trainable,
+                               persistent_params, world_size, model,
+                               tail_share=share is not None and adapter is None, notes=notes, name=name)
+        for tier in TIERS:
+            breakdown[tier] = {k: v for k, v in breakdown[tier].items()
+                               if not k.startswith(("parameter shards", "fp32 master", "Adam exp_avg",
+                                                    "gradient accumulation"))}
+        key = f"gradient accumulation (fp32, 4 {per})"
+        for s in placement.shards:  # each gradient beside its optimizer state (grad_tier_of)
+            if s.trainable:
+                what = breakdown[grad_tier_of(s.state).value]
+                what[key] = what.get(key, 0) + s.part_numel * 4
+        homes = placement.home_bytes()
+        frozen_homes = dataclasses.replace(placement, shards=tuple(s for s in placement.shards
+                                                                   if not s.trainable)).home_bytes()
+        for t in Tier:
+            if frozen:
+                if homes[t] - frozen_homes[t]:
+                    breakdown[t.value][f"parameter shards, planned, trainable ({prec}, {c} B/param)"] = \
+                        homes[t] - frozen_homes[t]
+                if frozen_homes[t]:
+                    breakdown[t.value][f"parameter shards, planned, frozen ({prec}, {c} B/param, nothing else)"] \
+                        = frozen_homes[t]
+            elif homes[t]:
+                breakdown[t.value][f"parameter shards, planned ({prec}, {c} B/param)"] = homes[t]
+        for t, n in placement.state_bytes().items():
+            if n:
+                breakdown[t.value]["optimizer state, planned (fp32 master + exp_avg + exp_avg_sq)"] = n
+        if any(s.home is Tier.NVME for s in placement.shards):
+            breakdown["host"][f"parameter NVMe bounce buffers (2 x largest layer, {prec})"] = \
+                2 * largest_layer_params * c
+        if any(s.state is Tier.NVME for s in placement.shards):
+            layer = "largest trainable layer" if frozen else "largest layer"
+            breakdown["host"][f"optimizer state in flight ({_STATE_IN_FLIGHT} B x {layer})"] = \
+                _STATE_IN_FLIGHT * largest_trainable
+    totals = {t: sum(breakdown[t].values()) for t in TIERS}
+    per_node = world_size // num_nodes
+    return Estimate(
+        num_params=num_params, trainable_params=trainable_params, largest_layer_params=largest_layer_params,
+        persistent_params=persistent_params, world_size=world_size, num_nodes=num_nodes, precision=cfg.precision,
+        offload_param=p_dev, offload_optimizer=o_dev, breakdown=breakdown, **totals,
+        minimum_device=totals["device"], minimum_host=totals["host"] * per_node,
+        minimum_nvme=totals["nvme"] * per_node, notes=tuple(notes), placement=placement,
+        auto_param=zero.offload_param.auto, auto_optimizer=zero.offload_optimizer.auto)
+
+
+# An auto plan's NVMe optimizer state in flight on the host: three of the
+# largest partitions' state (12 B/param) and their masters (4), as initialize
+# reserves them (offload/engine/budgets.py).
+_STATE_IN_FLIGHT = 3 * 16
+
+
+def _auto_plan(cfg, zero, num_params, trainable_params, largest, largest_trainable, persistent, world_size,
+               model: CountedModel | None, *, tail_share: bool, notes: list, name) -> Placement:
+    """The plan an engine would make for "auto" (Note [automatic placement]): per
+    parameter from --model-config, else the model cut into layers of the largest
+    size; budgets from the memory section, else this machine's free host memory
+    (the device gets memory.device_budget, or nothing: estimate does not open a GPU).
+    tail_share: trainable_params is a count without the parameters it names, taken
+    from the model's tail (Note [trainable share])."""
+    import psutil
+
+    itemsize = cfg.precision.itemsize
+    threshold = zero.stage3_param_persistence_threshold
+    # (name, elements, persistent, trainable) in the model's order
+    if model is not None:
+        params = [(f"{m.name}.{i}", n, n <= threshold, m.trainable(i))
+                  for m in model.distinct() for i, n in enumerate(m.sizes)]
+    else:
+        params, left, i = [], num_params - persistent, 0
+        while left > 0:
+            params.append((f"layer{i}", min(largest, left), False, True))
+            left, i = left - params[-1][1], i + 1
+        if persistent:
+            params.append(("persistent", persistent, True, True))
+    if tail_share and trainable_params < num_params:
+        split, left = [], trainable_params
+        for pname, n, pers, _ in reversed(params):
+            take = min(n, left)
+            left -= take
+            if take:
+                split.append((pname + (".trainable" if take < n else ""), take, pers, True))
+            if n - take:
+                split.append((pname + (".frozen" if take else ""), n - take, pers, False))
+        params = split[::-1]
+        notes.append(f"auto placement: {name('trainable')} says how many parameters train, not which: the plan "
+                     "takes them from the model's tail")
+    specs = [ParamSpec(pname, -(-n // world_size), -(-n // world_size) * world_size, persistent=pers,
+                       trainable=train)
+             for pname, n, pers, train in params]
+    mem = cfg.memory
+    host = mem.host_budget
+    if host is None:
+        host = int(HOST_SHARE * psutil.virtual_memory().available)
+        notes.append(f"auto placement: host budget {_gib(host)} ({HOST_SHARE:.0%} of this machine's available "
+                     "memory; give memory.host_budget for another machine)")
+    # What the engine holds besides homes and state comes first: the fp32
+    # gradients (of the trainable ones) and the bounce buffers on the host, the
+    # gathered layers on the device.
+    trainable_shard = -(-trainable_params // world_size)
+    host -= trainable_shard * 4 + 2 * largest * itemsize + _STATE_IN_FLIGHT * largest_trainable
+    device = max(0, int(DEVICE_SHARE * (mem.device_budget or 0)) - persistent * itemsize)
+    if mem.device_budget is None:
+        notes.append("auto placement: no memory.device_budget, so no parameter is planned on the device "
+                     "beyond the persistent ones (initialize takes half the GPU's free memory)")
+    if host < 0:
+        notes.append(f"auto placement: the host budget is {_gib(-host)} short of the gradients and buffers alone")
+    budgets = Budgets(device=device, host=max(0, host),
+                      nvme_homes=zero.offload_param.auto and zero.offload_param.nvme_path is not None,
+                      nvme_state=zero.offload_optimizer.auto and zero.offload_optimizer.nvme_path is not None)
+    return plan_placement(specs, budgets, itemsize=itemsize, separate_memory=True,
+                          home_tier=None if zero.offload_param.auto else zero.offload_param.device,
+                          state_tier=None if zero.offload_optimizer.auto else zero.offload_optimizer.device)
