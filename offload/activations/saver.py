@@ -255,7 +255,7 @@ class ActivationSaver:
         self.profile = profile
         self.timings = {"checkpointed_forward_s": 0.0, "recompute_s": 0.0,
                         "checkpointed_calls": 0, "recomputations": 0}
-        self._lock = threading.RLock()  # account.charge under it settles (Note [credits owed ...])
+        self._lock = threading.RLock()  # account.charge under it settles (Note [credits owed by the garbage collector])
         self._charges: dict[tuple, _Charge] = {}  # storage key -> its charge
         # Note [credits owed by the garbage collector]: id(weakref) -> (weakref, storage key
         # or _HostCopy) for live holders; `_died` gets each weakref as its holder dies.
