@@ -383,17 +383,12 @@ def load_into(engine, load_dir, tag: str | None = None, *, optimizer_states: boo
     if not module_only:
         if engine.loss_scaler is not None and state["loss_scaler"] is not None:
             engine.loss_scaler.load_state_dict(state["loss_scaler"])
-        engine.global_steps = state["global_steps"]
-        engine.micro_steps = state["micro_steps"]
-        engine.skipped_steps = state["skipped_steps"]
         if engine.pg.rank < saved.saved_world:  # a rank the saved run did not have keeps its own
             engine_state.restore_rng(state["rng"])
         for s in engine.shards if in_window else ():  # Note [saving inside an accumulation window]
             _restore_grad(s, saved.grad(s))
-    engine._micro_in_window = in_window
-    engine._scaled_passes = state["scaled_passes"] if in_window else 0
-    engine._passes_at_step = engine.manager.backward_passes
-    engine._passes_at_update = engine.manager.backward_passes - engine._scaled_passes
+    engine.counters.load_state_dict(state, backward_passes=engine.manager.backward_passes, window=bool(in_window),
+                                    steps=not module_only)
     return tag_dir, client_state
 
 

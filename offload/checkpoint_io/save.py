@@ -65,12 +65,8 @@ def capture_engine_state(engine, exclude_frozen: bool = False) -> bytes:
     fingerprint (Note [checkpoints without frozen weights] in checkpoint_io/frozen.py)."""
     opt = engine.optimizer
     state = {
-        "global_steps": engine.global_steps,
-        "micro_steps": engine.micro_steps,
-        "skipped_steps": engine.skipped_steps,
-        # Note [saving inside an accumulation window]
-        "micro_in_window": engine._micro_in_window,
-        "scaled_passes": engine._scaled_passes,
+        # Note [step counters]; Note [saving inside an accumulation window]
+        **engine.counters.state_dict(),
         "shard_steps": dict(opt.shard_steps),
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
         "param_group_shards": group_shards(engine),
@@ -156,7 +152,7 @@ def check_can_save(engine) -> None:
     """Note [saving inside an accumulation window]: after any engine.step(), not between a
     backward and the step() that counts it."""
     if engine.steps.updating_in_backward or (engine.gradients_pending and (
-            engine._micro_in_window == 0 or engine.manager.backward_passes != engine._passes_at_step)):
+            engine.counters.micro_in_window == 0 or engine.manager.backward_passes != engine.counters.passes_at_step)):
         raise RuntimeError(
             f"save_checkpoint between a backward and the engine.step() that counts it (micro-step "
             f"{engine.micro_steps}, gradient_accumulation_steps {engine.gradient_accumulation_steps()}): "

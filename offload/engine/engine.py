@@ -27,6 +27,7 @@ from offload.engine.closed import EngineClosedError, close_off, weak_callback
 from offload.engine.deepspeed_methods import DeepSpeedMethods
 from offload.engine.gradients import (NormTerms, all_finite, clip_by_global_norm, clip_coefficient,
                                      updates_from_staging)
+from offload.engine.step_counters import StepCounters
 from offload.engine.step_phase import StepPhase, StepPhases
 from offload.engine.teardown import Teardown
 from offload.engine.loss_scaler import LossScaler
@@ -164,24 +165,27 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
                 static_scale=fp16.loss_scale, initial_scale_power=fp16.initial_scale_power,
                 window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
                 min_scale=fp16.min_loss_scale)
-        self.global_steps = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
-        self._passes_at_step = 0  # manager.backward_passes when the last step() ran
-        self._passes_at_update = 0  # ... when the last update ran (fp16: see _update)
-        self._scaled_passes = 0  # backward passes through engine.backward since then
+        self.counters = StepCounters()  # Note [step counters] (engine/step_counters.py)
         self._in_engine_step = False
         # Note [norm terms during backward] (engine/gradients.py): this backward's terms, if taken.
         self._norm_terms: NormTerms | None = None
         self._norm_scratch: NormTerms | None = None
         # DeepSpeed's methods (deepspeed_methods.py): set_gradient_accumulation_boundary (None: by micro_steps),
         # was_step_applied, get_global_grad_norm; step() calls since the last update (or skipped one).
-        self._boundary, self._step_applied, self._global_grad_norm, self._micro_in_window = None, False, None, 0
+        self._boundary, self._step_applied, self._global_grad_norm = None, False, None
         self._closed = False
         self._checkpoint_job = None  # an async save in progress (offload/checkpoint_io)
         # Note [step phases] (engine/step_phase.py); a failed update's (error, clipped norm)
         # is kept there until retried or a checkpoint is loaded (Note [a failed step]).
         self.steps = StepPhases()
+
+    # DeepSpeed's attributes, read and set by scripts: the counters' (Note [step counters]).
+    global_steps = property(lambda self: self.counters.global_steps,
+                            lambda self, v: setattr(self.counters, "global_steps", v))
+    micro_steps = property(lambda self: self.counters.micro_steps,
+                           lambda self, v: setattr(self.counters, "micro_steps", v))
+    skipped_steps = property(lambda self: self.counters.skipped_steps,
+                             lambda self, v: setattr(self.counters, "skipped_steps", v))
 
     # ---- the training loop -------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -249,7 +253,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
                 self._abandon_overlap()
             raise
         if self.loss_scaler is not None:
-            self._scaled_passes += 1
+            self.counters.scaled_passes += 1
         return loss  # as DeepSpeed's engine.backward: scripts log what it returns
 
     def _can_overlap(self) -> bool:
@@ -296,15 +300,15 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         if self.steps.failed:
             self._boundary_update()
             return
-        if self.manager.backward_passes == self._passes_at_step:
+        if self.manager.backward_passes == self.counters.passes_at_step:
             raise RuntimeError("engine.step() called without a backward since the last step "
                                "(engine.backward(loss) or loss.backward())")
-        self._passes_at_step = self.manager.backward_passes
+        self.counters.passes_at_step = self.manager.backward_passes
         boundary = self.is_gradient_accumulation_boundary()  # DeepSpeed's: asked before counting
         self.micro_steps += 1
         self._step_applied = False
         if not boundary:
-            self._micro_in_window += 1
+            self.counters.micro_in_window += 1
             return
         self._boundary_update()
 
@@ -316,7 +320,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
             self.optimizer.step()
         finally:
             self._in_engine_step = False
-        self._micro_in_window = 0
+        self.counters.micro_in_window = 0
         self._step_applied = self.skipped_steps == skipped
         self._zero_grads()
 
@@ -366,7 +370,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
             self._finish_update()
             return
         if self.loss_scaler is not None:
-            unscaled = self.manager.backward_passes - self._passes_at_update - self._scaled_passes
+            unscaled = self.manager.backward_passes - self.counters.passes_at_update - self.counters.scaled_passes
             if not from_engine_step or unscaled:
                 what = ("engine.optimizer.step() was called" if not from_engine_step
                         else f"{unscaled} backward pass(es) ran outside engine.backward")
@@ -375,7 +379,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
                     "which scales the loss, and be applied by engine.step(), which unscales them and "
                     "skips overflowed steps. To drive the optimizer from your own loop, use bf16")
             overflow = self.pg.any_flag(not all_finite(self.shards), self.device)
-            self._passes_at_update, self._scaled_passes = self.manager.backward_passes, 0
+            self.counters.passes_at_update, self.counters.scaled_passes = self.manager.backward_passes, 0
             if overflow:
                 self.loss_scaler.update(True, self.global_steps + self.skipped_steps + 1)
                 self.skipped_steps += 1

@@ -40,3 +40,21 @@ def test_a_run_goes_through_the_phases(tmp_path, monkeypatch, layer, clip, after
             assert engine.steps.phase is after_backward
             engine.step()
             assert engine.steps.phase is after_step
+
+
+def test_the_step_counters_save_and_load_as_one_object():
+    """Note [step counters]: what a checkpoint keeps, and the pass marks taken from this
+    process's count at load (a window not restored starts afresh)."""
+    from offload.engine.step_counters import StepCounters
+
+    saved = StepCounters(global_steps=7, micro_steps=15, skipped_steps=1, micro_in_window=1, scaled_passes=1,
+                         passes_at_step=40, passes_at_update=39).state_dict()
+    assert saved == {"global_steps": 7, "micro_steps": 15, "skipped_steps": 1, "micro_in_window": 1,
+                     "scaled_passes": 1}
+    into = StepCounters()
+    into.load_state_dict(saved, backward_passes=3)
+    assert (into.global_steps, into.micro_in_window, into.passes_at_step, into.passes_at_update) == (7, 1, 3, 2)
+    module_only = StepCounters(global_steps=2)
+    module_only.load_state_dict(saved, backward_passes=3, window=False, steps=False)
+    assert (module_only.global_steps, module_only.micro_in_window, module_only.scaled_passes) == (2, 0, 0)
+    assert module_only.passes_at_update == 3
