@@ -11,6 +11,7 @@ import torch
 from offload.config import Config
 from offload.placement import (DEVICE_SHARE, HOST_SHARE, Budgets, ParamSpec, Placement, plan_placement,
                                uniform)
+from offload.engine.update_policy import UpdatePolicy
 from offload.tiers import Tier, grad_tier_of
 
 
@@ -124,8 +125,9 @@ def build_reserve(config: Config, largest_part: int, *, separate_memory: bool) -
     dtype = config.precision.dtype
     reserve = sum(nvme_state_buffers(largest_part, dtype, homes_on_nvme=True).values())
     reserve += PLAN_SLACK * largest_part
-    if _updates_free_gradients(config):
-        reserve += _backlog_elems(config, largest_part) * 4
+    policy = UpdatePolicy.of(config, separate_memory=separate_memory)
+    if policy.updates_free_gradients:
+        reserve += policy.backlog_bound(largest_part) * 4
     if not separate_memory:
         reserve += 3 * largest_part * dtype.itemsize  # idle gathered buffers
     return reserve
@@ -260,28 +262,13 @@ def replan_within(placement: Placement, need: dict[Tier, dict], config: Config, 
     return dataclasses.replace(b, **changes) if changes else None
 
 
-def grad_backlog(config: Config, planned: list) -> int | None:
+def grad_backlog(config: Config, planned: list, *, separate_memory: bool) -> int | None:
     """The most fp32 gradient elements held at once when every step's updates run
     during backward and gradients exist only until their update (Note [gradient
-    partitions]: some optimizer state on NVMe; Note [optimizer overlap]: one
-    micro-batch a step, no clipping, no fp16 loss scaling): the backlog cap
-    (reduce_bucket_size, else two of the largest) plus the one being made and
-    the one being updated. None where all may be held (accumulation keeps them
+    partitions]: some optimizer state on NVMe; Note [when updates run]:
+    UpdatePolicy.backlog_bound). None where all may be held (accumulation keeps them
     across micro-batches, clipping and overflow checks need them all first)."""
-    if not any(s.state is Tier.NVME for s in planned) or not _updates_free_gradients(config):
+    policy = UpdatePolicy.of(config, separate_memory=separate_memory)
+    if not any(s.state is Tier.NVME for s in planned) or not policy.updates_free_gradients:
         return None
-    return _backlog_elems(config, max(s.part_numel for s in planned if s.state is not None))
-
-
-def _updates_free_gradients(config: Config) -> bool:
-    """Whether each update, run during backward, ends its gradient's life (one micro-batch
-    a step, no clipping, no fp16 loss scaling, overlap on)."""
-    clip = config.gradient_clipping
-    return (config.gradient_accumulation_steps == 1 and isinstance(clip, (int, float)) and not clip > 0
-            and config.precision.value != "fp16" and config.zero_optimization.overlap_comm)
-
-
-def _backlog_elems(config: Config, largest: int) -> int:
-    """grad_backlog's bound for `largest`, the largest partition with its state on NVMe."""
-    pending = max(config.zero_optimization.reduce_bucket_size or 2 * largest, largest)
-    return pending + 2 * largest
+    return policy.backlog_bound(max(s.part_numel for s in planned if s.state is not None))

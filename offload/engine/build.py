@@ -333,7 +333,8 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
                                   param_staging_bytes=staging[0] * staging[1] if staging else 0,
                                   on_demand=budgets.largest_module_group(model, named, planned,
                                                                          layer.separate_memory, pg.world_size),
-                                  grad_backlog_elems=budgets.grad_backlog(config, planned))
+                                  grad_backlog_elems=budgets.grad_backlog(config, planned,
+                                                                             separate_memory=layer.separate_memory))
         return configs, staging, need
 
     configs, staging, need = stores_and_needs()

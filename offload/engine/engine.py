@@ -25,11 +25,11 @@ from offload.engine.build import build_shards
 from offload.engine.checkpoint_methods import CheckpointMethods
 from offload.engine.closed import EngineClosedError, close_off, weak_callback
 from offload.engine.deepspeed_methods import DeepSpeedMethods
-from offload.engine.gradients import (NormTerms, all_finite, clip_by_global_norm, clip_coefficient,
-                                     updates_from_staging)
+from offload.engine.gradients import NormTerms, all_finite, clip_by_global_norm, clip_coefficient
 from offload.engine.step_counters import StepCounters
 from offload.engine.step_phase import StepPhase, StepPhases
 from offload.engine.teardown import Teardown
+from offload.engine.update_policy import UpdatePolicy
 from offload.engine.loss_scaler import LossScaler
 from offload.engine.memory import ProcessMemory, map_large_allocations, release_free_host_memory
 from offload.host_worker import HostWorker
@@ -126,6 +126,9 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         self.activation_checkpointing.attach(self.manager)
         self.manager.on_forward = weak_callback(self._before_forward)  # model(x) as well as engine(x)
 
+        # Note [when updates run] (engine/update_policy.py): the same answers the budgets had.
+        self.update_policy = UpdatePolicy.of(config, separate_memory=self.device_layer.separate_memory)
+        trainable = [s.part_numel for s, p in zip(self.shards, built.placement.shards) if p.state is not None]
         opt = config.optimizer
         groups = None
         if self._param_groups is not None:  # names -> the parameters build_shards settled on
@@ -139,7 +142,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
             device=self.device, account=self.account, state_store=built.state_store,
             param_store=built.param_writer,
             sub_group_size=config.zero_optimization.sub_group_size, timeline=self._timeline,
-            pending_grad_elems=config.zero_optimization.reduce_bucket_size, param_groups=groups,
+            pending_grad_elems=self.update_policy.pending_cap(max(trainable, default=1)), param_groups=groups,
             overlap_threads=overlap_threads(config.zero_optimization.offload_optimizer.cpuadam_cores_perc,
                                             device_apart=self.device_layer.separate_memory),
             host_worker=self._host_worker)
@@ -257,27 +260,13 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
         return loss  # as DeepSpeed's engine.backward: scripts log what it returns
 
     def _can_overlap(self) -> bool:
-        """Note [optimizer overlap]: updates may start during this backward when it
-        ends an accumulation window, no step-wide check needs every gradient
-        first, and there is something to hide: NVMe transfers, or host Adam
-        beside a separate device's backward (a GPU, or the sim standing in for
-        one). Host Adam beside a CPU backward only takes cores from it
-        (measured: backward 0.79 s -> 1.06 s, GPT 67M, 2 cores)."""
-        states = self.optimizer.state_tiers
-        worth_it = Tier.NVME in states or (Tier.HOST in states and self.device_layer.separate_memory)
-        return (worth_it and self.config.zero_optimization.overlap_comm
-                and self.is_gradient_accumulation_boundary()
-                and self.loss_scaler is None and not self.config.gradient_clipping > 0)
+        """Whether this backward starts the updates (Note [when updates run])."""
+        return self.update_policy.during_backward(self.optimizer.state_tiers,
+                                                  at_boundary=self.is_gradient_accumulation_boundary())
 
     def _can_defer(self) -> bool:
-        """Note [updates under the next forward]: a step that could not overlap backward
-        leaves its updates running beside the next forward where nothing in them can
-        fail on a file: host Adam beside a separate device (some state on the device
-        too: updated by step() itself), every home on the host or the device."""
-        states = self.optimizer.state_tiers
-        return (Tier.HOST in states and Tier.NVME not in states and self.device_layer.separate_memory
-                and self.config.zero_optimization.overlap_comm
-                and all(s.home is not Tier.NVME for s in self.shards))
+        """Whether step() may leave its updates under the next forward (Note [when updates run])."""
+        return self.update_policy.under_next_forward(self.optimizer.state_tiers, [s.home for s in self.shards])
 
     def _abandon_overlap(self) -> None:
         # A failed backward after some updates ran: wait for them so no thread
@@ -435,7 +424,8 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
 
     # ---- gradients -----------------------------------------------------------
     def _take_grad(self, shard, grad: torch.Tensor, owned: bool = False) -> None:
-        if self.steps.updating_in_backward and updates_from_staging(shard, grad, self.optimizer.state_tier(shard)):
+        if self.steps.updating_in_backward and self.update_policy.from_staging(shard, grad,
+                                                                               self.optimizer.state_tier(shard)):
             # Note [updates from the staging buffer] (engine/gradients.py): no copy into the partition.
             kept, shard.grad_part, shard.has_grad = shard.grad_part, grad, True
             try:

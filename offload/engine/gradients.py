@@ -94,8 +94,4 @@ def clip_by_global_norm(shards, max_norm: float, device: torch.device, pg) -> fl
 # the host and no home on NVMe, so the update cannot fail and leave the
 # gradient in a buffer about to be reused (and if it did not run, the
 # gradient goes into the partition after all).
-def updates_from_staging(shard, grad: torch.Tensor, optim_tier) -> bool:
-    """Whether `grad`, just taken in from its staging buffer, is updated from it (Engine._take_grad)."""
-    return (shard.ctx.streams is not None and not shard.has_grad and optim_tier is Tier.HOST
-            and shard.home is not Tier.NVME and grad.dtype in (torch.float32, torch.bfloat16)
-            and grad.dim() == 1 and grad.numel() == shard.part_numel and grad.is_contiguous())
+# UpdatePolicy.from_staging (engine/update_policy.py) decides it.

@@ -34,7 +34,8 @@ beside it. Each update computes exactly what the deferred step computed, on
 the same gradient: the results are the same bits; no copy of any state is
 kept, so the memory cost is nil (the gradients are held until their update,
 as they were). Only where nothing in the update can fail on a file: state
-and homes on the host or the device (Engine._can_defer). A device home's
+and homes on the host or the device (UpdatePolicy.under_next_forward, Note
+[when updates run]). A device home's
 update runs on the host worker too where its new value goes up the bus right
 after it (Note [device homes' new values] in sharded_adam.py); step() runs
 the others itself, since their new values are published by the compute
