@@ -20,9 +20,6 @@ initial value comes from one of three places (`Built._initial_partition`):
 from __future__ import annotations
 
 import dataclasses
-import errno
-import os
-import shutil
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -35,10 +32,10 @@ from offload.config import Config
 from offload.device import DeviceLayer
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
-from offload.partition import nvme_home
 from offload.partition.device_copies import CopyStreams
 from offload.partition.nvme_home import ParamStore
 from offload.engine import budgets
+from offload.engine.stores import check_free_space, open_store, staging_plan, store_configs
 from offload.partition.shard import PartitionStore, Shard, ShardContext, partition_numel
 from offload.placement import Placement
 from offload.tiers import Tier, grad_tier_of
@@ -268,10 +265,9 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
     timeline: an offload.timeline.Timeline the parameter reads are recorded on;
     builder: an offload.init ModelBuilder whose homed shards are adopted;
     weights: anything offload.engine.weights.open_weights takes;
-    layer: the engine's device layer; its device is where compute runs."""
-    device = layer.device
-    zero = config.zero_optimization
-    dtype = config.precision.dtype
+    layer: the engine's device layer; its device is where compute runs.
+    In stages, each named: check what was given, list the parameters, plan them
+    within the budgets, take the model over, open what the shards share, make them."""
     plan = None
     if weights is not None:
         from offload.engine.weights import WeightPlan, open_weights
@@ -279,6 +275,26 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
         plan = WeightPlan.check(model, open_weights(weights))
     adopted = builder.shard_of if builder is not None else {}
     named = list(model.named_parameters(remove_duplicate=True))
+    _check_given(model, named, plan, adopted)
+    planned, sources, replacements = _list_parameters(named, config, layer, pg, plan, adopted, builder)
+    placement, configs, staging, notes = _plan_within_budgets(model, named, planned, config, layer, pg, builder)
+    for pl in planned:
+        # A build-time shard is kept as it is where it already sits at its planned
+        # home in the compute dtype, and no weights replace it.
+        pl.reuse = (pl.built is not None and sources[pl.index][0] is None
+                    and pl.built.dtype == config.precision.dtype and pl.built.home is pl.home)
+    account.budget_notes.update(notes)
+    check_free_space(configs)  # before anything is written or moved
+    _take_over(model, planned, replacements, plan, config, layer, builder, run_dirs)
+    ctx, param_writer, state_store, pinned, pin = _open_shared(planned, placement, configs, staging, config,
+                                                               layer, pg, account, timeline, run_dirs, builder)
+    return Built(_make_shards(planned, ctx, config.precision.dtype), ctx, state_store, param_writer,
+                 _sources=sources, _plan=plan, pin_home=_home_pinner(pinned, layer) if pin else None,
+                 placement=placement)
+
+
+def _check_given(model: torch.nn.Module, named, plan, adopted: dict) -> None:
+    """Each parameter's dtype (the weights' where they replace it), and no meta buffer without a value."""
     for name, p in named:
         if id(p) in adopted:
             continue
@@ -292,10 +308,14 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
             raise ValueError(f"buffer {buf_name} is on the meta device: pass its value in "
                              "offload.initialize(model, config, weights=...)")
 
-    # Nothing has moved yet. Meta parameters get placeholder parameters,
-    # installed in their modules once the budgets are known to hold.
+
+def _list_parameters(named, config: Config, layer: DeviceLayer, pg: ProcessGroupInfo, plan, adopted: dict,
+                     builder) -> tuple[list[_Planned], dict, dict]:
+    """(each parameter's _Planned, where each initial value comes from by index, the meta
+    parameters' placeholders by id). Nothing moves; placeholders are installed once the
+    budgets are known to hold."""
     policy = builder.policy if builder is not None else HomePolicy(config)
-    auto_homes = zero.offload_param.auto
+    auto_homes = config.zero_optimization.offload_param.auto
     next_index = builder.next_index if builder is not None else 0
     planned: list[_Planned] = []
     sources, replacements = {}, {}
@@ -309,7 +329,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
             sources[index] = (key, built)
         else:
             if p.device.type == "meta":
-                new = torch.nn.Parameter(torch.zeros(1, dtype=p.dtype, device=device).expand(p.shape),
+                new = torch.nn.Parameter(torch.zeros(1, dtype=p.dtype, device=layer.device).expand(p.shape),
                                          requires_grad=p.requires_grad)
                 replacements[id(p)] = new
                 p = new
@@ -320,14 +340,23 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
         part = partition_numel(p.numel(), pg.world_size)
         planned.append(_Planned(index, name, p, home, part, part * pg.world_size, built,
                                 trainable=p.requires_grad))
+    return planned, sources, replacements
 
+
+def _plan_within_budgets(model, named, planned: list[_Planned], config: Config, layer: DeviceLayer,
+                         pg: ProcessGroupInfo, builder) -> tuple[Placement, dict, tuple | None, dict]:
+    """Every home and state tier planned (Note [automatic placement]); with what the engine
+    holds beside them, checked against the budgets: (placement, store configs, staging
+    plan, the budgets' notes). An auto plan that left too little room is made again."""
+    zero = config.zero_optimization
+    dtype = config.precision.dtype
     have_param_store = builder is not None and builder.store is not None
     placement = budgets.plan(planned, config, layer, pg, threshold=zero.stage3_param_persistence_threshold,
                              host=builder.auto_host if builder is not None else None)
 
     def stores_and_needs():
-        configs = _store_configs(planned, config, pg, have_param_store)
-        staging = _staging_plan(planned, config, dtype, layer, pg.world_size)
+        configs = store_configs(planned, config, pg, have_param_store)
+        staging = staging_plan(planned, config, dtype, layer, pg.world_size)
         need = budgets.tier_needs(planned, config, dtype, sum(c.buffer_bytes for c in configs.values()),
                                   separate_memory=layer.separate_memory, world_size=pg.world_size,
                                   param_staging_bytes=staging[0] * staging[1] if staging else 0,
@@ -350,14 +379,13 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
         configs, staging, need = stores_and_needs()
     if first is not None:
         placement = dataclasses.replace(placement, host_limit=first.host)
-    notes = budgets.check_needs(need, config)
-    for pl in planned:
-        # A build-time shard is kept as it is where it already sits at its planned
-        # home in the compute dtype, and no weights replace it.
-        pl.reuse = (pl.built is not None and sources[pl.index][0] is None and pl.built.dtype == dtype
-                    and pl.built.home is pl.home)
-    account.budget_notes.update(notes)
-    check_free_space(configs)  # before anything is written or moved
+    return placement, configs, staging, budgets.check_needs(need, config)
+
+
+def _take_over(model, planned: list[_Planned], replacements: dict, plan, config: Config, layer: DeviceLayer,
+               builder, run_dirs: RunDirectories) -> None:
+    """The model becomes the engine's: offload.init's builder hands its shards over, meta
+    parameters get their placeholders, buffers their values and device."""
     if builder is not None:
         builder.hand_over(keep={id(pl.param) for pl in planned}, run_dirs=run_dirs)
     if replacements:
@@ -365,9 +393,18 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
             for mod, local in places:
                 if pid in replacements:
                     mod._parameters[local] = replacements[pid]
-    _set_buffers(model, plan, dtype, device)
+    _set_buffers(model, plan, config.precision.dtype, layer.device)
 
-    stores = {role: _open_store(c, account, run_dirs) for role, c in configs.items()}
+
+def _open_shared(planned: list[_Planned], placement: Placement, configs: dict, staging, config: Config,
+                 layer: DeviceLayer, pg: ProcessGroupInfo, account: MemoryAccount, timeline,
+                 run_dirs: RunDirectories, builder):
+    """What the shards share, opened: the swap stores, the pinned ledger and pools, the
+    gathered-buffer cache, the ShardContext. Returns (ctx, the parameter writer, the
+    state store, the pinned ledger, whether host buffers are pinned)."""
+    zero = config.zero_optimization
+    dtype = config.precision.dtype
+    stores = {role: open_store(c, account, run_dirs) for role, c in configs.items()}
     pinned = account.pinned = PinnedLedger(_host_ledger(account), config.memory.pinned_budget)
     # Pinned: buffers that feed a device with memory of its own (page-locked on cuda,
     # tracked as pinned by the simulator: Note [device layer]).
@@ -381,6 +418,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
                                   register=layer.register_pinned if pin else None)
         staging_pool.fill()
     if any(pl.home is Tier.NVME for pl in planned):
+        have_param_store = builder is not None and builder.store is not None
         param_store = ParamStore(builder.store if have_param_store else stores["param"], pg, timeline,
                                  staging=staging_pool)
         param_writer = ParamStore(stores.get("writer") or stores["state"], pg, timeline)
@@ -399,6 +437,10 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
     if ctx.streams is not None and device_homes and pin:
         # Device homes' new values go up through pinned buffers (Note [copy streams]).
         ctx.streams.make_upload_pool(max(device_homes), ledger=pinned, pin=layer.page_locks)
+    return ctx, param_writer, stores.get("state"), pinned, pin
+
+
+def _make_shards(planned: list[_Planned], ctx: ShardContext, dtype: torch.dtype) -> list[Shard]:
     shards = []
     for pl in planned:
         if pl.reuse:
@@ -411,8 +453,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
         shards[-1].trainable = pl.trainable
         if pl.trainable:
             shards[-1].grad_tier = grad_tier_of(pl.state)  # beside its optimizer state
-    return Built(shards, ctx, stores.get("state"), param_writer, _sources=sources, _plan=plan,
-                 pin_home=_home_pinner(pinned, layer) if pin else None, placement=placement)
+    return shards
 
 
 def _home_pinner(pinned: PinnedLedger, layer: DeviceLayer) -> Callable[[Shard], None]:
@@ -434,38 +475,6 @@ def _host_ledger(account: MemoryAccount):
     return TierLedger(account, Tier.HOST)
 
 
-def _staging_plan(planned: list[_Planned], config: Config, dtype: torch.dtype, layer: DeviceLayer,
-                  world_size: int) -> tuple[int, int] | None:
-    """(buffer bytes, depth) of the parameter staging pool (Note [staging pool] in
-    offload/aio/buffer_pool.py), or None when parameter reads need no staging.
-    Buffers hold the largest NVMe partition; depth: nvme_home.staging_depth, cut
-    to what memory.pinned_budget holds when they are pinned. A pinned budget that
-    cannot hold MIN_STAGING_DEPTH of them is refused here, before anything moves."""
-    from offload.aio.memory import round_up
-    from offload.partition.prefetch import prefetch_limits
-
-    nvme = [pl for pl in planned if pl.home is Tier.NVME]
-    if not nvme or not nvme_home.stages_reads(world_size, layer.separate_memory):
-        return None
-    zero = config.zero_optimization
-    buffer_bytes = round_up(max(pl.part_numel for pl in nvme) * dtype.itemsize)
-    largest_offloaded = max(pl.padded_numel for pl in planned if pl.home is not Tier.DEVICE)
-    bucket, _, _ = prefetch_limits(zero, largest_offloaded)
-    depth = nvme_home.staging_depth([pl.padded_numel for pl in nvme], bucket)
-    budget = config.memory.pinned_budget
-    if budget is not None and pins(cuda=layer.separate_memory, pin_memory=zero.offload_param.pin_memory):
-        least = nvme_home.MIN_STAGING_DEPTH * buffer_bytes
-        if budget < least:
-            raise MemoryError(
-                f"memory.pinned_budget is {budget} bytes but the parameter staging pool needs at least "
-                f"{least} ({nvme_home.MIN_STAGING_DEPTH} buffers of the largest NVMe partition, "
-                f"{buffer_bytes} bytes: one read ahead and the one a step waits on); raise "
-                f"memory.pinned_budget to at least {least}, or set "
-                "zero_optimization.offload_param.pin_memory to false (unpinned staging)")
-        depth = min(depth, budget // buffer_bytes)
-    return buffer_bytes, depth
-
-
 def _set_buffers(model: torch.nn.Module, plan, dtype: torch.dtype, device: torch.device) -> None:
     """Buffers to the device in the compute dtype (floating ones); values from the weights where given."""
     owners = _owners(model, "_buffers")
@@ -477,120 +486,3 @@ def _set_buffers(model: torch.nn.Module, plan, dtype: torch.dtype, device: torch
                 mod._buffers[local] = value
         else:
             buf.data = buf.data.to(device, target)
-
-
-# Note [one store per thread]
-# A SwapStore is driven by one thread (it finishes transfers in submission
-# order). The compute thread reads parameters while the host worker
-# reads and writes state and writes new parameter values (Note [optimizer
-# overlap]), so each gets its own stores, over the same files: the
-# optimizer writes a parameter's file only after its gradient is final,
-# and the compute thread reads it again only after step() has waited.
-# A model built under offload.init brings its parameter store along.
-def _store_configs(planned: list[_Planned], config: Config, pg: ProcessGroupInfo, have_param_store: bool) -> dict:
-    """The swap stores' settings, by role (Note [one store per thread]): "param"
-    for the compute thread's reads, "state" for the optimizer's state, "writer"
-    for new parameter values (where state and parameters have different paths)."""
-    zero = config.zero_optimization
-    dtype = config.precision.dtype
-    nvme_sizes = [pl.part_numel * dtype.itemsize for pl in planned if pl.home is Tier.NVME]
-    nvme_state = [pl.part_numel for pl in planned if pl.state is Tier.NVME]
-    param_path = os.fspath(zero.offload_param.nvme_path) if nvme_sizes else None
-    state_path = os.fspath(zero.offload_optimizer.nvme_path) if nvme_state else None
-    configs = {}
-    if nvme_sizes and not have_param_store:
-        op = zero.offload_param
-        staging = op.buffer_count * op.buffer_size * dtype.itemsize if op.buffer_count and op.buffer_size else None
-        configs["param"] = _swap_config(param_path, nvme_sizes, staging, config, pg)
-    if state_path is not None:
-        oo = zero.offload_optimizer
-        staging = oo.buffer_count * max(nvme_state) * 4 if oo.buffer_count else None
-        configs["state"] = _swap_config(state_path, [3 * n * 4 for n in nvme_state], staging, config, pg)
-    if nvme_sizes and state_path != param_path:
-        # Writes the same files as the parameter store, which holds their disk
-        # space: no capacity of its own, but the same staging budget. Sized from
-        # no tensors it had 8 KiB, and a new value not aligned for a direct
-        # write went through in 4 KiB pieces (GPT 67M, optimizer state on the
-        # host: a 7 s step).
-        writer = _swap_config(param_path, nvme_sizes, None, config, pg)
-        configs["writer"] = dataclasses.replace(writer, capacity_bytes=0)
-    return configs
-
-
-def _swap_config(nvme_path, sizes, staging_bytes, config: Config, pg: ProcessGroupInfo):
-    """A store's settings. staging_bytes: the host staging budget from DeepSpeed's
-    keys (offload_param.buffer_count x buffer_size elements, offload_optimizer.
-    buffer_count x the largest state partition): the same budgets, except that a
-    tensor larger than the budget streams through it in pieces instead of
-    failing ("More elements than buffer size"). None: sized from the model, two
-    of the largest files up to 32 MiB: the engine's own transfers are aligned
-    and skip staging (Note [direct transfers]); staging carries headers, small
-    tensors and the first write of each parameter."""
-    from offload.aio.memory import ALIGN
-    from offload.aio.swap_store import SwapConfig
-
-    # atomic=False: swap files are scratch, written and read back by this
-    # process and removed at close; overwriting in place skips a rename and a
-    # block reallocation per write (9 ms each on ext4, measured); a write that
-    # fails keeps its value in memory instead (Note [failed in-place writes]).
-    # checksum: Note [swap data checksums] in offload/aio/swap_store.py.
-    swap_config = SwapConfig.for_tensors(nvme_path, sizes, in_flight=2, rank=pg.rank,
-                                         aio=config.aio, atomic=False,
-                                         checksum=config.aio.verify_swap_checksums)
-    if staging_bytes is None:
-        staging_bytes = min(swap_config.buffer_bytes, 8 << 20)
-    swap_config = dataclasses.replace(swap_config, buffer_bytes=max(staging_bytes, 2 * ALIGN))
-    return swap_config
-
-
-def check_free_space(swap_configs: dict) -> None:
-    """Note [free space for the stores]: each store checks its own capacity when
-    it opens, but the stores of one engine open one after the other on what is
-    often one file system, so each alone fitted and together they did not (the
-    disk filled while the parameters moved home). Here every store's capacity
-    is summed per file system (st_dev of nvme_path, or of its nearest existing
-    parent) and checked against its free space before anything is written."""
-    from offload.aio.swap_store import SwapStoreError
-
-    what = {"param": "parameters", "state": "optimizer state"}
-    by_device: dict[int, list] = {}
-    for role, c in swap_configs.items():
-        if c.capacity_bytes:
-            at = _existing_parent(c.nvme_path)
-            by_device.setdefault(os.stat(at).st_dev, []).append((what.get(role, role), c, at))
-    for entries in by_device.values():
-        need = sum(c.capacity_bytes for _, c, _ in entries)
-        free = shutil.disk_usage(entries[0][2]).free
-        if need > free:
-            parts = " + ".join(f"{name} {c.capacity_bytes} bytes under {c.nvme_path}" for name, c, _ in entries)
-            raise SwapStoreError(
-                errno.ENOSPC,
-                f"not enough free space for the swap files: {need} bytes needed ({parts}) on the file "
-                f"system of {entries[0][2]}, {free} bytes free ({need - free} short); free some space or "
-                "point zero_optimization.offload_param/offload_optimizer.nvme_path at a larger disk")
-
-
-def _existing_parent(path) -> str:
-    path = os.path.abspath(os.fspath(path))
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
-
-
-def _open_store(swap_config, account: MemoryAccount, run_dirs: RunDirectories):
-    """The store's files go to this process's own directory under nvme_path,
-    `nvme_path/offload-<host>-<pid>-<random>/rank{r}/` (Note [run directories]
-    in offload/aio/run_dir.py); stores on one nvme_path share it."""
-    from offload.aio.swap_store import SwapStore
-    from offload.engine.memory import TierLedger
-
-    run_dir = run_dirs.open(swap_config.nvme_path)
-    swap_config = dataclasses.replace(swap_config, nvme_path=str(run_dir.path))
-    return SwapStore(swap_config, ledger=TierLedger(account, Tier.HOST))
-
-
-def open_swap_store(nvme_path, sizes, staging_bytes, config: Config, pg: ProcessGroupInfo,
-                    account: MemoryAccount, run_dirs: RunDirectories):
-    """A store opened at once (offload.init, before the model's size is known)."""
-    return _open_store(_swap_config(nvme_path, sizes, staging_bytes, config, pg), account, run_dirs)
-

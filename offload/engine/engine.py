@@ -483,7 +483,7 @@ class Engine(DeepSpeedMethods, CheckpointMethods, Teardown):
     @property
     def swap_stores(self) -> tuple:
         """The NVMe swap stores (offload.aio.SwapStore), each once: `store.io.config` is
-        the `aio` config its transfers run with (Note [one store per thread] in build.py)."""
+        the `aio` config its transfers run with (Note [one store per thread] in engine/stores.py)."""
         return tuple(self._stores)
 
     def placement(self) -> Placement:

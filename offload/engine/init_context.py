@@ -72,7 +72,8 @@ import offload.device
 from offload.aio.run_dir import RunDirectories
 from offload.config import Config
 from offload.engine.budgets import default_host_budget
-from offload.engine.build import HomePolicy, discard_home, open_swap_store, shard_context
+from offload.engine.build import HomePolicy, discard_home, shard_context
+from offload.engine.stores import open_swap_store
 from offload.engine.memory import release_free_host_memory
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo

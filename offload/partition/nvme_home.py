@@ -128,7 +128,7 @@ class ParamStore:
     """The shards' offload.partition.shard.PartitionStore over NVMe files.
 
     store: the SwapStore one thread uses (Note [one store per thread] in
-    offload/engine/build.py); the compute thread reads, the optimizer writes.
+    offload/engine/stores.py); the compute thread reads, the optimizer writes.
     timeline: where the reads are recorded (the engine's), or None.
     staging: the staging pool (Note [staging pool]) of buffers of the largest
     partition; None: a fresh aligned tensor per staged read (offload.init)."""

@@ -85,7 +85,7 @@ class _FailedRead:
 
 class PartitionStore(Protocol):
     """What a shard asks of the store holding NVMe homes (offload.partition.nvme_home.ParamStore;
-    tests give fakes). One thread drives it (Note [one store per thread] in engine/build.py)."""
+    tests give fakes). One thread drives it (Note [one store per thread] in engine/stores.py)."""
 
     def write(self, shard: "Shard", part: torch.Tensor, *, borrow: bool = False) -> Transfer:
         """Starts writing this rank's partition (compute dtype, host)."""
