@@ -24,7 +24,8 @@ from torch import nn
 from offload.partition.accounting import MemoryAccount, TierBudgetError
 from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.prefetch import PrefetchScheduler
-from offload.partition.shard import Residency, Shard, ShardContext
+from offload.partition.shard import Shard
+from offload.partition.shard_context import Residency, ShardContext
 from offload.tiers import Tier
 
 F32 = torch.float32.itemsize

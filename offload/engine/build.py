@@ -36,7 +36,8 @@ from offload.partition.device_copies import CopyStreams
 from offload.partition.nvme_home import ParamStore
 from offload.engine import budgets
 from offload.engine.stores import check_free_space, open_store, staging_plan, store_configs
-from offload.partition.shard import PartitionStore, Shard, ShardContext, partition_numel
+from offload.partition.shard import Shard
+from offload.partition.shard_context import PartitionStore, ShardContext, partition_numel
 from offload.placement import Placement
 from offload.tiers import Tier, grad_tier_of
 

@@ -34,7 +34,7 @@ from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.managed import manage, refuse_state_dict_larger_than_memory
 from offload.partition.manager import ParameterManager
 from offload.partition.prefetch import prefetch_scheduler
-from offload.partition.shard import ShardContext
+from offload.partition.shard_context import ShardContext
 from offload.placement import Placement
 from offload.tiers import Tier
 from offload.simd import overlap_threads

@@ -80,7 +80,8 @@ from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.managed import manage, unmanage
 from offload.partition.manager import tensor_leaves
 from offload.partition.nvme_home import ParamStore
-from offload.partition.shard import Residency, Shard
+from offload.partition.shard import Shard
+from offload.partition.shard_context import Residency
 from offload.tiers import Tier
 from offload.torch_release import check_torch_release
 

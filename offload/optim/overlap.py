@@ -52,7 +52,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from offload.host_worker import HostWorker
-from offload.partition.shard import Residency, Shard
+from offload.partition.shard import Shard
+from offload.partition.shard_context import Residency
 from offload.tiers import Tier
 
 if TYPE_CHECKING:

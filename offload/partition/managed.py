@@ -47,7 +47,7 @@ import contextlib
 
 import torch
 
-from offload.partition.shard import Residency
+from offload.partition.shard_context import Residency
 
 # The engine's own access to param.data (Shard gathering and releasing).
 engine_access = torch._C.DisableTorchFunctionSubclass

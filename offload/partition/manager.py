@@ -61,7 +61,8 @@ from offload.partition.device_copies import GradientsToHost
 from offload.partition.gather_ahead import start_all_gather_ahead
 from offload.partition.grad_buckets import GradientBuckets
 from offload.partition.prefetch import PrefetchScheduler
-from offload.partition.shard import Residency, Shard
+from offload.partition.shard import Shard
+from offload.partition.shard_context import Residency
 from offload.tiers import Tier
 
 

@@ -71,7 +71,8 @@ import bisect
 import logging
 from dataclasses import dataclass, field
 
-from offload.partition.shard import Residency, Shard
+from offload.partition.shard import Shard
+from offload.partition.shard_context import Residency
 from offload.tiers import Tier
 
 log = logging.getLogger("offload")

@@ -10,7 +10,7 @@ from torch.nn import functional as F
 
 import offload
 from offload.config import Config, ConfigError
-from offload.partition.shard import Residency
+from offload.partition.shard_context import Residency
 from offload.tiers import Tier
 from tests.engine.harness import (batches, build, lm_loss, make_config, run_engine, run_reference,
                                   run_reference_mixed)

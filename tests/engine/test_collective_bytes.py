@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 import offload
-from offload.partition.shard import Residency, Shard, partition_numel
+from offload.partition.shard import Shard
+from offload.partition.shard_context import Residency, partition_numel
 from offload.partition import manager as manager_module
 from tests.engine.harness import batches, build, lm_loss, make_config, train_engine
 from tests.engine.test_distributed import run_ranks

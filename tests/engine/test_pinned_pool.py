@@ -247,7 +247,7 @@ def test_a_pinned_budget_below_two_of_the_largest_partition_is_refused_at_initia
     model = build("tiny_gpt")
     cfg = _plan(tmp_path, memory_section={"pinned_budget": 4096})
     from offload.engine.build import HomePolicy, _Planned
-    from offload.partition.shard import partition_numel
+    from offload.partition.shard_context import partition_numel
     policy = HomePolicy(cfg)
     planned = []
     for i, (n, p) in enumerate(model.named_parameters()):

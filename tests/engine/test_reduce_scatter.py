@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.grad_buckets import GradientBuckets
-from offload.partition.shard import partition_numel
+from offload.partition.shard_context import partition_numel
 from tests.engine.harness import batches, build, lm_loss, make_config, run_engine, run_reference
 from tests.engine.test_distributed import run_ranks
 
