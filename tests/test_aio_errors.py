@@ -12,7 +12,8 @@ import torch
 
 import offload.aio as aio
 from offload.aio import Backend
-from offload.aio.swap_store import SwapConfig, SwapStore
+from offload.aio.swap_store import SwapStore
+from offload.aio.swap_config import SwapConfig
 
 BACKENDS = [pytest.param(b, id=b.value, marks=[pytest.mark.skip(reason=f"{b.value}: {r}")] if (
     r := aio.unavailable_reason(b)) else []) for b in (Backend.NATIVE, Backend.LIBAIO, Backend.THREADS)]

@@ -10,7 +10,8 @@ import offload.aio as aio
 from offload import _native
 from offload.aio.checksum import ChecksumKind, checksum
 from offload.aio.swap_format import HEADER_BYTES, file_bytes
-from offload.aio.swap_store import SwapConfig, SwapStore
+from offload.aio.swap_store import SwapStore
+from offload.aio.swap_config import SwapConfig
 
 BACKENDS = [b.value for b in aio.available_backends()]
 

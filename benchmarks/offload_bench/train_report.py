@@ -19,7 +19,8 @@ def disk_gbps(directory: Path, nbytes: int = 512 << 20) -> dict:
     import torch
 
     from offload.aio import aligned_tensor
-    from offload.aio.swap_store import SwapConfig, SwapStore
+    from offload.aio.swap_store import SwapStore
+    from offload.aio.swap_config import SwapConfig
 
     directory.mkdir(parents=True, exist_ok=True)
     store = SwapStore(SwapConfig.for_tensors(str(directory), [nbytes], atomic=False))

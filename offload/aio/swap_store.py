@@ -17,135 +17,23 @@ import errno
 import hashlib
 import os
 import stat
-import sys
 import time
 import urllib.parse
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 
-from offload.aio import AioConfig, AsyncIO
+from offload.aio import AsyncIO
 from offload.aio.memory import ALIGN, byte_view, round_up
 from offload.aio.buffer_pool import BufferPool
 from offload.aio.checksum import ChecksumKind, checksum, default_kind
 from offload.aio.errors import AioError, CorruptFileError, SwapStoreError
+from offload.aio.swap_config import SwapConfig, SwapStats
+from offload.aio.swap_handle import SwapHandle, _Piece
 from offload.aio.swap_dir import create_exclusive, fsync_path, prepare_directory, unlink_quietly
 from offload.aio.swap_format import HEADER_BYTES, SwapMeta, file_bytes, parse_header, parse_meta, write_header
-
-@dataclass(frozen=True, kw_only=True)
-class SwapConfig:
-    """nvme_path: directory (created if missing); files go to nvme_path/rank{rank}/.
-    capacity_bytes: disk bytes the store will hold (checked against free space).
-    buffer_bytes: host staging budget (pinned when CUDA exists).
-    checksum: CRC-32C of each tensor, verified on swap_in (on for checkpoints).
-    durable: fsync before the rename that publishes a file (for checkpoints).
-    atomic: write to a temporary name and rename it over the key's file when
-      complete (the default). False overwrites the key's file in place: no
-      rename, no block reallocation, for scratch swap space that one process
-      writes and reads back and that is deleted when it ends; a failed write
-      removes the file rather than leave it half written.
-    """
-
-    nvme_path: str
-    capacity_bytes: int
-    buffer_bytes: int
-    rank: int = 0
-    checksum: bool = False
-    durable: bool = False
-    atomic: bool = True
-    aio: AioConfig = field(default_factory=AioConfig)
-
-    def __post_init__(self):
-        object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
-        for name in ("capacity_bytes", "buffer_bytes", "rank"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"swap.{name}: must be a non-negative integer, got {value!r}")
-        if self.buffer_bytes < 2 * ALIGN:
-            raise ValueError(f"swap.buffer_bytes: must be at least {2 * ALIGN}, got {self.buffer_bytes}")
-
-    @classmethod
-    def for_tensors(cls, nvme_path, tensor_bytes: Iterable[int], in_flight: int = 2, **kwargs) -> "SwapConfig":
-        """Sized from what the caller will hold: every tensor on disk (plus room
-        to rewrite the largest when writes are atomic, since such a rewrite lands
-        beside the old file), and `in_flight` of the largest in host buffers at once."""
-        sizes = [file_bytes(n) for n in tensor_bytes] or [file_bytes(0)]
-        rewrite = max(sizes) if kwargs.get("atomic", True) else 0
-        return cls(nvme_path=nvme_path, capacity_bytes=sum(sizes) + rewrite,
-                   buffer_bytes=max(in_flight, 1) * max(sizes), **kwargs)
-
-
-@dataclass
-class SwapStats:
-    """Payload bytes moved, busy time per direction, and the time callers spent blocked."""
-
-    bytes_written: int = 0
-    bytes_read: int = 0
-    write_seconds: float = 0.0
-    read_seconds: float = 0.0
-    waited_seconds: float = 0.0
-    swap_outs: int = 0
-    swap_ins: int = 0
-    buffer_peak_bytes: int = 0
-
-    @property
-    def write_gbps(self) -> float:
-        return self.bytes_written / self.write_seconds / 1e9 if self.write_seconds else 0.0
-
-    @property
-    def read_gbps(self) -> float:
-        return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds else 0.0
-
-
-@dataclass
-class _Piece:
-    """One transfer in flight: the request, its pool buffer, and what to do after."""
-
-    handle: "SwapHandle"
-    request: object
-    buffer: torch.Tensor | None  # a pool buffer, or None for a lent tensor
-    after: Callable[[], None] | None
-
-
-class SwapHandle:
-    """An asynchronous swap_out or swap_in. wait() returns None for swap_out
-    and the tensor for swap_in, and raises the transfer's error, if any."""
-
-    def __init__(self, store: "SwapStore", op: str, key: str, path: Path):
-        self.op, self.key, self.path = op, key, path
-        self._store = store
-        self._pieces_left = 0
-        self._open = True  # pieces still being added; not complete even at zero left
-        self._error: BaseException | None = None
-        self._interrupt: BaseException | None = None  # the Ctrl-C that failed it, if one did
-        self._result = None
-        self._finished = False
-        self._finish: Callable[[], object] | None = None
-        self._t0 = time.perf_counter()
-        self._source = None  # swap_out in place, lent: (meta, tensor), kept if the write fails
-
-    def done(self) -> bool:
-        return self._finished or all(p.request.done() for p in self._store._queue if p.handle is self)
-
-    def wait(self):
-        if not self._finished:
-            self._store._finish_through(self)
-        self._raise_error()
-        return self._result
-
-    def _raise_error(self) -> None:
-        if self._error is None:
-            return
-        if self._interrupt is not None and sys.exc_info()[1] is self._interrupt:
-            # Waited on by cleanup (a finally) while the Ctrl-C that failed it
-            # propagates: that interrupt goes on; an InterruptedError, an
-            # OSError, would replace it and turn the Ctrl-C into an I/O error.
-            raise self._interrupt
-        raise self._error
-
 
 def _quote(key: str) -> str:
     name = urllib.parse.quote(key, safe="") or "%00"

@@ -33,10 +33,10 @@ from offload.tiers import Tier
 from offload.config.base import (AUTO, ConfigError, OptimizerType, Precision,
                                  SchedulerType, WarmupType, _apply_renames, _bool, _fail, _float,
                                  _int, _Section, _to_json, parse_bytes)
-from offload.config.sections import (AioSection, BF16Config, FP16Config, MemoryConfig,
-                                     OffloadOptimizerConfig, OffloadParamConfig, OptimizerConfig,
-                                     SchedulerConfig, WarmupCosineLRParams, WarmupDecayLRParams,
-                                     WarmupLRParams, ZeroConfig)
+from offload.config.offload_sections import OffloadOptimizerConfig, OffloadParamConfig
+from offload.config.scheduler_sections import (SchedulerConfig, WarmupCosineLRParams, WarmupDecayLRParams,
+                                               WarmupLRParams)
+from offload.config.sections import AioSection, BF16Config, FP16Config, MemoryConfig, OptimizerConfig, ZeroConfig
 
 __all__ = [
     "AUTO", "ActivationCheckpointingConfig", "AioConfig", "BF16Config", "Config", "ConfigError", "FP16Config", "MemoryConfig",

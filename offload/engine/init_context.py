@@ -78,7 +78,7 @@ from offload.engine.memory import release_free_host_memory
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.managed import manage, unmanage
-from offload.partition.manager import tensor_leaves
+from offload.partition.gather_on_use import tensor_leaves
 from offload.partition.nvme_home import ParamStore
 from offload.partition.shard import Shard
 from offload.partition.shard_context import Residency

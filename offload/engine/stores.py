@@ -100,7 +100,7 @@ def _swap_config(nvme_path, sizes, staging_bytes, config: Config, pg: ProcessGro
     and skip staging (Note [direct transfers]); staging carries headers, small
     tensors and the first write of each parameter."""
     from offload.aio.memory import ALIGN
-    from offload.aio.swap_store import SwapConfig
+    from offload.aio.swap_config import SwapConfig
 
     # atomic=False: swap files are scratch, written and read back by this
     # process and removed at close; overwriting in place skips a rename and a

@@ -340,3 +340,16 @@ def _adam_step_torch(master, grad, exp_avg, exp_avg_sq, beta1, beta2, eps, step_
     master.addcdiv_(exp_avg, denom, value=-step_size)
     if out is not None:
         out.view(-1).copy_(master)
+
+
+def fused_torch_adam(master, grad, m, v, step: int, group: dict) -> None:
+    """torch's fused kernel, for state that lives on a CUDA device."""
+    beta1, beta2 = group["betas"]
+    # torch.full is a fill kernel on the stream; torch.tensor(step, device=...) would
+    # copy from pageable memory and wait for the stream: with one update per shard,
+    # the host waited for the GPU before each (0.94B in bf16 on an H200: 55 ms a
+    # step of updates, where the GPU's own work is under 10).
+    step_t = torch.full((), float(step), dtype=torch.float32, device=master.device)
+    fn = torch._fused_adamw_ if group["adamw_mode"] else torch._fused_adam_
+    fn([master], [grad], [m], [v], [], [step_t], lr=group["lr"], beta1=beta1, beta2=beta2,
+       weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False)

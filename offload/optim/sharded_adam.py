@@ -46,6 +46,7 @@ from collections import deque
 from offload.aio.memory import BufferCache, aligned_tensor
 from offload.host_worker import HostWorker
 from offload.ops import adam_step
+from offload.ops.adam import fused_torch_adam
 from offload.optim.overlap import DeferredUpdates, OverlappedUpdates
 from offload.optim.param_groups import check_group
 from offload.optim.state_access import StateAccess
@@ -417,7 +418,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         # native kernel reads host memory; masters in a GPU's memory take torch's.
         if master.device.type != "cpu":
             grad_sq = float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
-            _fused_torch_adam(master, grad, m, v, step, group)
+            fused_torch_adam(master, grad, m, v, step, group)
             if home_out is not None:
                 home_out.copy_(master)
         else:
@@ -492,15 +493,3 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         while self._device_publishes:
             shard, part, on_device = self._device_publishes.pop(0)
             shard.set_device_home(part, on_device=on_device)
-
-def _fused_torch_adam(master, grad, m, v, step: int, group: dict) -> None:
-    """torch's fused kernel, for state that lives on a CUDA device."""
-    beta1, beta2 = group["betas"]
-    # torch.full is a fill kernel on the stream; torch.tensor(step, device=...) would
-    # copy from pageable memory and wait for the stream: with one update per shard,
-    # the host waited for the GPU before each (0.94B in bf16 on an H200: 55 ms a
-    # step of updates, where the GPU's own work is under 10).
-    step_t = torch.full((), float(step), dtype=torch.float32, device=master.device)
-    fn = torch._fused_adamw_ if group["adamw_mode"] else torch._fused_adam_
-    fn([master], [grad], [m], [v], [], [step_t], lr=group["lr"], beta1=beta1, beta2=beta2,
-       weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False)

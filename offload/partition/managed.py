@@ -169,7 +169,7 @@ def _grad_access(kind: str, args):
 
 
 def _released_outside_forward(args, kwargs) -> list:
-    from offload.partition.manager import tensor_leaves
+    from offload.partition.gather_on_use import tensor_leaves
 
     found = []
     with engine_access():

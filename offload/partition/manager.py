@@ -52,8 +52,6 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves  # no public torch.utils.pytree in torch 2.13
 
 from offload.timeline import Timeline
 from offload.host_worker import HostWorker
@@ -62,6 +60,7 @@ from offload.partition.gather_ahead import start_all_gather_ahead
 from offload.partition.grad_buckets import GradientBuckets
 from offload.partition.prefetch import PrefetchScheduler
 from offload.partition.shard import Shard
+from offload.partition.gather_on_use import GatherOnUse
 from offload.partition.shard_context import Residency
 from offload.tiers import Tier
 
@@ -80,30 +79,6 @@ class _SavedParamView:
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
-
-
-class _GatherOnUse(TorchFunctionMode):
-    def __init__(self, manager: "ParameterManager"):
-        super().__init__()
-        self.manager = manager
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        m = self.manager
-        if not m._internal:
-            for a in tensor_leaves((args, kwargs)):
-                shard = m.shard_of.get(id(a))
-                if shard is not None and shard.residency is not Residency.GATHERED:
-                    m.gather_on_use(shard)
-        return func(*args, **kwargs)
-
-
-def tensor_leaves(tree) -> list[torch.Tensor]:
-    """The tensors in nested lists, tuples and dicts (a torch function's arguments
-    or result), in order. torch's pytree: 8 us a call against 1 us for the
-    one-level walk it replaces; a GPT block makes about 22 torch calls a
-    forward, so well under a millisecond a step."""
-    return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
 class ParameterManager:
@@ -413,7 +388,7 @@ class ParameterManager:
         self._context_depth += 1
         self._deferring += recomputing
         try:
-            with _GatherOnUse(self), saved, active:
+            with GatherOnUse(self), saved, active:
                 yield
         finally:
             self._context_depth -= 1

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import offload
-from offload.aio.swap_store import SwapConfig, SwapStore
+from offload.aio.swap_store import SwapStore
+from offload.aio.swap_config import SwapConfig
 from offload.engine.memory import TierLedger
 from offload.partition.accounting import MemoryAccount, Tier, TierBudgetError
 from tests.engine.harness import make_config

@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 import offload
 from offload.optim.state_stream import StateStream
-from offload.partition import manager as manager_module
+from offload.partition.gather_on_use import GatherOnUse
 from offload.partition.accounting import MemoryAccount, Tier
 from offload.timeline import Timeline
 from tests.engine.harness import batches, build, lm_loss, make_config
@@ -39,13 +39,13 @@ def test_forward_dispatches_only_the_models_own_calls_through_the_gather_mode(tm
         reference(x)
 
     calls = {"n": 0}
-    original = manager_module._GatherOnUse.__torch_function__
+    original = GatherOnUse.__torch_function__
 
     def counting(self, func, types, args=(), kwargs=None):
         calls["n"] += 1
         return original(self, func, types, args, kwargs)
 
-    monkeypatch.setattr(manager_module._GatherOnUse, "__torch_function__", counting)
+    monkeypatch.setattr(GatherOnUse, "__torch_function__", counting)
     with offload.initialize(model, make_config("nvme", "nvme", tmp_path)) as engine:
         for step in range(3):  # from the second pass on, reads go ahead in the learned order
             calls["n"] = 0

@@ -22,7 +22,8 @@ import offload
 import offload.aio as aio
 from offload.aio import Backend, SwapStoreError
 from offload.aio.run_dir import LOCK, MARKER, RunDirectories, remove_stale
-from offload.aio.swap_store import SwapConfig, SwapStore
+from offload.aio.swap_store import SwapStore
+from offload.aio.swap_config import SwapConfig
 from tests.engine.harness import batches, build, engine_weights, make_config, run_reference, train_engine
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,8 @@ import torch
 
 import offload
 import offload.aio as aio
-from offload.aio.swap_store import SwapConfig, SwapStore
+from offload.aio.swap_store import SwapStore
+from offload.aio.swap_config import SwapConfig
 from tests.engine.harness import batches, build, engine_weights, lm_loss, make_config
 from tests.tmpfs import mounted_tmpfs
 
