@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload.device import overlap
+from offload.device import hidden_time
 from offload_bench import train, train_contenders, train_report, train_timeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,7 +179,7 @@ def test_device_sim_reports_how_much_transfer_time_was_hidden(tmp_path, capsys):
     assert copies["bytes"] == sum(c["bytes"] for c in copies["timeline"])
     # The busy time is the union of the copies drawn, within the step.
     drawn = [(c["start_s"], copies["step_s"] if c["end_s"] is None else c["end_s"]) for c in copies["timeline"]]
-    assert copies["busy_s"] == pytest.approx(overlap.length(overlap.intersect(drawn, [(0, copies["step_s"])])))
+    assert copies["busy_s"] == pytest.approx(hidden_time.length(hidden_time.intersect(drawn, [(0, copies["step_s"])])))
     for figures in (copies, sim["nvme_reads"]):
         assert 0.0 <= figures["exposed_s"] <= figures["busy_s"]
         assert figures["hidden_fraction"] == pytest.approx(1 - figures["exposed_s"] / figures["busy_s"])

@@ -61,7 +61,7 @@ each contender uses it):
   sim   ours on the simulated device (OFFLOAD_DEVICE=sim, OFFLOAD_SIM_GBPS from
         --sim-gbps): for each offload contender, how much of the last step's
         host<->device copy time and NVMe read time was hidden behind compute
-        (Note [hidden transfer time] in offload/device/overlap.py), the copies'
+        (Note [hidden transfer time] in offload/device/hidden_time.py), the copies'
         timeline in the JSON, and train_copies.png where matplotlib is installed.
 """
 from __future__ import annotations

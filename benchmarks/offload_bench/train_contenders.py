@@ -181,13 +181,13 @@ def _torchao_missing() -> str | None:
 def _sim_overlap(engine, window: tuple[float, float]) -> dict:
     """How much of one step's transfer time was hidden (Note [hidden transfer time]);
     `window` is the step just run, whose spans engine.timeline() gives."""
-    from offload.device import overlap
+    from offload.device import hidden_time
 
     layer = engine.device_layer
     if layer.name != "sim":
         return {"error": f"--device sim: the engine's device layer is {layer.describe()!r}, not sim"}
-    return {"host_device": overlap.copy_overlap(layer.schedule, layer.blocked, window, threading.main_thread().name),
-            "nvme_reads": overlap.read_overlap(engine.timeline())}
+    return {"host_device": hidden_time.copy_overlap(layer.schedule, layer.blocked, window, threading.main_thread().name),
+            "nvme_reads": hidden_time.read_overlap(engine.timeline())}
 
 
 def _sim_summary(engine, steps: list[dict]) -> dict:

@@ -59,7 +59,7 @@ _CRITICAL = ("forward", "backward", "optimizer", "wait")
 def critical_path(tl: dict, step_s: float | None = None, sim: dict | None = None) -> dict:
     """One step's figures from engine.timeline() (Note [critical path]); `sim` is the
     step's train_contenders._sim_overlap, whose host<->device copies it adds."""
-    from offload.device import overlap
+    from offload.device import hidden_time
 
     wall = tl["wall_s"]
     window = [(0.0, wall)]
@@ -68,15 +68,15 @@ def critical_path(tl: dict, step_s: float | None = None, sim: dict | None = None
 
     def clipped(*kinds):  # the compute thread's spans of these kinds, within the window
         spans = [(s["start_s"], s["start_s"] + max(s["seconds"], 0.0)) for s in on_compute if s["kind"] in kinds]
-        return overlap.intersect(spans, window)
+        return hidden_time.intersect(spans, window)
 
     def minus(a, b):  # seconds of a not covered by b
-        return float(overlap.length(a) - overlap.length(overlap.intersect(a, b)))
+        return float(hidden_time.length(a) - hidden_time.length(hidden_time.intersect(a, b)))
 
     waits, updates, model = clipped("wait"), clipped("optimizer"), clipped("forward", "backward")
-    path = {"compute_s": minus(model, waits + updates), "wait_s": float(overlap.length(waits)),
+    path = {"compute_s": minus(model, waits + updates), "wait_s": float(hidden_time.length(waits)),
             "optimizer_s": minus(updates, waits)}
-    path["other_s"] = max(wall - overlap.length(waits + updates + model), 0.0)
+    path["other_s"] = max(wall - hidden_time.length(waits + updates + model), 0.0)
     out = {"wall_s": wall, "compute_s": sec["forward"] + sec["backward"], "wait_s": path["wait_s"],
            "optimizer_s": sec["optimizer"],
            "optimizer_on_compute_s": sum((s["seconds"] for s in on_compute if s["kind"] == "optimizer"), 0.0),

@@ -7,42 +7,42 @@ import time
 import pytest
 import torch
 
-from offload.device import overlap
+from offload.device import hidden_time
 from offload.device.sim import CopySpan, SimDevice
 
 
 # -- intervals ----------------------------------------------------------------
 
 def test_union_merges_overlapping_nested_and_touching_intervals_in_any_order():
-    assert overlap.union([(5, 6), (0, 2), (1, 3), (1.5, 1.7), (3, 4)]) == [(0, 4), (5, 6)]
+    assert hidden_time.union([(5, 6), (0, 2), (1, 3), (1.5, 1.7), (3, 4)]) == [(0, 4), (5, 6)]
 
 
 def test_union_of_nothing_and_of_empty_intervals_is_empty():
-    assert overlap.union([]) == []
-    assert overlap.union([(1, 1), (2, 2)]) == []
-    assert overlap.length([]) == 0
+    assert hidden_time.union([]) == []
+    assert hidden_time.union([(1, 1), (2, 2)]) == []
+    assert hidden_time.length([]) == 0
 
 
 def test_an_interval_that_ends_before_it_starts_is_refused():
     with pytest.raises(ValueError, match=r"interval \(2, 1\) ends before it starts"):
-        overlap.union([(0, 1), (2, 1)])
+        hidden_time.union([(0, 1), (2, 1)])
 
 
 def test_union_reads_only_start_and_end_of_longer_records():
-    assert overlap.union([(0, 1, "MainThread"), (0.5, 2, "other")]) == [(0, 2)]
+    assert hidden_time.union([(0, 1, "MainThread"), (0.5, 2, "other")]) == [(0, 2)]
 
 
 def test_intersect_of_two_sets_of_intervals():
     a = [(0, 4), (6, 10)]
     b = [(1, 2), (3, 7), (9, 12)]
-    assert overlap.intersect(a, b) == [(1, 2), (3, 4), (6, 7), (9, 10)]
-    assert overlap.intersect(a, []) == []
-    assert overlap.intersect([], b) == []
+    assert hidden_time.intersect(a, b) == [(1, 2), (3, 4), (6, 7), (9, 10)]
+    assert hidden_time.intersect(a, []) == []
+    assert hidden_time.intersect([], b) == []
 
 
 def test_two_copies_at_once_count_once_and_only_blocked_time_is_exposed():
     # Copies busy over [0, 4] (two overlap on [1, 2]); compute blocked [3, 5].
-    figures = overlap.hidden([(0, 2), (1, 2), (2.5, 4)], [(3, 5)])
+    figures = hidden_time.hidden([(0, 2), (1, 2), (2.5, 4)], [(3, 5)])
     assert figures["busy_s"] == pytest.approx(3.5)
     assert figures["exposed_s"] == pytest.approx(1.0)
     assert figures["hidden_s"] == pytest.approx(2.5)
@@ -51,16 +51,16 @@ def test_two_copies_at_once_count_once_and_only_blocked_time_is_exposed():
 
 @pytest.mark.parametrize("blocked, fraction", [([], 1.0), ([(10, 11)], 1.0), ([(-1, 20)], 0.0)])
 def test_all_hidden_and_all_exposed(blocked, fraction):
-    assert overlap.hidden([(0, 1), (2, 3)], blocked)["hidden_fraction"] == fraction
+    assert hidden_time.hidden([(0, 1), (2, 3)], blocked)["hidden_fraction"] == fraction
 
 
 def test_nothing_transferred_has_no_hidden_fraction():
-    figures = overlap.hidden([], [(0, 1)])
+    figures = hidden_time.hidden([], [(0, 1)])
     assert figures == {"busy_s": 0, "exposed_s": 0, "hidden_s": 0, "hidden_fraction": None}
 
 
 def test_a_window_clips_the_transfers_to_it():
-    figures = overlap.hidden([(-2, 1), (3, 9)], [(0, 0.5)], window=(0, 4))
+    figures = hidden_time.hidden([(-2, 1), (3, 9)], [(0, 0.5)], window=(0, 4))
     assert figures["busy_s"] == pytest.approx(2.0)  # [0, 1] and [3, 4]
     assert figures["exposed_s"] == pytest.approx(0.5)
 
@@ -81,7 +81,7 @@ def test_copy_overlap_counts_only_the_compute_threads_waits_and_default_stream_c
         _span(7, "h2d", 9.5, 10.5),           # from before the window: counts from its start
     ]
     blocked = [(11.5, 12.0, "MainThread"), (12.0, 13.0, "optimizer"), (13.75, 14.5, "MainThread")]
-    figures = overlap.copy_overlap(schedule, blocked, window=(10.0, 14.0), thread="MainThread")
+    figures = hidden_time.copy_overlap(schedule, blocked, window=(10.0, 14.0), thread="MainThread")
     assert figures["busy_s"] == pytest.approx(4.0)
     assert figures["exposed_s"] == pytest.approx(1.25)
     assert figures["hidden_fraction"] == pytest.approx(1 - 1.25 / 4)
@@ -102,7 +102,7 @@ def test_read_overlap_from_a_timeline_step():
         {"kind": "wait", "start_s": 0.0, "seconds": 1.0, "thread": "optimizer"},  # not compute
         {"kind": "forward", "start_s": 0.0, "seconds": 2.5, "thread": "compute"},
     ]}
-    figures = overlap.read_overlap(step)
+    figures = hidden_time.read_overlap(step)
     assert figures["reads"] == 2
     assert figures["busy_s"] == pytest.approx(2.0)
     assert figures["exposed_s"] == pytest.approx(0.5)
@@ -110,7 +110,7 @@ def test_read_overlap_from_a_timeline_step():
 
 
 def test_read_overlap_of_a_step_without_reads():
-    assert overlap.read_overlap({"wall_s": 1.0, "spans": []})["hidden_fraction"] is None
+    assert hidden_time.read_overlap({"wall_s": 1.0, "spans": []})["hidden_fraction"] is None
 
 
 # -- the sim's record of blocked waits ------------------------------------------
@@ -140,7 +140,7 @@ def _step(layer, work_s):
     time.sleep(work_s)  # compute that does not need the copy
     layer.current_stream().wait_event(arrived)
     t1 = time.perf_counter()
-    return overlap.copy_overlap(layer.schedule, layer.blocked, (t0, t1), threading.current_thread().name)
+    return hidden_time.copy_overlap(layer.schedule, layer.blocked, (t0, t1), threading.current_thread().name)
 
 
 def test_a_copy_waited_at_once_is_exposed(sim):
