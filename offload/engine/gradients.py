@@ -1,5 +1,6 @@
 """Step-wide checks over every gradient partition: the fp16 overflow check and
-clipping by the global norm (the engine's deferred step: TrainingStep._update, engine/training_step.py).
+clipping by the global norm (the engine's update in step(): TrainingStep._update,
+engine/training_step.py).
 
 Note [norm terms during backward]
 Beside a separate device, a clipped step's per-shard sum of squares is taken

@@ -30,7 +30,7 @@ gates every read of its home (Shard.await_update: the copy-in for the next
 forward, home_partition, a new gradient) and settle() waits for all of them
 (anything that reads optimizer state or every value). So the next forward
 waits only for the update of the shard it needs, while the later updates run
-beside it. Each update computes exactly what the deferred step computed, on
+beside it. Each update computes exactly what step() would have computed, on
 the same gradient: the results are the same bits; no copy of any state is
 kept, so the memory cost is nil (the gradients are held until their update,
 as they were). Only where nothing in the update can fail on a file: state

@@ -111,7 +111,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         self._device_publishes: list[tuple[Shard, torch.Tensor, bool]] = []
         self._param_writes: deque = deque()  # handles of new parameter values being written
         self._param_write_error: BaseException | None = None  # raised by close_stream (Note [a failed step])
-        # Adam kernel threads: None (every core) in a deferred step; the overlap's
+        # Adam kernel threads: None (every core) when step() updates; the overlap's
         # while updates overlap backward (Note [optimizer threads] in offload/simd.py).
         self.overlap_threads = overlap_threads
         self.kernel_threads: int | None = None
@@ -305,7 +305,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
 
     @torch.no_grad()
     def update(self) -> None:
-        """Updates every shard that has a gradient (a deferred step: clipping
+        """Updates every shard that has a gradient (updates in step(): clipping
         or an fp16 overflow check needed every gradient first), or finishes
         the updates that ran during backward (Note [optimizer overlap])."""
         if self.overlapping:

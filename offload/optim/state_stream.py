@@ -14,10 +14,10 @@ writes back go straight between disk and them (Note [direct transfers]).
 Writes back stay in flight up to the state bytes of the largest shard in the
 order (one write of it at a time, as the memory budget counts): a model of
 many small parameters would otherwise wait out each small write's latency
-in turn before the next update (GPT 3.3M, deferred step: 117 -> 104 ms).
+in turn before the next update (GPT 3.3M, updates in step(): 117 -> 104 ms).
 
 All calls come from one thread: the host worker while updates overlap
-backward, the compute thread in a deferred step, never both at once.
+backward, the compute thread when step() updates, never both at once.
 
 A write that fails is reported by close(), never by a later put() or take():
 an update either completes (its write issued, the caller clears the shard's

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 
 class UpdateTarget(Protocol):
-    """The optimizer side of an overlapped or deferred update (ShardedAdam is one)."""
+    """The optimizer side of an update overlapped with backward or run under the next
+    forward (ShardedAdam is one)."""
 
     param_groups: list[dict]
     shards: list[Shard]

@@ -125,7 +125,7 @@ class ParameterManager:
         self._module_depth = 0  # module calls under way
         self._opened: list[tuple[int, contextlib.ExitStack]] = []  # (depth, context) opened by module hooks
         self._context_depth = 0  # forward contexts open (module-opened or explicit)
-        self._deferring = 0  # forward contexts open inside a backward
+        self._recomputing = 0  # forward contexts open inside a backward (a recomputation)
         self._backward_tasks: list[int] = []  # autograd graph tasks under way that touched a parameter
         self.backward_passes = 0  # completed backward passes (engine.step counts them)
         # Storage address of each gathered buffer -> its shard, to recognise
@@ -219,13 +219,13 @@ class ParameterManager:
             with _bookkeeping():
                 for shard in own:
                     if shard.held:
-                        self._drop_or_defer(shard, defer=self._deferring > 0)
+                        self._drop_or_hold(shard, hold=self._recomputing > 0)
         return post_hook
 
-    def _drop_or_defer(self, shard: Shard, defer: bool) -> None:
-        """Ends a forward hold; in a recomputation during backward (defer), keeps it
+    def _drop_or_hold(self, shard: Shard, hold: bool) -> None:
+        """Ends a forward hold; in a recomputation during backward (hold), keeps it
         until the parameter's gradient is final (Note [the model is the interface])."""
-        if defer:
+        if hold:
             self._note_backward()
             self._backward_holds[shard] = self._backward_holds.get(shard, 0) + 1
         else:
@@ -386,18 +386,18 @@ class ParameterManager:
         saved = (contextlib.nullcontext() if recomputing
                  else torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
         self._context_depth += 1
-        self._deferring += recomputing
+        self._recomputing += recomputing
         try:
             with GatherOnUse(self), saved, active:
                 yield
         finally:
             self._context_depth -= 1
-            self._deferring -= recomputing
+            self._recomputing -= recomputing
             with _bookkeeping():
                 while self._on_demand:
                     shard = self._on_demand.pop()
                     if shard.held:
-                        self._drop_or_defer(shard, defer=recomputing)
+                        self._drop_or_hold(shard, hold=recomputing)
 
     # Note [frozen holds in backward]
     # A trainable parameter gathered again in backward (its value unpacked for a

@@ -48,7 +48,7 @@ def _config(tmp_path, param, optim, precision, gas, clip, extra):
 
 
 def _spy(monkeypatch):
-    """Counts the updates each path ran (start of a deferred step, overlapped submits)."""
+    """Counts the updates each path ran (updates under the next forward started, overlapped submits)."""
     seen = {"during backward": 0, "under the next forward": 0}
     submit, start = OverlappedUpdates.submit, DeferredUpdates.start
 

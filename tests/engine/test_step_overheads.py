@@ -91,7 +91,7 @@ class _FakeStore:
 
 def test_state_writes_in_flight_are_bounded_by_bytes_not_count():
     """Ten small shards' writes stay in flight together (each waiting for the
-    one before cost a 3.3M-parameter GPT's deferred step 13 ms); a large one
+    one before cost a 3.3M-parameter GPT's update in step() 13 ms); a large one
     makes the small ones finish first, so the bytes written back never pass
     the largest shard's state, as the memory budget counts."""
     big = SimpleNamespace(index=0, part_numel=1000, name="big")
