@@ -162,8 +162,9 @@ setup(
     install_requires=RUNTIME_REQUIREMENTS,  # offload/requirements.py says what each is for
     extras_require={
         "bench": ["matplotlib"],
-        # the Trainer/Accelerate/Lightning/PEFT tests
-        "test": ["pytest", "transformers", "accelerate", "lightning", "peft"],
+        # the Trainer/Accelerate/Lightning/PEFT tests, and the docs site's strict build
+        "test": ["pytest", "transformers", "accelerate", "lightning", "peft", "mkdocs", "mkdocstrings[python]"],
+        "docs": ["mkdocs", "mkdocstrings[python]"],
         "hf": ["transformers", "accelerate"],
         "peft": ["transformers", "accelerate", "peft"],  # examples/lora_finetune.py
     },
