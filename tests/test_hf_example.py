@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.torch_release  # Note [torch releases in CI] (tests/conftest.py)
+
 pytest.importorskip("transformers")
 
 _spec = importlib.util.spec_from_file_location(

@@ -12,7 +12,7 @@ import torch
 import offload
 from tests.layer_under_test import exact, test_device
 
-pytestmark = pytest.mark.any_device  # Note [the device a test runs on] (tests/conftest.py)
+pytestmark = [pytest.mark.any_device, pytest.mark.torch_release]  # Note [the device a test runs on] (tests/conftest.py)
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 

@@ -10,6 +10,8 @@ from offload import requirements
 from offload import torch_release
 from offload.torch_release import check_torch_release, torch_release_problem
 
+pytestmark = pytest.mark.torch_release  # Note [torch releases in CI] (tests/conftest.py)
+
 
 def test_the_range_runs_from_the_oldest_to_the_newest_tested_minor():
     assert requirements.TORCH_TESTED == ("2.11.0", "2.13.0", "2.14.1")

@@ -12,6 +12,8 @@ import offload.device
 from tests.engine.harness import batches, make_config, run_reference, train_engine
 from tests.engine.models import TinyGPT
 
+pytestmark = pytest.mark.torch_release  # Note [torch releases in CI] (tests/conftest.py)
+
 OFFLOAD = Path(offload.__file__).resolve().parent
 
 

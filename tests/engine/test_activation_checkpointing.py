@@ -16,6 +16,8 @@ from tests.engine.harness import (batches, build, lm_loss, make_config, run_engi
                                   run_reference_mixed)
 from tests.engine.models import VOCAB, Block, TinyGPT
 
+pytestmark = pytest.mark.torch_release  # Note [torch releases in CI] (tests/conftest.py)
+
 CKPT = {"activation_checkpointing": {"modules": ["Block"]}}
 CKPT_HOST = {"activation_checkpointing": {"modules": ["Block"], "cpu_checkpointing": True}}
 STEPS = 6

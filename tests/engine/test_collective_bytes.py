@@ -45,7 +45,7 @@ from tests.engine.harness import batches, build, lm_loss, make_config, train_eng
 from tests.engine.test_distributed import run_ranks
 from tests.engine.test_reduce_scatter import _arrival_order, _Counter, _expected_buckets
 
-pytestmark = pytest.mark.slow  # spawns two ranks: ~7 s
+pytestmark = [pytest.mark.slow, pytest.mark.torch_release]  # spawns two ranks: ~7 s
 
 BUCKET = 2000  # elements: tiny_gpt's 2,376-element weights go alone, the rest share buckets
 STEPS = 3      # counted, after one warm-up step (the prefetch order is learned there)

@@ -7,7 +7,7 @@ import torch
 from tests.engine.harness import (batches, build, make_config, on_test_device, run_engine, run_reference,
                                   run_reference_mixed)
 
-pytestmark = pytest.mark.any_device
+pytestmark = [pytest.mark.any_device, pytest.mark.torch_release]
 
 PLACEMENTS = [("none", "none"), ("cpu", "cpu"), ("nvme", "nvme"), ("none", "cpu"),
               ("cpu", "nvme"), ("nvme", "cpu"), ("none", "nvme")]

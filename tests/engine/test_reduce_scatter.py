@@ -21,7 +21,7 @@ from offload.partition.shard_context import partition_numel
 from tests.engine.harness import batches, build, lm_loss, make_config, run_engine, run_reference
 from tests.engine.test_distributed import run_ranks
 
-pytestmark = pytest.mark.slow  # spawns two ranks: ~10 s
+pytestmark = [pytest.mark.slow, pytest.mark.torch_release]  # spawns two ranks: ~10 s
 
 BUCKET = 2000  # elements: tiny_gpt's 2,376-element weights go alone, the rest share buckets
 STEPS = 3

@@ -18,6 +18,8 @@ from offload.device.sim_memory import StreamOrderError
 from tests.engine.harness import (batches, build, engine_weights, first_race, lm_loss, make_config,
                                   run_reference, run_reference_mixed, train_engine)
 
+pytestmark = pytest.mark.torch_release  # Note [torch releases in CI] (tests/conftest.py)
+
 SEEDS = [0, 1, 2]
 STEPS = 4
 CKPT = {"activation_checkpointing": {"modules": ["Block"]}}

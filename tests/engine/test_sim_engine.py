@@ -16,6 +16,8 @@ from offload.partition import device_copies
 from tests.engine.harness import (batches, build, engine_weights, first_race, make_config, run_engine,
                                   run_reference, run_reference_mixed, train_engine)
 
+pytestmark = pytest.mark.torch_release  # Note [torch releases in CI] (tests/conftest.py)
+
 SEEDS = [0, 1, 2]
 STEPS = 4
 CKPT = {"activation_checkpointing": {"modules": ["Block"]}}

@@ -14,6 +14,8 @@ from tests.engine.harness import (assert_weights, batches, build, engine_weights
                                   run_reference)
 from tests.engine.models import TinyGPT
 
+pytestmark = pytest.mark.torch_release  # Note [torch releases in CI] (tests/conftest.py)
+
 PLACEMENTS = [("cpu", "cpu"), ("nvme", "nvme")]
 
 
