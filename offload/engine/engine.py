@@ -117,9 +117,10 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
                                         prefetch=prefetch_scheduler(config.zero_optimization, self.shards,
                                                                             device_budget=config.memory.device_budget),
                                         timeline=self._timeline,
-                                        reduce_bucket_elems=config.zero_optimization.reduce_bucket_size)
+                                        reduce_bucket_elems=config.zero_optimization.reduce_bucket_size,
+                                        on_forward=weak_callback(self._before_forward),  # model(x) too
+                                        on_edit=weak_callback(self._on_edit))
         self.activation_checkpointing.attach(self.manager)
-        self.manager.on_forward = weak_callback(self._before_forward)  # model(x) as well as engine(x)
 
         # Note [when updates run] (engine/update_policy.py): the same answers the budgets had.
         self.update_policy = UpdatePolicy.of(config, separate_memory=self.device_layer.separate_memory)
@@ -140,16 +141,15 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
             pending_grad_elems=self.update_policy.pending_cap(max(trainable, default=1)), param_groups=groups,
             overlap_threads=overlap_threads(config.zero_optimization.offload_optimizer.cpuadam_cores_perc,
                                             device_apart=self.device_layer.separate_memory),
-            host_worker=self._host_worker)
+            host_worker=self._host_worker,
+            driver=weak_callback(self._update))  # optimizer.step() from the user's loop: the whole update
         built.place(self.optimizer.init_state)  # the parameters move home here, one at a time
-        self.optimizer.driver = weak_callback(self._update)  # optimizer.step() from the user's loop
         # Reads outside a forward see real values, edits go through offload.gathered
         # (Note [reading a parameter outside the engine] in partition/managed.py).
         manage(self.manager, self.shards)
         # Fingerprints of the frozen partitions (Note [checkpoints without frozen weights] in
         # checkpoint_io/frozen.py), computed at the first save or load that needs them.
         self.frozen_fingerprints: dict[str, dict] = {}
-        self.manager.on_edit = weak_callback(self._on_edit)
         self._state_dict_guard = refuse_state_dict_larger_than_memory(model, self.shards)
         self.lr_scheduler = None
         if config.scheduler is not None:

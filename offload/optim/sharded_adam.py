@@ -65,7 +65,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
                  state_store=None, param_store=None, sub_group_size: int | None = None,
                  timeline: Timeline | None = None, pending_grad_elems: int | None = None,
                  param_groups: list[dict] | None = None, overlap_threads: int = 1,
-                 host_worker: HostWorker | None = None):
+                 host_worker: HostWorker | None = None, driver=None):
         """Built empty: it places nothing. The build step (engine/build.py
         `Built.place`) moves each shard home and then gives init_state() its
         initial fp32 partition, in order, once per shard.
@@ -77,6 +77,8 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         (Note [optimizer threads] in offload/simd.py).
         host_worker: the thread host-side updates run on (Note [the host worker] in
         offload/host_worker.py); None: one of its own (closed with it).
+        driver(): what step() runs, the engine's whole update, where an engine owns
+        this optimizer (Note [the optimizer users drive]); None: update() alone.
         tier: where every shard's state lives, but for those `state_tiers` (shard.index
         -> Tier: an auto placement, Note [automatic placement] in
         offload/placement.py) puts elsewhere. Each shard's gradient partition
@@ -103,6 +105,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         self.sub_group_size = sub_group_size
         # Per-shard step counts, as torch keeps per-parameter ones: a parameter
         # that got no gradient in a step is skipped and its count stays.
+        self.driver = driver
         self.shard_steps = {shard.index: 0 for shard in shards}
         self.timeline = timeline or Timeline(enabled=False)
         # Started with the engine, not on first use: see Note [the host worker].
@@ -278,7 +281,6 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
     # gradient clipping, waiting for an async checkpoint, the config's LR
     # schedule), and update() is the Adam update alone, which the engine calls.
     # zero_grad() clears the gradient partitions, where the gradients are.
-    driver = None
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -84,7 +84,8 @@ class _SavedParamView:
 class ParameterManager:
     def __init__(self, module: torch.nn.Module, shards: list[Shard], on_grad,
                  prefetch: PrefetchScheduler | None = None, timeline: Timeline | None = None,
-                 reduce_bucket_elems: int | None = None, host_worker: HostWorker | None = None):
+                 reduce_bucket_elems: int | None = None, host_worker: HostWorker | None = None,
+                 on_forward=None, on_edit=None):
         """on_grad(shard, grad, owned=False): called with each parameter's final gradient,
         this rank's partition averaged over ranks (with one rank, the gradient itself,
         owned=True: autograd's tensor, which no one else holds); beside a
@@ -93,7 +94,11 @@ class ParameterManager:
         prefetch: reads ahead in the learned order (Note [prefetch order]);
         None reads on demand.
         reduce_bucket_elems: gradient elements per reduce-scatter with several ranks
-        (Note [gradient buckets]); None: the largest padded parameter."""
+        (Note [gradient buckets]); None: the largest padded parameter.
+        on_forward(): called as a forward pass opens (the engine's checks; Note [the
+        model is the interface]). on_edit(shard, fp32 value): an edited partition's
+        value for the optimizer's master (offload.gathered with modifier_rank; Note
+        [reading a parameter outside the engine])."""
         self.module = module
         self.shards = shards
         self.shard_of = {id(s.param): s for s in shards}
@@ -121,7 +126,8 @@ class ParameterManager:
         self._on_demand: list[Shard] = []
         self._backward_holds: dict[Shard, int] = {}
         # Note [the model is the interface]
-        self.on_forward = None  # called as a forward pass opens (the engine's checks)
+        self.on_edit = on_edit
+        self.on_forward = on_forward
         self._module_depth = 0  # module calls under way
         self._opened: list[tuple[int, contextlib.ExitStack]] = []  # (depth, context) opened by module hooks
         self._context_depth = 0  # forward contexts open (module-opened or explicit)
@@ -310,9 +316,6 @@ class ParameterManager:
     def in_forward(self) -> bool:
         return self._context_depth > 0
 
-    # Set by the engine: an edited partition's fp32 value for the optimizer's master
-    # (offload.gathered with modifier_rank; Note [reading a parameter outside the engine]).
-    on_edit = None
     closed = False  # set by the engine's close when the values were not given back
 
     def write_edit(self, shard: Shard) -> None:
