@@ -93,3 +93,16 @@ def simd_level(request, monkeypatch):
 # a benchmark) shares these two cores. Kernel thread counts are tested with
 # explicit num_threads.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(params=["auto", "torch"], ids=["sqrt-auto", "sqrt-split"])
+def sqrt_mode(request, monkeypatch):
+    """The square root as the probe picks it here, and the split update around
+    torch.sqrt forced (the last resort, where no kernel sqrt is torch's): the Adam
+    kernel tests' (tests/test_adam_kernel.py, tests/test_cpu_adam.py)."""
+    from offload.ops import adam
+    from tests.adam_reference import SPLIT_BLOCK
+
+    monkeypatch.setenv(adam.SQRT_ENV_VAR, request.param)
+    monkeypatch.setattr(adam, "SPLIT_BLOCK", SPLIT_BLOCK)
+    return request.param

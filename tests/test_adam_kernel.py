@@ -16,8 +16,6 @@ the comparison again in fresh interpreters under MKL's other code paths
 (MKL_ENABLE_INSTRUCTIONS), where torch's sqrt is one no kernel computes in
 registers.
 """
-import contextlib
-import platform
 import struct
 import threading
 
@@ -27,87 +25,14 @@ import torch
 
 from offload import _native, simd
 from offload.ops import adam, adam_step
+from tests.adam_reference import (HP, SPLIT_BLOCK, assert_bitwise, grads_for, mkl_in_torch, needs_native, run_ours,
+                                   torch_reference)
 
-HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
-needs_native = pytest.mark.skipif(_native.native is None, reason="native extension not built")
-
-
-@contextlib.contextmanager
-def torch_sqrt_replaced_by(source: str, level: str):
-    """torch.optim's own update with Tensor.sqrt replaced by the kernel's
-    `source` sqrt at `level`: the reference for a forced fused source."""
-    def kernel_sqrt(t):
-        t = t.contiguous()
-        out = torch.empty_like(t)
-        _native.native.adam.sqrt(t.data_ptr(), out.data_ptr(), t.numel(), source, level)
-        return out
-
-    mp = pytest.MonkeyPatch()
-    mp.setattr(torch.Tensor, "sqrt", kernel_sqrt)
-    try:
-        yield
-    finally:
-        mp.undo()
-
-
-def _lr_at(step, lr):
-    """A schedule: the lr changes every step, decaying then jumping back."""
-    return lr * (0.93 ** (step % 20))
-
-
-def _torch_reference(p0, grads, *, adamw_mode, weight_decay, lr=HP["lr"], beta1=HP["beta1"],
-                     schedule=False, sqrt=None):
-    """torch's result; `sqrt` = (source, level) puts that kernel sqrt in place of torch's."""
-    p = p0.clone().requires_grad_(True)
-    cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
-    # Default arguments: foreach=None picks the single-tensor path for CPU tensors.
-    opt = cls([p], lr=lr, betas=(beta1, HP["beta2"]), eps=HP["eps"], weight_decay=weight_decay)
-    with (contextlib.nullcontext() if sqrt is None else torch_sqrt_replaced_by(*sqrt)):
-        for step, g in enumerate(grads, start=1):
-            if schedule:
-                opt.param_groups[0]["lr"] = _lr_at(step, lr)
-            p.grad = g.float().clone()
-            opt.step()
-    st = opt.state[p]
-    return p.detach(), st["exp_avg"], st["exp_avg_sq"]
-
-
-def _run_ours(p0, grads, *, adamw_mode, weight_decay, out=None, lr=HP["lr"], beta1=HP["beta1"],
-              schedule=False, **kw):
-    p = p0.clone()
-    m, v = torch.zeros_like(p), torch.zeros_like(p)
-    for step, g in enumerate(grads, start=1):
-        adam_step(p, g, m, v, step=step, lr=_lr_at(step, lr) if schedule else lr, beta1=beta1,
-                  beta2=HP["beta2"], eps=HP["eps"], weight_decay=weight_decay,
-                  adamw_mode=adamw_mode, out=out, **kw)
-    return p, m, v
-
-
-def _assert_bitwise(ours, ref, equal_nan=False):
-    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), ours, ref):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=equal_nan,
-                                   msg=lambda m: f"{name}: {m}")
-
-
-def _grads(n, steps=10, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    # Varying scale per step so moments see growth and decay.
-    return [(torch.randn(n, generator=gen) * (0.1 + step)).to(dtype) for step in range(steps)]
-
-
-SPLIT_BLOCK = 4096  # the split update's block in these tests, so mid-size buffers cross several
 SIZES = [1, 7, 15, 16, 17, 31, 33, SPLIT_BLOCK + 17, 1_000_003]
 OPTIMIZERS = [(True, 0.01), (True, 0.0), (False, 0.0), (False, 0.1)]
 _REFERENCES: dict = {}
 
 
-@pytest.fixture(params=["auto", "torch"], ids=["sqrt-auto", "sqrt-split"])
-def sqrt_mode(request, monkeypatch):
-    """The square root as the probe picks it here, and the split update around
-    torch.sqrt forced (the last resort, where no kernel sqrt is torch's)."""
-    monkeypatch.setenv(adam.SQRT_ENV_VAR, request.param)
-    monkeypatch.setattr(adam, "SPLIT_BLOCK", SPLIT_BLOCK)
-    return request.param
 
 
 def _cached_reference(n, adamw_mode, weight_decay, beta1, steps, sqrt=None):
@@ -115,8 +40,8 @@ def _cached_reference(n, adamw_mode, weight_decay, beta1, steps, sqrt=None):
     key = (n, adamw_mode, weight_decay, beta1, steps, sqrt)
     if key not in _REFERENCES:
         p0 = torch.randn(n, generator=torch.Generator().manual_seed(1))
-        grads = _grads(n, steps=steps)
-        ref = _torch_reference(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay,
+        grads = grads_for(n, steps=steps)
+        ref = torch_reference(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay,
                                beta1=beta1, schedule=True, sqrt=sqrt)
         _REFERENCES[key] = (p0, grads, ref)
     return _REFERENCES[key]
@@ -129,16 +54,16 @@ def test_bitwise_equal_to_torch(simd_level, sqrt_mode, n, adamw_mode, weight_dec
     """50 steps (fewer for the large sizes), the lr changing every step."""
     steps = 50 if n < 1000 else 6
     p0, grads, ref = _cached_reference(n, adamw_mode, weight_decay, HP["beta1"], steps)
-    ours = _run_ours(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay, schedule=True)
-    _assert_bitwise(ours, ref)
+    ours = run_ours(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay, schedule=True)
+    assert_bitwise(ours, ref)
 
 
 @pytest.mark.parametrize("n", [17, 33])
 def test_bitwise_lerp_with_a_large_weight(simd_level, sqrt_mode, n):
     """beta1 < 0.5: torch's lerp takes its other form, end - (end - self) * (1 - w)."""
     p0, grads, ref = _cached_reference(n, True, 0.01, 0.3, 50)
-    ours = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.01, beta1=0.3, schedule=True)
-    _assert_bitwise(ours, ref)
+    ours = run_ours(p0, grads, adamw_mode=True, weight_decay=0.01, beta1=0.3, schedule=True)
+    assert_bitwise(ours, ref)
 
 
 def _level_sqrt_pairs():
@@ -157,18 +82,18 @@ def test_each_fused_sqrt_equals_torch_with_that_sqrt(monkeypatch, level, source,
     monkeypatch.setenv(adam.SQRT_ENV_VAR, source)
     assert adam.sqrt_source() == source
     p0, grads, ref = _cached_reference(n, adamw_mode, weight_decay, HP["beta1"], 50, (source, level))
-    ours = _run_ours(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay, schedule=True)
-    _assert_bitwise(ours, ref)
+    ours = run_ours(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay, schedule=True)
+    assert_bitwise(ours, ref)
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [1, 17, 4099])
 def test_low_precision_grad_is_widened_exactly(simd_level, sqrt_mode, grad_dtype, n):
     p0 = torch.randn(n)
-    grads = _grads(n, dtype=grad_dtype)
-    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.01)
-    ours = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.01)
-    _assert_bitwise(ours, ref)
+    grads = grads_for(n, dtype=grad_dtype)
+    ref = torch_reference(p0, grads, adamw_mode=True, weight_decay=0.01)
+    ours = run_ours(p0, grads, adamw_mode=True, weight_decay=0.01)
+    assert_bitwise(ours, ref)
 
 
 def _bits(t):
@@ -180,8 +105,8 @@ def _bits(t):
 def test_fused_out_equals_torch_rounding(simd_level, sqrt_mode, out_dtype, n):
     p0 = torch.randn(n) * 3
     out = torch.empty(n, dtype=out_dtype)
-    grads = _grads(n, steps=3)
-    p, _, _ = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.01, out=out)
+    grads = grads_for(n, steps=3)
+    p, _, _ = run_ours(p0, grads, adamw_mode=True, weight_decay=0.01, out=out)
     assert torch.equal(_bits(out), _bits(p.to(out_dtype)))
 
 
@@ -226,13 +151,13 @@ def test_fused_out_special_values_bit_exact(simd_level, out_dtype, offset):
 @pytest.mark.parametrize("n", [5, 40])
 def test_nan_and_inf_gradients_propagate_as_in_torch(simd_level, sqrt_mode, n):
     p0 = torch.randn(n)
-    grads = _grads(n, steps=4)
+    grads = grads_for(n, steps=4)
     grads[1][0] = float("nan")
     grads[2][n - 1] = float("inf")
     grads[3][n // 2] = -float("inf")
-    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.1)
-    ours = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.1)
-    _assert_bitwise(ours, ref, equal_nan=True)
+    ref = torch_reference(p0, grads, adamw_mode=True, weight_decay=0.1)
+    ours = run_ours(p0, grads, adamw_mode=True, weight_decay=0.1)
+    assert_bitwise(ours, ref, equal_nan=True)
     assert ours[0].isnan().sum() >= 3  # the poisoned elements really are NaN
 
 
@@ -250,9 +175,9 @@ def test_second_moment_over_its_whole_range_bit_exact(simd_level, sqrt_mode):
     """v from 0 through subnormal, tiny and huge, mixed within a vector and
     alone in others, equals torch on the path the probe picks and the split."""
     p0, grads = _across_the_fast_path_boundary()
-    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.1)
-    ours = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.1)
-    _assert_bitwise(ours, ref)
+    ref = torch_reference(p0, grads, adamw_mode=True, weight_decay=0.1)
+    ours = run_ours(p0, grads, adamw_mode=True, weight_decay=0.1)
+    assert_bitwise(ours, ref)
     v = ours[2]
     assert (v == 0).any() and ((v > 0) & (v < 2.0 ** -100)).any() and (v > 2.0 ** -100).any()
 
@@ -266,14 +191,14 @@ def test_mkl_avx512_shortcut_equals_its_general_sequence(monkeypatch):
     monkeypatch.setenv(simd.ENV_VAR, "avx512")
     monkeypatch.setenv(adam.SQRT_ENV_VAR, "mkl-avx512")
     p0, grads = _across_the_fast_path_boundary()
-    ref = _torch_reference(p0, grads, adamw_mode=True, weight_decay=0.1, sqrt=("mkl-avx512", "avx512"))
-    _assert_bitwise(_run_ours(p0, grads, adamw_mode=True, weight_decay=0.1), ref)
+    ref = torch_reference(p0, grads, adamw_mode=True, weight_decay=0.1, sqrt=("mkl-avx512", "avx512"))
+    assert_bitwise(run_ours(p0, grads, adamw_mode=True, weight_decay=0.1), ref)
 
 
 @pytest.mark.parametrize("n", [1, 33, 70_001])
 def test_without_bias_correction_matches_closed_form(simd_level, n):
     p0 = torch.randn(n, dtype=torch.float64)
-    grads = _grads(n, steps=5)
+    grads = grads_for(n, steps=5)
     p, m, v = p0.clone(), torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
     for g in grads:
         g = g.double()
@@ -281,7 +206,7 @@ def test_without_bias_correction_matches_closed_form(simd_level, n):
         m = HP["beta1"] * m + (1 - HP["beta1"]) * g
         v = HP["beta2"] * v + (1 - HP["beta2"]) * g * g
         p = p - HP["lr"] * m / (v.sqrt() + HP["eps"])
-    ours = _run_ours(p0.float(), grads, adamw_mode=True, weight_decay=0.05, bias_correction=False)
+    ours = run_ours(p0.float(), grads, adamw_mode=True, weight_decay=0.05, bias_correction=False)
     torch.testing.assert_close(ours[0], p.float())
     torch.testing.assert_close(ours[1], m.float())
     torch.testing.assert_close(ours[2], v.float())
@@ -294,21 +219,21 @@ def test_simd_kernel_agrees_with_scalar_reference(level, source, monkeypatch):
     monkeypatch.setenv(adam.SQRT_ENV_VAR, source)
     n = 100_003
     p0 = torch.randn(n)
-    grads = _grads(n, steps=5, dtype=torch.bfloat16)
+    grads = grads_for(n, steps=5, dtype=torch.bfloat16)
     out_s, out_v = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
     monkeypatch.setenv(simd.ENV_VAR, "scalar")
-    scalar = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.1, out=out_s)
+    scalar = run_ours(p0, grads, adamw_mode=True, weight_decay=0.1, out=out_s)
     monkeypatch.setenv(simd.ENV_VAR, level)
-    vector = _run_ours(p0, grads, adamw_mode=True, weight_decay=0.1, out=out_v)
-    _assert_bitwise(vector, scalar)
+    vector = run_ours(p0, grads, adamw_mode=True, weight_decay=0.1, out=out_v)
+    assert_bitwise(vector, scalar)
     assert torch.equal(_bits(out_v), _bits(out_s))
 
 
 def test_thread_count_does_not_change_results(simd_level, sqrt_mode):
     n = 1_000_003
     p0 = torch.randn(n)
-    grads = _grads(n, steps=3)
-    results = [_run_ours(p0, grads, adamw_mode=True, weight_decay=0.1, num_threads=t)
+    grads = grads_for(n, steps=3)
+    results = [run_ours(p0, grads, adamw_mode=True, weight_decay=0.1, num_threads=t)
                for t in (1, 2, 3, 7)]
     for other in results[1:]:
         for a, b in zip(other, results[0]):
@@ -319,12 +244,12 @@ def test_concurrent_callers_each_get_correct_results():
     """Two Python threads share the native pool; neither may corrupt the other."""
     n = 300_017
     inputs = [torch.randn(n, generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
-    grads = [_grads(n, steps=5, seed=s) for s in (0, 1)]
-    expected = [_run_ours(p, g, adamw_mode=True, weight_decay=0.1) for p, g in zip(inputs, grads)]
+    grads = [grads_for(n, steps=5, seed=s) for s in (0, 1)]
+    expected = [run_ours(p, g, adamw_mode=True, weight_decay=0.1) for p, g in zip(inputs, grads)]
     results = [None, None]
 
     def work(i):
-        results[i] = _run_ours(inputs[i], grads[i], adamw_mode=True, weight_decay=0.1)
+        results[i] = run_ours(inputs[i], grads[i], adamw_mode=True, weight_decay=0.1)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
     for t in threads:
@@ -344,14 +269,14 @@ def test_pure_pytorch_fallback_matches_torch(monkeypatch, n, adamw_mode, weight_
     monkeypatch.setattr(_native, "native", None)
     monkeypatch.setattr(_native, "_warned", set())
     p0 = torch.randn(n)
-    grads = _grads(n, steps=50)
+    grads = grads_for(n, steps=50)
     out = torch.empty(n, dtype=torch.bfloat16)
     with pytest.warns(RuntimeWarning, match="pure-PyTorch fallback"):
-        ours = _run_ours(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay, out=out,
+        ours = run_ours(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay, out=out,
                          schedule=True)
-    ref = _torch_reference(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay,
+    ref = torch_reference(p0, grads, adamw_mode=adamw_mode, weight_decay=weight_decay,
                            schedule=True)
-    _assert_bitwise(ours, ref)
+    assert_bitwise(ours, ref)
     assert torch.equal(out, ours[0].to(torch.bfloat16))
 
 
@@ -550,15 +475,11 @@ def test_mkl_sqrt_override_needs_the_avx512_kernel(monkeypatch):
         _call(args)
 
 
-def _mkl_in_torch() -> bool:
-    return torch.backends.mkl.is_available() and platform.machine() in ("x86_64", "AMD64")
-
-
 @needs_native
 def test_mkl_vml_sqrt_is_torchs_own_where_torch_has_mkl():
     """Where this torch exports MKL's vsSqrt, the kernels bind it at every
     level, and it is torch.sqrt on every probe input whatever MKL's path."""
-    if not _mkl_in_torch():
+    if not mkl_in_torch():
         pytest.skip("this torch has no MKL")
     for level in simd.available_levels():
         assert "mkl-vml" in adam.kernel_sqrts(level)

@@ -20,8 +20,7 @@ from torch import nn
 from offload import simd
 from offload.ops import adam
 from offload.optim import CPUAdam
-from tests.test_adam_kernel import _mkl_in_torch, needs_native
-from tests.test_adam_kernel import sqrt_mode  # noqa: F401 - a fixture, used by name
+from tests.adam_reference import mkl_in_torch, needs_native
 
 
 def assert_bitwise(a, b, msg=None):
@@ -240,7 +239,7 @@ import copy, json, os, sys
 import numpy as np, torch
 from offload import simd
 from offload.ops import adam
-from tests.test_adam_kernel import SPLIT_BLOCK, _grads, _run_ours, _torch_reference
+from tests.adam_reference import SPLIT_BLOCK, grads_for, run_ours, torch_reference
 from tests.test_cpu_adam import CPUAdam, OddMLP, _train
 
 torch.set_num_threads(1)
@@ -261,11 +260,11 @@ for level in simd.available_levels():
                                                  (False, 0.1, 0.9, torch.float32),
                                                  (True, 0.0, 0.3, torch.bfloat16)]:
                 p0 = torch.randn(n, generator=torch.Generator().manual_seed(n))
-                grads = _grads(n, steps=steps, dtype=dtype, seed=n)
+                grads = grads_for(n, steps=steps, dtype=dtype, seed=n)
                 out = torch.empty(n, dtype=torch.bfloat16)
-                ours = _run_ours(p0, grads, adamw_mode=adamw_mode, weight_decay=wd, beta1=beta1,
+                ours = run_ours(p0, grads, adamw_mode=adamw_mode, weight_decay=wd, beta1=beta1,
                                  schedule=True, out=out)
-                ref = _torch_reference(p0, grads, adamw_mode=adamw_mode, weight_decay=wd,
+                ref = torch_reference(p0, grads, adamw_mode=adamw_mode, weight_decay=wd,
                                        beta1=beta1, schedule=True)
                 case = f"{mode} n={n} adamw={adamw_mode} wd={wd} beta1={beta1}"
                 for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), ours, ref):
@@ -308,7 +307,7 @@ def test_every_level_equals_torch_under_another_mkl_path(instructions):
         assert got["source"] == (matching[0] if matching else "torch"), (level, got)
         if got["source"] == "ieee":
             assert report["torch_sqrt_is_ieee"], (level, got)
-        if instructions == "SSE4_2" and _mkl_in_torch():
+        if instructions == "SSE4_2" and mkl_in_torch():
             # MKL's SSE4.2 sqrt is off IEEE on ~17% of inputs on any x86 CPU,
             # and not the AVX-512 sequence: a sqrt no kernel computes in
             # registers, so MKL's vsSqrt per block, or the split update.

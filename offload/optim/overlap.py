@@ -86,10 +86,9 @@ class OverlappedStep:
 class DeferredUpdates:
     """The updates step() left running on the host worker (Note [updates under the next forward])."""
 
-    def __init__(self, optimizer: "UpdateTarget", worker: HostWorker, *, kernel_threads: int):
+    def __init__(self, optimizer: "UpdateTarget", worker: HostWorker):
         self.optimizer = weakref.proxy(optimizer)  # no cycle: a deleted engine goes without the collector
         self.worker = worker
-        self.kernel_threads = kernel_threads
         self.pending: list[ShardUpdate] = []
 
     @property
@@ -102,7 +101,7 @@ class DeferredUpdates:
         opt = self.optimizer
         self.settle()
         groups = [dict(g) for g in opt.param_groups]  # the LR schedule moves after step()
-        opt.kernel_threads = self.kernel_threads  # the compute thread runs the next forward beside them
+        opt.beside_compute(True)  # the compute thread runs the next forward beside them
         # Device homes whose new value step() publishes (state on the device, or an
         # all-gather, a collective, with several ranks) are updated now, here.
         for shard in order:
@@ -134,7 +133,7 @@ class DeferredUpdates:
                     error = error or exc
                 finally:
                     update.shard.pending_update = None
-        self.optimizer.kernel_threads = None
+        self.optimizer.beside_compute(False)
         self.optimizer.flush_publishes()
         if error is not None:
             raise error
@@ -143,14 +142,11 @@ class DeferredUpdates:
 class OverlappedUpdates:
     """The overlapped step of one optimizer (an UpdateTarget: ShardedAdam), run on the host worker it was given."""
 
-    def __init__(self, optimizer: "UpdateTarget", worker: HostWorker, *, kernel_threads: int,
-                 pending_grad_elems: int):
-        """kernel_threads: Adam kernel threads while updates overlap backward (Note
-        [optimizer threads] in offload/simd.py). pending_grad_elems: elements of final
-        gradients queued for their update before submit() waits (at least the largest shard)."""
+    def __init__(self, optimizer: "UpdateTarget", worker: HostWorker, *, pending_grad_elems: int):
+        """pending_grad_elems: elements of final gradients queued for their update before
+        submit() waits (at least the largest shard)."""
         self.optimizer = weakref.proxy(optimizer)  # no cycle: a deleted engine goes without the collector
         self.worker = worker
-        self.kernel_threads = kernel_threads
         self.pending_grad_elems = pending_grad_elems
         self.step: OverlappedStep | None = None
         self.arrival_order: list[Shard] | None = None  # the last overlapped step's gradients, in order
@@ -166,7 +162,7 @@ class OverlappedUpdates:
         if self.step is not None:
             raise RuntimeError("an overlapped optimizer step is already in progress")
         opt = self.optimizer
-        opt.kernel_threads = self.kernel_threads
+        opt.beside_compute(True)  # backward runs on the compute thread meanwhile
         order = self.arrival_order or list(reversed(opt.shards))
         stream_order = [s for s in order if s.has_grad or s.param.requires_grad]
         stream = None
@@ -174,7 +170,7 @@ class OverlappedUpdates:
             if Tier.NVME in opt.state_tiers:
                 stream = self.worker.submit(opt.open_stream, stream_order, self.masters_from_gather).result()
         except BaseException:
-            opt.kernel_threads = None  # no step in progress: a later backward may start one
+            opt.beside_compute(False)  # no step in progress: a later backward may start one
             raise
         self.step = OverlappedStep(groups=[dict(g) for g in opt.param_groups], stream=stream)
 
@@ -227,7 +223,7 @@ class OverlappedUpdates:
         self.step = None
         try:
             with opt.timeline.span("wait", "optimizer"):
-                opt.kernel_threads = None  # backward is over: the late ones may use every core
+                opt.beside_compute(False)  # backward is over: the late ones may use every core
                 late = [s for s in opt.stepping() if s.index not in st.updates] if update_late else []
                 # State on the device: its gradients stayed there and its updates run
                 # here, on the compute thread's stream, after the host's.

@@ -77,8 +77,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         (Note [optimizer threads] in offload/simd.py).
         host_worker: the thread host-side updates run on (Note [the host worker] in
         offload/host_worker.py); None: one of its own (closed with it).
-        driver(): what step() runs, the engine's whole update, where an engine owns
-        this optimizer (Note [the optimizer users drive]); None: update() alone.
+        driver(): step()'s whole update where an engine owns it (Note [the optimizer users drive]).
         tier: where every shard's state lives, but for those `state_tiers` (shard.index
         -> Tier: an auto placement, Note [automatic placement] in
         offload/placement.py) puts elsewhere. Each shard's gradient partition
@@ -114,16 +113,16 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         self._device_publishes: list[tuple[Shard, torch.Tensor, bool]] = []
         self._param_writes: deque = deque()  # handles of new parameter values being written
         self._param_write_error: BaseException | None = None  # raised by close_stream (Note [a failed step])
-        # Adam kernel threads: None (every core) when step() updates; the overlap's
-        # while updates overlap backward (Note [optimizer threads] in offload/simd.py).
+        # Adam kernel threads: overlap_threads beside the compute thread, else None (every
+        # core): beside_compute() sets it (Note [optimizer threads] in offload/simd.py).
         self.overlap_threads = overlap_threads
         self.kernel_threads: int | None = None
         # Elements of final gradients waiting for their overlapped update
         # (zero_optimization.reduce_bucket_size; at least the largest shard).
         largest = max((s.part_numel for s in shards), default=1)
-        self.overlap = OverlappedUpdates(self, self.worker, kernel_threads=overlap_threads,
+        self.overlap = OverlappedUpdates(self, self.worker,
                                          pending_grad_elems=max(pending_grad_elems or 2 * largest, largest))
-        self.deferred = DeferredUpdates(self, self.worker, kernel_threads=overlap_threads)
+        self.deferred = DeferredUpdates(self, self.worker)
         # State buffers and new values, reused within a step: as many as are
         # in flight at once (the shard updated, the reads ahead, two written
         # back). NVMe state is read ahead of the shard updated up to one
@@ -271,6 +270,10 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
     @staticmethod
     def _key(shard: Shard) -> str:
         return f"optim.{shard.index}"
+
+    def beside_compute(self, sharing: bool) -> None:
+        """Updates from now on beside the compute thread: overlap_threads, else every core."""
+        self.kernel_threads = self.overlap_threads if sharing else None
 
     # ---- the step -------------------------------------------------------
     # Note [the optimizer users drive]

@@ -24,9 +24,6 @@ class UpdateTarget(Protocol):
     shards: list[Shard]
     account: MemoryAccount
     timeline: Timeline
-    # Threads each update's kernel may use while the compute thread runs beside it;
-    # None: every core (Note [optimizer threads] in offload/simd.py).
-    kernel_threads: int | None
 
     @property
     def state_tiers(self) -> frozenset: ...
@@ -49,3 +46,6 @@ class UpdateTarget(Protocol):
     def uploads_after_update(self, shard: Shard) -> bool: ...
 
     def flush_publishes(self) -> None: ...
+
+    def beside_compute(self, sharing: bool) -> None:
+        """Updates from now on run beside the compute thread (fewer kernel threads) or not."""

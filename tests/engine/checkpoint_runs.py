@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import offload
+from offload.checkpoint_io.load import read_swap_file
 from tests.engine.harness import build, lm_loss, make_config, on_test_device
 from tests.engine.models import VOCAB
 
@@ -161,3 +162,32 @@ def world2_checkpoints(tmp_path_factory):
         root = tmp_path_factory.mktemp("world2")
         _WORLD2["run"] = (CASES_W2, root, run_world("straight_and_first_half", CASES_W2, root))
     return _WORLD2["run"]
+
+
+def engine_state(engine):
+    """Everything a failed load must leave alone, as plain values."""
+    opt = engine.optimizer
+    moments = {}
+    for s in engine.shards:
+        if opt.tier.value == "nvme":
+            own_master = 0 if opt.shares_master(s) else 1  # Note [shared fp32 master]
+            packed = read_swap_file(opt.state_file(s), torch.float32, (2 + own_master) * s.part_numel)
+            moments[s.name] = packed[own_master * s.part_numel:].clone()
+        else:
+            moments[s.name] = torch.cat([t.cpu() for t in opt.state_tensors(s)[1:]])
+    return {"weights": snapshot(engine), "moments": moments, "steps": dict(opt.shard_steps),
+            "counters": (engine.global_steps, engine.micro_steps, engine.skipped_steps),
+            "lr": [g["lr"] for g in opt.param_groups],
+            "sched": engine.lr_scheduler.state_dict()["last_epoch"],
+            "rng": (torch.get_rng_state(), random.getstate())}
+
+
+def assert_same_state(a, b):
+    for kind in ("master", "home"):
+        for name in a["weights"][kind]:
+            assert torch.equal(a["weights"][kind][name], b["weights"][kind][name]), name
+    for name in a["moments"]:
+        assert torch.equal(a["moments"][name], b["moments"][name]), name
+    keys = ("steps", "counters", "lr", "sched")
+    assert [a[k] for k in keys] == [b[k] for k in keys]
+    assert torch.equal(a["rng"][0], b["rng"][0]) and a["rng"][1] == b["rng"][1]

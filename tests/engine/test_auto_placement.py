@@ -407,7 +407,7 @@ def _two_rank_worker(rank, world, port, nvme_root, results):
 
 @pytest.mark.slow  # spawns two ranks
 def test_two_ranks_with_different_budgets_make_one_plan_and_match_data_parallel_pytorch(tmp_path):
-    from tests.engine.test_distributed import run_ranks
+    from tests.engine.ranks import run_ranks
 
     outcome, procs = run_ranks(_two_rank_worker, (str(tmp_path),))
     failures = {k: v for k, v in outcome.items() if v != "ok"}

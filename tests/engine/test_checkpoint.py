@@ -3,7 +3,6 @@ async saves that stay consistent while training goes on, and refusal of
 incomplete, corrupt or mismatched checkpoints before anything changes."""
 import json
 import os
-import random
 import shutil
 import time
 
@@ -13,7 +12,6 @@ from safetensors import safe_open
 
 import offload
 from offload.checkpoint_io import CheckpointError, files
-from offload.checkpoint_io.load import read_swap_file
 from tests.engine import checkpoint_runs as runs
 from tests.engine.harness import build, make_config
 from tests.engine.models import TinyGPT
@@ -68,35 +66,6 @@ def _engine(tmp_path, param="cpu", optim="nvme", model="tiny_gpt", seed=0, **kw)
                                                               scheduler=runs.WARMUP, **kw))
 
 
-def _state(engine):
-    """Everything a failed load must leave alone, as plain values."""
-    opt = engine.optimizer
-    moments = {}
-    for s in engine.shards:
-        if opt.tier.value == "nvme":
-            own_master = 0 if opt.shares_master(s) else 1  # Note [shared fp32 master]
-            packed = read_swap_file(opt.state_file(s), torch.float32, (2 + own_master) * s.part_numel)
-            moments[s.name] = packed[own_master * s.part_numel:].clone()
-        else:
-            moments[s.name] = torch.cat([t.cpu() for t in opt.state_tensors(s)[1:]])
-    return {"weights": runs.snapshot(engine), "moments": moments, "steps": dict(opt.shard_steps),
-            "counters": (engine.global_steps, engine.micro_steps, engine.skipped_steps),
-            "lr": [g["lr"] for g in opt.param_groups],
-            "sched": engine.lr_scheduler.state_dict()["last_epoch"],
-            "rng": (torch.get_rng_state(), random.getstate())}
-
-
-def _assert_same_state(a, b):
-    for kind in ("master", "home"):
-        for name in a["weights"][kind]:
-            assert torch.equal(a["weights"][kind][name], b["weights"][kind][name]), name
-    for name in a["moments"]:
-        assert torch.equal(a["moments"][name], b["moments"][name]), name
-    keys = ("steps", "counters", "lr", "sched")
-    assert [a[k] for k in keys] == [b[k] for k in keys]
-    assert torch.equal(a["rng"][0], b["rng"][0]) and a["rng"][1] == b["rng"][1]
-
-
 class _SlowWrites:
     """Slows the writer thread down (a sleep per file copy and per tensor), counting items."""
 
@@ -126,22 +95,22 @@ def test_async_save_snapshot_is_unchanged_by_steps_run_while_it_is_written(tmp_p
     with _engine(tmp_path, param, optim) as e:
         runs.seed(0)
         runs.train(e, 3)
-        at_save = _state(e)
+        at_save = runs.engine_state(e)
         e.save_checkpoint(tmp_path / "ck", client_state={"at": 3}, async_save=True)
         job = e._checkpoint_job
         assert job is not None and not job._snapshot_done.is_set(), "save did not return before writing"
         assert not (tmp_path / "ck" / "latest").exists()
         runs.train(e, 4)  # forward/backward overlap the write; each update waits for the snapshot
         assert e.global_steps == 7
-        after = _state(e)
+        after = runs.engine_state(e)
         e.wait_checkpoint()
     assert slow.items > 10
     assert (tmp_path / "ck" / "latest").read_text().strip() == "global_step3"
     with _engine(tmp_path, param, optim, seed=5) as fresh:
         assert fresh.load_checkpoint(tmp_path / "ck") == (str(tmp_path / "ck" / "global_step3"), {"at": 3})
-        loaded = _state(fresh)
+        loaded = runs.engine_state(fresh)
     loaded["rng"] = at_save["rng"]  # compared separately: RNG moved on in this process
-    _assert_same_state(at_save, loaded)
+    runs.assert_same_state(at_save, loaded)
     # ...while the steps run during the write did change the weights.
     assert not torch.equal(after["weights"]["master"]["wte.weight"],
                            at_save["weights"]["master"]["wte.weight"])
@@ -266,10 +235,10 @@ def test_bad_checkpoint_is_refused_before_anything_changes(tmp_path, saved, what
     corrupt(ck)
     with _engine(tmp_path, "cpu", "nvme", seed=4) as e:
         runs.train(e, 1)
-        before = _state(e)
+        before = runs.engine_state(e)
         with pytest.raises(CheckpointError, match=message):
             e.load_checkpoint(ck)
-        _assert_same_state(before, _state(e))
+        runs.assert_same_state(before, runs.engine_state(e))
         runs.train(e, 1)  # still trains
 
 
@@ -278,12 +247,12 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, saved, other):
     model = TinyGPT(hidden=27) if other == "shape" else build("shared_param")
     cfg = make_config("cpu", "nvme", tmp_path / "swap", scheduler=runs.WARMUP)
     with offload.initialize(model, cfg) as e:
-        before = _state(e)
+        before = runs.engine_state(e)
         message = r"parameter 'wte.weight' has shape \[37, 24\] in the checkpoint, \[37, 27\]" \
             if other == "shape" else "parameters in the checkpoint but not in the model"
         with pytest.raises(CheckpointError, match=message):
             e.load_checkpoint(saved)
-        _assert_same_state(before, _state(e))
+        runs.assert_same_state(before, runs.engine_state(e))
 
 
 def test_gather_16bit_weights_on_model_save_writes_the_consolidated_weights(tmp_path):

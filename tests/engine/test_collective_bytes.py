@@ -42,8 +42,8 @@ from offload.partition.shard import Shard
 from offload.partition.shard_context import Residency, partition_numel
 from offload.partition import manager as manager_module
 from tests.engine.harness import batches, build, lm_loss, make_config, train_engine
-from tests.engine.test_distributed import run_ranks
-from tests.engine.test_reduce_scatter import _arrival_order, _Counter, _expected_buckets
+from tests.engine.ranks import run_ranks
+from tests.engine.collective_counts import CollectiveCounter, arrival_order, expected_buckets
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch_release]  # spawns two ranks: ~7 s
 
@@ -124,8 +124,8 @@ def _count_steps(rank, world, param, nvme_path) -> list[dict]:
     model = build("tiny_gpt")
     data = batches(1 + STEPS, world=world, seed=3)
     padded = {n: world * partition_numel(p.numel(), world) for n, p in model.named_parameters()}
-    grad_order = _arrival_order(model, *data[0][rank])
-    buckets = _expected_buckets([padded[n] for n in grad_order], BUCKET)
+    grad_order = arrival_order(model, *data[0][rank])
+    buckets = expected_buckets([padded[n] for n in grad_order], BUCKET)
     assert len(buckets) < len(grad_order)  # small gradients do share buckets
     saved = _saved_for_backward(model, *data[0][rank])
     assert "blocks.0.fc.weight" in saved and "wpe" not in saved and "blocks.0.fc.bias" not in saved, saved
@@ -146,7 +146,7 @@ def _count_steps(rank, world, param, nvme_path) -> list[dict]:
         for step in data[1:]:
             pg.reset_collective_counts()
             retained_before = engine.manager.prefetch.stats["retained"]
-            with _Counter() as torch_calls, _Gathers() as gathers:
+            with CollectiveCounter() as torch_calls, _Gathers() as gathers:
                 train_engine(engine, [step], rank=rank)
             counts = pg.collective_counts()
             figures.append(counts)

@@ -2,16 +2,15 @@
 result equals one plain PyTorch model trained on both ranks' batches with the
 loss averaged, as data parallelism promises."""
 import os
-import socket
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import offload.device
 
+from tests.engine.ranks import run_ranks
 from tests.engine.harness import (batches, build, make_config, run_engine, run_reference,
                                   run_reference_mixed)
 
@@ -25,12 +24,6 @@ CASES = [
     ("with_unused", "nvme", "cpu", "fp32", 1),
     ("tiny_gpt", "cpu", "nvme", "bf16", 1),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, nvme_root, device, results):
@@ -63,29 +56,6 @@ def _worker(rank, world, port, nvme_root, device, results):
                 results.put((rank, i, traceback.format_exc()))
     finally:
         dist.destroy_process_group()
-
-
-def run_ranks(worker, args, *, world=2, timeout=280) -> tuple[dict, list]:
-    """Spawns `world` ranks running worker(rank, world, port, *args, results), each
-    putting (rank, key, "ok" or a traceback) on results. Returns ({(rank, key): status},
-    the processes, joined)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, *args, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=timeout)
-    outcome = {}
-    while not results.empty():
-        rank, key, status = results.get()
-        outcome[(rank, key)] = status
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    return outcome, procs
 
 
 # sim: the simulated asynchronous device (Note [copy streams]): copy-ins, all-gathers and

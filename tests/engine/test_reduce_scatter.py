@@ -7,7 +7,6 @@ as many reduce-scatters as the buckets a greedy packing of the gradients in
 autograd's arrival order makes, their bytes those of the padded fp32 gradients
 (a ring reduce-scatter sends half of what the all_reduce it replaces sent), no
 all_reduce larger than a scalar, and training still equal to plain PyTorch."""
-import copy
 import os
 import traceback
 
@@ -18,72 +17,14 @@ import torch.distributed as dist
 from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.grad_buckets import GradientBuckets
 from offload.partition.shard_context import partition_numel
-from tests.engine.harness import batches, build, lm_loss, make_config, run_engine, run_reference
-from tests.engine.test_distributed import run_ranks
+from tests.engine.harness import batches, build, make_config, run_engine, run_reference
+from tests.engine.collective_counts import CollectiveCounter, arrival_order, expected_buckets
+from tests.engine.ranks import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch_release]  # spawns two ranks: ~10 s
 
 BUCKET = 2000  # elements: tiny_gpt's 2,376-element weights go alone, the rest share buckets
 STEPS = 3
-
-
-class _Counter:
-    """Wraps torch.distributed's collectives: (name, input numel, input bytes) per call."""
-
-    NAMES = ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor",
-             "broadcast")
-
-    def __init__(self):
-        self.calls = []
-        self._saved = {}
-
-    def __enter__(self):
-        for name in self.NAMES:
-            if not hasattr(dist, name):  # reduce_scatter_single: torch 2.13 on
-                continue
-            real = self._saved[name] = getattr(dist, name)
-            setattr(dist, name, self._wrap(name, real))
-        return self
-
-    def _wrap(self, name, real):
-        def call(*args, **kwargs):
-            t = args[1] if name in ("reduce_scatter_single", "reduce_scatter_tensor",
-                                    "all_gather_into_tensor") else args[0]
-            self.calls.append((name, t.numel(), t.numel() * t.element_size()))
-            return real(*args, **kwargs)
-        return call
-
-    def __exit__(self, *exc):
-        for name, real in self._saved.items():
-            setattr(dist, name, real)
-
-    def of(self, *names):
-        return [c for c in self.calls if c[0] in names]
-
-
-def _arrival_order(model, x, y):
-    """Parameter names in the order autograd finishes their gradients (plain PyTorch)."""
-    model = copy.deepcopy(model)
-    order = []
-    for name, p in model.named_parameters():
-        p.register_post_accumulate_grad_hook(lambda p, name=name: order.append(name))
-    lm_loss(model(x), y).backward()
-    return order
-
-
-def _expected_buckets(sizes, cap):
-    """Greedy packing in arrival order, as DeepSpeed's: a bucket is sent when the next
-    gradient would overflow it or it is full; one larger than `cap` goes alone."""
-    buckets, current = [], []
-    for n in sizes:
-        if current and sum(current) + n > cap:
-            buckets.append(current)
-            current = []
-        current.append(n)
-        if sum(current) >= cap:
-            buckets.append(current)
-            current = []
-    return buckets + ([current] if current else [])
 
 
 def _count_worker(rank, world, port, nvme_root, results):
@@ -99,12 +40,12 @@ def _count_worker(rank, world, port, nvme_root, results):
                                                       weight_decay=0.01, world=world)
                 cfg = make_config(param, "cpu", os.path.join(nvme_root, key))
                 cfg["zero_optimization"]["reduce_bucket_size"] = BUCKET
-                with _Counter() as counter:
+                with CollectiveCounter() as counter:
                     weights, losses, _ = run_engine(model, data, cfg, rank=rank)
-                names = _arrival_order(model, *data[0][rank])
+                names = arrival_order(model, *data[0][rank])
                 numel = dict((n, p.numel()) for n, p in model.named_parameters())
                 padded = [world * partition_numel(numel[n], world) for n in names]
-                buckets = _expected_buckets(padded, BUCKET)
+                buckets = expected_buckets(padded, BUCKET)
                 scatters = counter.of("reduce_scatter_single", "reduce_scatter_tensor")
                 # One reduce-scatter per bucket per backward, of the bucket's padded fp32 gradients.
                 assert [n for _, n, _ in scatters] == [sum(b) for b in buckets] * STEPS, \

@@ -19,7 +19,7 @@ from offload.checkpoint_io import CheckpointError, files
 from tests.engine import checkpoint_runs as runs
 from tests.engine.harness import build, make_config
 from tests.engine.models import TinyGPT
-from tests.engine.test_checkpoint import _assert_same_state, _state
+from tests.engine.checkpoint_runs import assert_same_state, engine_state
 
 
 def _engine(root, param="cpu", optim="cpu", seed=0, **kw):
@@ -81,11 +81,11 @@ def test_crafted_client_state_pickle_is_refused_and_never_run(tmp_path, saved):
     _rewrite(tag_dir, "rank0/client_state.pt", _pickle({"epoch": _Payload(marker)}))
     with _engine(tmp_path, "cpu", "nvme", seed=3) as e:
         runs.train(e, 1)
-        before = _state(e)
+        before = engine_state(e)
         with pytest.raises(CheckpointError, match=r"client_state.pt: refused.*Unsupported global: "
                                                   r"GLOBAL io.open\); nothing in it was run"):
             e.load_checkpoint(ck)
-        _assert_same_state(before, _state(e))
+        assert_same_state(before, engine_state(e))
     assert not marker.exists()
 
 
@@ -176,7 +176,7 @@ def test_manifest_path_outside_the_checkpoint_is_refused_before_any_read(tmp_pat
     manifest["files"][rel] = {"bytes": 1, "crc": 0}  # a wrong size would have told the secret's
     (tag_dir / "manifest.json").write_text(json.dumps(manifest))
     with _engine(tmp_path, "cpu", "nvme", seed=3) as e:
-        before = _state(e)
+        before = engine_state(e)
         touched = _Touched(monkeypatch)
         try:
             with pytest.raises(CheckpointError, match=r"lists files that are not files of a checkpoint of 1 "
@@ -186,7 +186,7 @@ def test_manifest_path_outside_the_checkpoint_is_refused_before_any_read(tmp_pat
             touched.on = False
         assert touched.outside(secret) == []
         assert "1234" not in str(err.value)
-        _assert_same_state(before, _state(e))
+        assert_same_state(before, engine_state(e))
 
 
 def test_symlink_leading_out_of_the_checkpoint_is_refused_before_any_read(tmp_path, saved, monkeypatch):
@@ -233,10 +233,10 @@ def test_changed_optimizer_settings_are_refused_naming_each_difference(tmp_path,
     change, message = CHANGES[what]
     with _changed(tmp_path, change) as e:
         runs.train(e, 1)
-        before = _state(e)
+        before = engine_state(e)
         with pytest.raises(CheckpointError, match=message + r".*use_config_hyperparameters=True"):
             e.load_checkpoint(saved)
-        _assert_same_state(before, _state(e))
+        assert_same_state(before, engine_state(e))
 
 
 def test_several_differences_are_all_named(tmp_path, saved):
@@ -252,14 +252,14 @@ def test_several_differences_are_all_named(tmp_path, saved):
 def test_use_config_hyperparameters_keeps_the_moments_and_applies_the_config(tmp_path, saved):
     with _engine(tmp_path, "cpu", "nvme", seed=3) as same:
         same.load_checkpoint(saved)
-        expected = _state(same)
+        expected = engine_state(same)
 
     def change(c):
         c["optimizer"]["params"].update(lr=0.3, weight_decay=0.2, betas=[0.5, 0.6])
         c["scheduler"]["params"].update(warmup_max_lr=0.5)
     with _changed(tmp_path, change, seed=4) as e:
         e.load_checkpoint(saved, use_config_hyperparameters=True)
-        got = _state(e)
+        got = engine_state(e)
         group = e.optimizer.param_groups[0]
         assert (group["weight_decay"], group["betas"]) == (0.2, (0.5, 0.6))
         # The configured schedule at the saved step (2): WarmupLR's log warmup to 0.5 over 5 steps.
