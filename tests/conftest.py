@@ -99,9 +99,9 @@ torch.set_num_threads(1)
 def sqrt_mode(request, monkeypatch):
     """The square root as the probe picks it here, and the split update around
     torch.sqrt forced (the last resort, where no kernel sqrt is torch's): the Adam
-    kernel tests' (tests/test_adam_kernel.py, tests/test_cpu_adam.py)."""
+    kernel tests' (tests/ops/test_adam_kernel.py, tests/optim/test_cpu_adam.py)."""
     from offload.ops import adam
-    from tests.adam_reference import SPLIT_BLOCK
+    from tests.ops.adam_reference import SPLIT_BLOCK
 
     monkeypatch.setenv(adam.SQRT_ENV_VAR, request.param)
     monkeypatch.setattr(adam, "SPLIT_BLOCK", SPLIT_BLOCK)

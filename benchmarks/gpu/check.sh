@@ -334,7 +334,7 @@ bench_1b() {
 }
 export -f setup_deepspeed setup_project setup_ds_ops pytest_common record_env cuda_tests suite have_deepspeed ds_contenders bench_67m bench_1b
 if [ "$GC_CPU" = 1 ]; then
-  suite_default='-m "not slow" tests/test_config.py tests/test_state_machines.py tests/test_estimate.py'
+  suite_default='-m "not slow" tests/config/test_config.py tests/partition/test_state_machines.py tests/test_estimate.py'
 else
   suite_default=''
 fi

@@ -8,7 +8,7 @@ swap store built on it. Design and measurements: docs/AIO.md.
 
 Tensors are CPU and contiguous; 4096-aligned memory (`aligned_empty`) avoids
 a staging copy under O_DIRECT. Every backend honours the same contract,
-checked by tests/test_aio_contract.py.
+checked by tests/aio/test_aio_contract.py.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ waits until the writer has read every tensor (not for the fsyncs or the
 commit). Forward and backward of the next steps overlap with the write.
 Updates that run during backward or under the next forward wait for it too:
 the engine calls the same hook before it lets the first of them start
-(Engine._before_update); tests/engine/test_checkpoint.py checks the snapshot
+(Engine._before_update); tests/checkpoint_io/test_checkpoint.py checks the snapshot
 is unchanged by steps run while it is written.
 
 The commit (manifest, rename, `latest`; Note [checkpoint layout]) needs every

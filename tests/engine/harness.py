@@ -88,7 +88,7 @@ def run_reference_mixed(model, data, *, dtype, gas, lr, weight_decay, world=1, s
     ulp of difference in a master can flip its bf16 rounding, and that flip
     grows over steps, hiding what this reference checks, the engine's
     mixed-precision bookkeeping. On the host, offload.optim.CPUAdam (equal to
-    torch.optim.AdamW element by element, tests/test_cpu_adam.py);
+    torch.optim.AdamW element by element, tests/optim/test_cpu_adam.py);
     state_on_device (the engine's optimizer state on a GPU: "none", or an auto
     plan with room), torch's fused AdamW there, as the engine updates it:
     True for every parameter, or the set of names whose state the engine's

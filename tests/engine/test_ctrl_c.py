@@ -1,5 +1,5 @@
 """A Ctrl-C during training stops it as a KeyboardInterrupt, wherever it lands
-(examples/finetune.py's Ctrl-C test, tests/test_finetune_example.py, trained
+(examples/finetune.py's Ctrl-C test, tests/integrations/test_finetune_example.py, trained
 on after one Ctrl-C in ~25, or exited 1, before these were fixed)."""
 import os
 import sys

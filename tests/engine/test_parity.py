@@ -51,7 +51,7 @@ def test_hugging_faces_zero3_config_with_the_trainers_values_trains_like_plain_p
     """Hugging Face's published ZeRO-3 config, its autos given what the Trainer would
     (Note [Hugging Face autos]): WarmupLR, clipping at 1.0, cpu offload of both."""
     from offload.schedulers import build_scheduler
-    from tests.hf_configs import filled
+    from tests.config.hf_configs import filled
 
     cfg = filled({"train_micro_batch_size_per_gpu": 3, "optimizer.params.lr": 1e-2,
                   "scheduler.params.warmup_max_lr": 1e-2, "scheduler.params.warmup_num_steps": 3})

@@ -224,7 +224,7 @@ def test_many_tiny_layers_never_read_a_stale_value(tmp_path, optim):
     late as it may (LateWrites): the next forward must wait for them, on demand
     and in its reads ahead alike. Equal to plain PyTorch with the same Adam
     kernel (offload.optim.CPUAdam, equal to torch.optim.AdamW element by
-    element: tests/test_cpu_adam.py), bit for bit: this model amplifies any
+    element: tests/optim/test_cpu_adam.py), bit for bit: this model amplifies any
     difference ~10x per step, so one stale read shows. With NVMe optimizer
     state the updates overlap backward (Note [optimizer overlap]); the state
     has its own directory, so the parameter writes have their own store and

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import offload
-from tests.engine.checkpoint_runs import fresh_process_context
+from tests.checkpoint_io.checkpoint_runs import fresh_process_context
 
 ROUNDS = 6
 # Where in save k the kill lands: once this exists in the save's temporary

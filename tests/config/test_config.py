@@ -5,7 +5,7 @@ import json
 import pytest
 
 from offload.aio.config import Backend
-from tests.hf_configs import HF_ZERO3, HF_ZERO3_FILLED, filled
+from tests.config.hf_configs import HF_ZERO3, HF_ZERO3_FILLED, filled
 from offload.config import (
     AUTO,
     AioConfig,

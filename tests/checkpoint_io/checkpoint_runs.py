@@ -70,7 +70,7 @@ def straight_and_first_half(case, root, rank=0):
     seed(rank)
     with offload.initialize(model_b, case_config(case, os.path.join(root, "b"), str(rank))) as e:
         train(e, MICRO_STEPS // 2)
-        with torch.no_grad():  # for tests/test_consolidate.py: the engine's output at the save
+        with torch.no_grad():  # for tests/checkpoint_io/test_consolidate.py: the engine's output at the save
             straight["output_at_save"] = e(*on_test_device(PROBE_INPUT)).float().cpu()
         straight["at_save"] = snapshot(e)
         # Another tag beside it, saved asynchronously: the next save commits it (with
@@ -104,7 +104,7 @@ def fresh_process_context():
     """New processes forked from a server that has imported torch (and torch._dynamo, which
     torch.optim imports on first use: seconds) and nothing else: no engine, no RNG use."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "offload.engine", "tests.engine.checkpoint_runs"])
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "offload.engine", "tests.checkpoint_io.checkpoint_runs"])
     return ctx
 
 

@@ -1,7 +1,7 @@
 """Resuming at another world size (Note [resuming at another world size] in
 offload/checkpoint_io/load.py): 2 ranks -> 1 and 1 -> 2, Adam state re-partitioned
 exactly, bitwise against a run at the new size started from the same state
-(tests/hardening/world_size_runs.py). Workers are spawned gloo processes; every
+(tests/checkpoint_io/world_size_runs.py). Workers are spawned gloo processes; every
 worker's exit code is checked."""
 import json
 import shutil
@@ -11,9 +11,9 @@ import torch
 
 import offload
 from offload.checkpoint_io import CheckpointError
-from tests.engine import checkpoint_runs as runs
+from tests.checkpoint_io import checkpoint_runs as runs
 from tests.engine.harness import build, make_config
-from tests.hardening import world_size_runs as ws
+from tests.checkpoint_io import world_size_runs as ws
 
 
 def _assert_equal(a, b, what):

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 import offload
 from offload.checkpoint_io import CheckpointError, files
-from tests.engine import checkpoint_runs as runs
+from tests.checkpoint_io import checkpoint_runs as runs
 from tests.engine.harness import build, make_config
 from tests.engine.models import TinyGPT
 
@@ -57,7 +57,7 @@ def test_resume_world_size_two_is_bitwise_exact(tmp_path_factory):
     resumed = runs.run_world("second_half", cases, root)  # new processes
     for i, case in enumerate(cases):
         _assert_resumed_equals_straight(straight[i], resumed[i], case)
-    # The same checkpoint into one rank: re-partitioned (tests/hardening/test_resume_world_size.py).
+    # The same checkpoint into one rank: re-partitioned (tests/checkpoint_io/test_resume_world_size.py).
 
 
 # ---- async saves --------------------------------------------------------------
@@ -174,8 +174,8 @@ def test_interrupted_overwrite_of_a_tag_falls_back_to_the_old_copy(tmp_path):
 
 
 def test_save_between_backward_and_step_is_refused(tmp_path):
-    """Inside an accumulation window a save after step() is allowed (tests/hardening/
-    test_checkpoint_safety.py); between a backward and its step() it is not."""
+    """Inside an accumulation window a save after step() is allowed
+    (tests/checkpoint_io/test_checkpoint_safety.py); between a backward and its step() it is not."""
     with _engine(tmp_path, gas=2) as e:
         x = torch.randint(0, 37, (3, 5))
         e.backward(e(x).float().square().mean())

@@ -17,7 +17,7 @@ from offload.aio.swap_config import SwapConfig
 
 BACKENDS = [pytest.param(b, id=b.value, marks=[pytest.mark.skip(reason=f"{b.value}: {r}")] if (
     r := aio.unavailable_reason(b)) else []) for b in (Backend.NATIVE, Backend.LIBAIO, Backend.THREADS)]
-from tests.tmpfs import IS_ROOT, mounted_tmpfs
+from tests.aio.tmpfs import IS_ROOT, mounted_tmpfs
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
-"""One rank of a two-rank gloo training that must exit 0 (tests/hardening/test_lifecycle.py).
+"""One rank of a two-rank gloo training that must exit 0 (tests/engine/test_lifecycle.py).
 
 Launched by torchrun (`python -m torch.distributed.run --nproc_per_node 2 -m
-tests.hardening.two_rank_train ROOT`: rank and rendezvous from the
+tests.engine.two_rank_train ROOT`: rank and rendezvous from the
 environment) or by multiprocessing spawn (`spawn_main`). Trains the tiny GPT
 with parameters and optimizer state on NVMe, checks that close() let go of
 the process group and that the engine dies with its last reference (no

@@ -16,7 +16,7 @@ import offload.aio as aio
 from offload.aio.swap_store import SwapStore
 from offload.aio.swap_config import SwapConfig
 from tests.engine.harness import batches, build, engine_weights, lm_loss, make_config
-from tests.tmpfs import mounted_tmpfs
+from tests.aio.tmpfs import mounted_tmpfs
 
 
 def _train(engine, data):

@@ -11,7 +11,7 @@ square root is chosen by probing torch.sqrt (Note [bitwise torch order],
 csrc/adam/adam_kernels.h), so every level equals torch itself, and so does
 the split update around torch.sqrt (the sqrt_mode fixture runs both). The
 fused kernel with each sqrt it can compute is also checked, forced, against
-torch with that same sqrt in place of torch's. tests/test_cpu_adam.py runs
+torch with that same sqrt in place of torch's. tests/optim/test_cpu_adam.py runs
 the comparison again in fresh interpreters under MKL's other code paths
 (MKL_ENABLE_INSTRUCTIONS), where torch's sqrt is one no kernel computes in
 registers.
@@ -25,7 +25,7 @@ import torch
 
 from offload import _native, simd
 from offload.ops import adam, adam_step
-from tests.adam_reference import (HP, SPLIT_BLOCK, assert_bitwise, grads_for, mkl_in_torch, needs_native, run_ours,
+from tests.ops.adam_reference import (HP, SPLIT_BLOCK, assert_bitwise, grads_for, mkl_in_torch, needs_native, run_ours,
                                    torch_reference)
 
 SIZES = [1, 7, 15, 16, 17, 31, 33, SPLIT_BLOCK + 17, 1_000_003]

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.torch_release  # Note [torch releases in CI] (tests/con
 pytest.importorskip("transformers")
 
 _spec = importlib.util.spec_from_file_location(
-    "hf_from_pretrained", Path(__file__).resolve().parent.parent / "examples" / "hf_from_pretrained.py")
+    "hf_from_pretrained", Path(__file__).resolve().parents[2] / "examples" / "hf_from_pretrained.py")
 example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
 

@@ -161,7 +161,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_two_rank_spawn_runs_exit_0(tmp_path):
-    from tests.hardening.two_rank_train import spawn_main
+    from tests.engine.two_rank_train import spawn_main
 
     ctx = mp.get_context("spawn")
     codes = []
@@ -187,7 +187,7 @@ def test_two_rank_torchrun_runs_exit_0(tmp_path):
     for launch in range(max(1, LAUNCHES // 2)):
         run = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-             str(_free_port()), "-m", "tests.hardening.two_rank_train", str(tmp_path / f"l{launch}")],
+             str(_free_port()), "-m", "tests.engine.two_rank_train", str(tmp_path / f"l{launch}")],
             env=env, capture_output=True, text=True, timeout=300)
         if run.returncode != 0:
             failures.append((launch, run.returncode, run.stderr[-3000:]))

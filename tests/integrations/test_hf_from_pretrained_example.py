@@ -1,6 +1,6 @@
 """examples/hf_from_pretrained.py without transformers: --help still works and
 says what to install, and a run is one clear line and exit status 2, not a
-traceback. (With transformers, tests/test_hf_example.py runs it.)"""
+traceback. (With transformers, tests/integrations/test_hf_example.py runs it.)"""
 import os
 import subprocess
 import sys
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "hf_from_pretrained.py"
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from offload_bench.corpus import BatchSampler, StdlibSourcesNotFound, load_corpus, split_corpus, stdlib_files
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "finetune.py"
 TINY = ["--steps", "8", "--hidden", "32", "--layers", "1", "--heads", "2", "--seq-len", "32",
         "--batch-size", "4", "--lr", "1e-2", "--corpus-bytes", "200000", "--eval-batches", "1",

@@ -16,7 +16,7 @@ import torch
 from offload.device import hidden_time
 from offload_bench import train, train_contenders, train_report, train_timeline
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _round(median, peak, load=0.0):

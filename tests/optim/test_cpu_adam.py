@@ -4,7 +4,7 @@ trips, low-precision parameters, and clear errors for what it cannot update.
 
 Bitwise against torch as it runs on this CPU, every SIMD level, both with the
 square root the probe picks here and with the update split around torch.sqrt
-(the last resort where no kernel sqrt is torch's; see tests/test_adam_kernel.py
+(the last resort where no kernel sqrt is torch's; see tests/ops/test_adam_kernel.py
 and Note [bitwise torch order]), and, in fresh interpreters, under MKL's
 other code paths."""
 import copy
@@ -20,7 +20,7 @@ from torch import nn
 from offload import simd
 from offload.ops import adam
 from offload.optim import CPUAdam
-from tests.adam_reference import mkl_in_torch, needs_native
+from tests.ops.adam_reference import mkl_in_torch, needs_native
 
 
 def assert_bitwise(a, b, msg=None):
@@ -239,8 +239,8 @@ import copy, json, os, sys
 import numpy as np, torch
 from offload import simd
 from offload.ops import adam
-from tests.adam_reference import SPLIT_BLOCK, grads_for, run_ours, torch_reference
-from tests.test_cpu_adam import CPUAdam, OddMLP, _train
+from tests.ops.adam_reference import SPLIT_BLOCK, grads_for, run_ours, torch_reference
+from tests.optim.test_cpu_adam import CPUAdam, OddMLP, _train
 
 torch.set_num_threads(1)
 adam.SPLIT_BLOCK = SPLIT_BLOCK
@@ -288,7 +288,7 @@ print(json.dumps(report))
 def _run_under_mkl(instructions: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in (simd.ENV_VAR, adam.SQRT_ENV_VAR)}
     env["MKL_ENABLE_INSTRUCTIONS"] = instructions
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", _UNDER_MKL], cwd=root, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

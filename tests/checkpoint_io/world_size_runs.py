@@ -1,4 +1,4 @@
-"""Runs for tests/hardening/test_resume_world_size.py, importable by spawned gloo workers.
+"""Runs for tests/checkpoint_io/test_resume_world_size.py, importable by spawned gloo workers.
 
 X resumes a checkpoint saved at another world size (load_checkpoint re-partitions);
 Y starts at the new size from the same state handed over independently: the model
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import offload
-from tests.engine import checkpoint_runs as runs
+from tests.checkpoint_io import checkpoint_runs as runs
 from tests.engine.harness import batches, build, make_config, train_engine
 
 STEPS = 2

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.any_device, pytest.mark.torch_release]  # Note [the de
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import offload
 from offload.checkpoint_io import CheckpointError
 from offload.checkpoint_io.files import SafetensorsStream
 from offload.cli import main as cli_main
-from tests.engine import checkpoint_runs as runs
+from tests.checkpoint_io import checkpoint_runs as runs
 from tests.engine.harness import build, make_config
 
 

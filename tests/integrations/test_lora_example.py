@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 _spec = importlib.util.spec_from_file_location(
-    "lora_finetune", Path(__file__).resolve().parent.parent / "examples" / "lora_finetune.py")
+    "lora_finetune", Path(__file__).resolve().parents[2] / "examples" / "lora_finetune.py")
 example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
 

@@ -16,10 +16,10 @@ from safetensors import safe_open
 
 import offload
 from offload.checkpoint_io import CheckpointError, files
-from tests.engine import checkpoint_runs as runs
+from tests.checkpoint_io import checkpoint_runs as runs
 from tests.engine.harness import build, make_config
 from tests.engine.models import TinyGPT
-from tests.engine.checkpoint_runs import assert_same_state, engine_state
+from tests.checkpoint_io.checkpoint_runs import assert_same_state, engine_state
 
 
 def _engine(root, param="cpu", optim="cpu", seed=0, **kw):
@@ -119,7 +119,7 @@ def test_load_reads_engine_state_as_json_and_client_state_weights_only(tmp_path,
 def test_client_state_that_needs_more_than_weights_only_is_refused_at_save(tmp_path):
     with _engine(tmp_path) as e:
         runs.train(e, 1)
-        with pytest.raises(TypeError, match=r"client_state=.*GLOBAL tests.hardening.test_checkpoint_safety."
+        with pytest.raises(TypeError, match=r"client_state=.*GLOBAL tests.checkpoint_io.test_checkpoint_safety."
                                             r"_UserObject\). Allowed: tensors, numbers, strings"):
             e.save_checkpoint(tmp_path / "ck", client_state={"x": _UserObject()})
         e.save_checkpoint(tmp_path / "ck", client_state={"ok": [1, 2.5, "s", None, (torch.ones(2),)]})
