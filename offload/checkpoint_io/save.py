@@ -186,7 +186,7 @@ class SaveJob:
             store.wait_all()
         self.state_bytes = capture_engine_state(engine, exclude_frozen)
         self.client_bytes = engine_state.client_state_bytes(client_state)
-        self.buffers = [(b["name"], engine.module.get_buffer(b["name"]).detach().to("cpu", copy=True))
+        self.model_buffers = [(b["name"], engine.module.get_buffer(b["name"]).detach().to("cpu", copy=True))
                         for b in self.model["buffers"]]
         self.items = plan_items(engine, exclude_frozen)
         self.entries: dict[str, tuple[int, int]] = {}
@@ -236,7 +236,7 @@ class SaveJob:
         for item in self.items:
             n += (os.stat(item.copy_from).st_size if item.copy_from is not None
                   else math.prod(item.shape) * item.dtype.itemsize)
-        return n + sum(b.numel() * b.element_size() for _, b in self.buffers)
+        return n + sum(b.numel() * b.element_size() for _, b in self.model_buffers)
 
     def _check_free_space(self) -> None:
         need, free = self._bytes_needed(), shutil.disk_usage(self.rank_dir).free
@@ -267,7 +267,7 @@ class SaveJob:
         self.entries[rel + "client_state.pt"] = files.write_bytes(self.rank_dir / "client_state.pt",
                                                                   self.client_bytes)
         plan = [(i.name, i.dtype, i.shape) for i in self.items if i.copy_from is None]
-        plan += [(f"buffer.{name}", b.dtype, tuple(b.shape)) for name, b in self.buffers]
+        plan += [(f"buffer.{name}", b.dtype, tuple(b.shape)) for name, b in self.model_buffers]
         stream = files.SafetensorsStream(self.rank_dir / "state.safetensors", plan,
                                          {"format": "pt", "offload": "checkpoint rank partition"})
         try:
@@ -280,7 +280,7 @@ class SaveJob:
                     self.entries[rel + item.name] = files.copy_file(item.copy_from,
                                                                     self.rank_dir / item.name)
             self._writing = self.rank_dir / "state.safetensors"
-            for name, b in self.buffers:
+            for name, b in self.model_buffers:
                 stream.write(f"buffer.{name}", b)
         except BaseException:
             stream.abort()

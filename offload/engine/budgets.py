@@ -106,7 +106,7 @@ def nvme_state_buffers(part: int, dtype: torch.dtype, homes_on_nvme: bool) -> di
     """Host bytes the update of NVMe optimizer state keeps in flight, by what they are,
     for `part`, the largest partition whose state is on NVMe."""
     held = {"optimizer state buffers in flight": 3 * 12 * part,
-            # ShardedAdam.buffers: the idle ones kept within a step, up to its cap
+            # ShardedAdam.state_buffers: the idle ones kept within a step, up to its cap
             # (measured: in flight and idle together reached 5.6 x 12 B x the largest).
             "idle optimizer buffers kept within a step": 4 * 12 * part,
             "fp32 masters taken from gathered parameters": 3 * 4 * part}

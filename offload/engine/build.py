@@ -96,7 +96,7 @@ class HomePolicy:
 
 
 def shard_context(config: Config, layer: DeviceLayer, pg: ProcessGroupInfo, account: MemoryAccount, *,
-                  param_store: PartitionStore | None = None, buffers: BufferCache | None = None,
+                  param_store: PartitionStore | None = None, gathered_buffers: BufferCache | None = None,
                   streams: CopyStreams | None = None, lazy_grads: bool | None = None) -> ShardContext:
     """The one way a ShardContext is made: compute on the layer's device (Note [one
     device choice] in offload/device/__init__.py); gradients live where the
@@ -108,7 +108,7 @@ def shard_context(config: Config, layer: DeviceLayer, pg: ProcessGroupInfo, acco
     return ShardContext(device=layer.device, pg=pg, account=account, param_store=param_store,
                         grad_tier=optimizer.grad_tier,
                         lazy_grads=optimizer.device is Tier.NVME if lazy_grads is None else lazy_grads,
-                        buffers=buffers, layer=layer, streams=streams)
+                        gathered_buffers=gathered_buffers, layer=layer, streams=streams)
 
 
 @dataclass
@@ -425,14 +425,14 @@ def _open_shared(planned: list[_Planned], placement: Placement, configs: dict, s
         param_writer = ParamStore(stores.get("writer") or stores["state"], pg, timeline)
     gathered = [pl.padded_numel * dtype.itemsize for pl in planned
                 if budgets.gathers_to_a_buffer(pl, layer.separate_memory, pg.world_size)]
-    buffers = None
+    gathered_buffers = None
     if gathered:
         # Gathered buffers reused across steps: about as many as are live at once (a
         # zero-copy host home needs none: Note [zero-copy gather] in partition/shard.py).
-        buffers = BufferCache(3 * max(gathered),
+        gathered_buffers = BufferCache(3 * max(gathered),
                               charge=lambda n: account.charge(Tier.HOST, n, "idle gathered buffers"),
                               credit=lambda n: account.credit(Tier.HOST, n))
-    ctx = shard_context(config, layer, pg, account, param_store=param_store, buffers=buffers,
+    ctx = shard_context(config, layer, pg, account, param_store=param_store, gathered_buffers=gathered_buffers,
                         lazy_grads=Tier.NVME in placement.state_tiers)
     device_homes = [pl.padded_numel * dtype.itemsize for pl in planned if pl.home is Tier.DEVICE]
     if ctx.streams is not None and device_homes and pin:

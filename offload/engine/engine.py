@@ -268,8 +268,8 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
             self.optimizer.close()
             self._host_worker.shutdown()
             self._state_dict_guard.remove()
-            if self.shard_context is not None and self.shard_context.buffers is not None:
-                self.shard_context.buffers.clear()
+            if self.shard_context is not None and self.shard_context.gathered_buffers is not None:
+                self.shard_context.gathered_buffers.clear()
             self.manager.remove_hooks()
             self.activation_checkpointing.remove()
             self._remove_swap_files()

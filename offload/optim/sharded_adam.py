@@ -132,7 +132,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         # 0.91 vs 0.82 GiB) for a step 0-5% faster, within this VM's noise.
         # One write in flight.
         self.ahead = 1
-        self.buffers = BufferCache((2 + self.ahead) * 3 * 4 * largest + 3 * 4 * largest,
+        self.state_buffers = BufferCache((2 + self.ahead) * 3 * 4 * largest + 3 * 4 * largest,
                                    charge=lambda n: account.charge(Tier.HOST, n, "idle optimizer buffers"),
                                    credit=lambda n: account.credit(Tier.HOST, n))
         self._states: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -338,7 +338,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         if not order:
             return None
         stream = StateStream(self.state_store, self._key, order, account=self.account,
-                             timeline=self.timeline, cap_elems=self.sub_group_size, buffers=self.buffers,
+                             timeline=self.timeline, cap_elems=self.sub_group_size, buffers=self.state_buffers,
                              ahead=self.ahead, layout_of=self._layout, read_master=self._read_master,
                              skip_master=skip_master)
         stream.start()
@@ -386,7 +386,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
             self._close()
 
     def _close(self) -> None:
-        self.buffers.clear()
+        self.state_buffers.clear()
         self._states.clear()  # host or device memory held until the engine's last reference went
         if self._own_worker:
             self.worker.shutdown()
@@ -447,7 +447,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         if shard.home is Tier.NVME and shard.dtype == torch.float32 and not on_device:
             return None  # the fp32 master is the value written home: no copy
         if not on_device:
-            return self.buffers.take(shard.part_numel, shard.dtype)  # written to NVMe with no copy
+            return self.state_buffers.take(shard.part_numel, shard.dtype)  # written to NVMe with no copy
         return torch.empty(shard.part_numel, dtype=shard.dtype, device=self.device)
 
     def uploads_after_update(self, shard: Shard) -> bool:
@@ -487,14 +487,14 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         finally:
             self.account.credit(Tier.HOST, nbytes)
         if nbytes:
-            self.buffers.give(part)
+            self.state_buffers.give(part)
 
     def flush_publishes(self) -> None:
         if Tier.NVME in self.state_tiers:
             # Idle state buffers are reused within a step, not across steps: kept,
             # they would sit resident through the next forward, on top of its
             # activations (300 MiB of a 0.9 GiB peak, GPT 67M on NVMe).
-            self.buffers.clear()
+            self.state_buffers.clear()
         while self._device_publishes:
             shard, part, on_device = self._device_publishes.pop(0)
             shard.set_device_home(part, on_device=on_device)

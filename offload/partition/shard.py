@@ -336,8 +336,8 @@ class Shard(ShardGradient):
         if self.ctx.device.type == "cpu":
             # Aligned, so an NVMe read lands in it with no staging copy; reused
             # from step to step (Note in offload/aio/memory.py BufferCache).
-            if self.ctx.buffers is not None:
-                return self.ctx.buffers.take(self.padded_numel, self.dtype)
+            if self.ctx.gathered_buffers is not None:
+                return self.ctx.gathered_buffers.take(self.padded_numel, self.dtype)
             return aligned_tensor(self.padded_numel, self.dtype)
         return torch.empty(self.padded_numel, dtype=self.dtype, device=self.ctx.device)
 
@@ -354,9 +354,9 @@ class Shard(ShardGradient):
         lent, self._full_lent = self._full_lent, False
         if self.ctx.layer.separate_memory:
             self.ctx.layer.free(self._full)
-        elif (self.ctx.buffers is not None and not self._zero_copy and self._full.device.type == "cpu"
+        elif (self.ctx.gathered_buffers is not None and not self._zero_copy and self._full.device.type == "cpu"
               and not lent):
-            self.ctx.buffers.give(self._full)
+            self.ctx.gathered_buffers.give(self._full)
         self._full = None
         if not self._zero_copy:
             self.ctx.account.credit(Tier.DEVICE, self.padded_numel * self.dtype.itemsize)

@@ -90,7 +90,7 @@ class ShardContext:
     grad_tier: where fp32 gradient partitions live unless a shard's own plan says
     otherwise (Shard.grad_tier), and
     lazy_grads: whether they exist only while a gradient is pending (Note [gradient partitions]).
-    buffers: gathered buffers on a CPU device, reused from step to step; None: allocated each time.
+    gathered_buffers: gathered buffers on a CPU device, reused from step to step; None: allocated each time.
     layer: the device layer every host<->device copy goes through (Note [device layer]);
     streams: its copy streams where the device has memory of its own, None on
     the cpu layer (Note [copy streams] in device_copies.py).
@@ -102,7 +102,7 @@ class ShardContext:
     param_store: PartitionStore | None = None
     grad_tier: Tier = Tier.HOST
     lazy_grads: bool = False
-    buffers: BufferCache | None = None
+    gathered_buffers: BufferCache | None = None
     layer: DeviceLayer = field(default_factory=CpuDevice)
     streams: CopyStreams | None = None
 

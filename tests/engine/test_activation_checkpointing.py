@@ -169,8 +169,8 @@ def test_no_holds_or_bytes_left_after_each_step(tmp_path, param, extra):
         # Swap stores keep the staging buffers they allocate, and the buffer
         # caches their idle buffers, up to their budgets.
         staging = sum(store.config.buffer_bytes for store in engine._stores)
-        staging += engine.optimizer.buffers.max_bytes
-        staging += getattr(engine.shards[0].ctx.buffers, "max_bytes", 0)
+        staging += engine.optimizer.state_buffers.max_bytes
+        staging += getattr(engine.shards[0].ctx.gathered_buffers, "max_bytes", 0)
         for per_rank in batches(3, seed=4):
             x, y = per_rank[0]
             loss = lm_loss(engine(x), y)
