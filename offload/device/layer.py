@@ -175,6 +175,12 @@ class DeviceLayer(abc.ABC):
         as a pinned allocation; returns the buffer to use from now on."""
         return self.counters.allocated(buf, pinned=True)
 
+    def pinned_piece(self, piece: torch.Tensor, name: str) -> torch.Tensor:
+        """A piece of a buffer registered with register_pinned, lent to one copy at a
+        time (the gradient staging ring): tracked on its own where the layer tracks
+        buffers (the sim), so copies into other pieces are not its."""
+        return piece
+
     def adopt(self, t: torch.Tensor, name: str) -> torch.Tensor:
         """`t`, which compute on the current stream wrote (autograd's gradient), as a device
         buffer the layer can copy from; its write counts as the current stream's, now."""

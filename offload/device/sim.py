@@ -434,6 +434,11 @@ class SimDevice(DeviceLayer):
         self.counters.allocated(buf, pinned=True)
         return self._track(wrap_buffer(buf, SimPinnedTensor, SimRecord(name, "pinned", layer=self)))
 
+    def pinned_piece(self, piece: torch.Tensor, name: str) -> torch.Tensor:
+        if isinstance(piece, SimTensor):
+            raise TypeError(f"sim device: pinned_piece() of {piece!r}, already the layer's")
+        return self._track(wrap_buffer(piece, SimPinnedTensor, SimRecord(name, "pinned", layer=self)))
+
     def adopt(self, t: torch.Tensor, name: str) -> torch.Tensor:
         if isinstance(t, SimTensor):
             raise TypeError(f"sim device: adopt() of {t!r}, already the layer's")

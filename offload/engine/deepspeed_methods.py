@@ -9,7 +9,8 @@ With clipping on it is the clipping's own norm. With clipping off it is
 summed in ShardedAdam.update_shard from each shard's gradient as its update
 applies it (on the host worker when updates overlap backward, where no
 later point still has the gradients), then summed over ranks when the step
-completes. The Adam kernel takes each block's squares right after its
+completes; where the updates go on under the next forward (one rank), when
+asked for or before the next update starts. The Adam kernel takes each block's squares right after its
 update read the block (offload.ops.adam_step(sum_grad_squares=True)), from
 cache: a second pass over the gradient, as this once was, read it from
 memory again, 23% of the update's own time (16M elements, one core), on the
@@ -82,6 +83,7 @@ class DeepSpeedMethods:
     def get_global_grad_norm(self) -> float | None:
         """The 2-norm of the gradients the last update applied, before clipping; None before
         the first (Note [global gradient norm])."""
+        self._settle_grad_norm()
         return self._global_grad_norm
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
@@ -130,6 +132,11 @@ class DeepSpeedMethods:
     # ---- pieces of Engine's own methods --------------------------------------
     def _record_grad_norm(self, clipped_norm: float | None) -> None:
         """At each update: the clipping's norm, else the one the optimizer summed (Note [global gradient norm])."""
+        if clipped_norm is None and self.optimizer.deferred.active and self.pg.world_size == 1:
+            # Updates go on under the next forward: summed once they ran, when asked
+            # for or before the next update (no collective: one rank).
+            self._grad_norm_pending = True
+            return
         if clipped_norm is None:
             self.optimizer.deferred.settle()  # the sum is complete once every update ran
             dtype = torch.float64 if self.device.type == "cpu" else torch.float32
@@ -137,6 +144,13 @@ class DeepSpeedMethods:
             clipped_norm = math.sqrt(float(self.pg.sum_scalar(sq).item()))
         self._global_grad_norm = clipped_norm
         self.optimizer.grad_sq = 0.0
+
+    def _settle_grad_norm(self) -> None:
+        """The last update's norm, where it was left to sum once its updates ran."""
+        if self._grad_norm_pending:
+            self._grad_norm_pending = False
+            self.optimizer.deferred.settle()
+            self._record_grad_norm(None)
 
     def _nothing_to_load(self, load_dir, tag, load_module_strict, custom_load_fn) -> bool:
         """load_checkpoint's refusals, and DeepSpeed's (None, None) where nothing was ever saved."""

@@ -171,6 +171,7 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
         # DeepSpeed's methods (deepspeed_methods.py): set_gradient_accumulation_boundary (None: by micro_steps),
         # was_step_applied, get_global_grad_norm; step() calls since the last update (or skipped one).
         self._boundary, self._step_applied, self._global_grad_norm = None, False, None
+        self._grad_norm_pending = False  # Note [global gradient norm]: left to sum once its updates ran
         self._closed = False
         self._checkpoint_job = None  # an async save in progress (offload/checkpoint_io)
         # Note [step phases] (engine/step_phase.py); a failed update's (error, clipped norm)

@@ -69,6 +69,7 @@ class TrainingStep:
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         self.optimizer.deferred.settle()  # the last step's updates, before new gradients arrive
+        self._settle_grad_norm()  # summed by those updates (Note [global gradient norm])
         if self.steps.phase is StepPhase.UPDATING_UNDER_FORWARD:
             self.steps.to_ready(StepPhase.UPDATING_UNDER_FORWARD)
         if self._can_overlap():
@@ -78,6 +79,7 @@ class TrainingStep:
             self.optimizer.grad_sq = 0.0
             self.optimizer.overlap.begin()
             self.steps.to_updating_in_backward()
+            self._follow_gradients(self._updates_outlast_backward())
         # Note [norm terms during backward] (engine/gradients.py)
         if self.config.gradient_clipping > 0 and self.loss_scaler is None and self._can_defer() \
                 and self.is_gradient_accumulation_boundary():
@@ -108,11 +110,24 @@ class TrainingStep:
         """Whether step() may leave its updates under the next forward (Note [when updates run])."""
         return self.update_policy.under_next_forward(self.optimizer.state_tiers, [s.home for s in self.shards])
 
+    def _updates_outlast_backward(self) -> bool:
+        """Whether this backward's updates may go on under the next forward (Note [head
+        first after backward] in partition/device_copies.py)."""
+        return self.manager.to_host is not None and self.update_policy.past_backward(
+            self.optimizer.state_tiers, [s.home for s in self.shards], world_size=self.pg.world_size)
+
+    def _follow_gradients(self, on: bool) -> None:
+        """Each gradient going down is followed by the deferred updates (or no longer is)."""
+        if self.manager.to_host is not None:
+            deferred, step = self.optimizer.deferred, self.optimizer.overlap.step
+            self.manager.to_host.gate = (lambda shard, taken_in: deferred.follow(shard, taken_in, step)) if on else None
+
     def _abandon_overlap(self) -> None:
         # A failed backward after some updates ran: wait for them so no thread
         # is left writing, then report the original error. Those shards were
         # updated with final gradients, as step() would have done; the others
         # keep their gradients.
+        self._follow_gradients(False)
         try:
             self.optimizer.overlap.abandon()
         except Exception:  # noqa: BLE001 - the backward error is the one to raise
@@ -193,6 +208,16 @@ class TrainingStep:
         if self.steps.failed:
             self._retry_update()
             return
+        to_host = self.manager.to_host
+        if self.steps.updating_in_backward and to_host is not None and to_host.gate is not None:
+            # Note [head first after backward] (partition/device_copies.py): they go on.
+            self._follow_gradients(False)
+            to_host.head_first()
+            self.optimizer.overlap.leave_running([u.shard for u in self.optimizer.deferred.pending])
+            self.steps.to_ready(StepPhase.UPDATING_IN_BACKWARD)
+            self.steps.to_updating_under_forward()
+            self._finish_update()
+            return
         if self.steps.updating_in_backward:
             self._applying(self.optimizer.update)  # waits for the updates that ran during backward
             self.steps.to_ready(StepPhase.UPDATING_IN_BACKWARD)
@@ -218,6 +243,7 @@ class TrainingStep:
                 if s.has_grad:
                     s.grad_part.div_(self.loss_scaler.scale)
             self.loss_scaler.update(False, self.global_steps + self.skipped_steps + 1)
+        self._settle_grad_norm()  # the last update's, before this one's sum starts
         clipped_norm, coef, defer = None, None, self._can_defer()
         terms, self._norm_terms = self._norm_terms, None
         if self.config.gradient_clipping > 0 and defer:  # the coefficient goes with each update
@@ -256,13 +282,15 @@ class TrainingStep:
                          ", ".join(f"{k} {v:.3f} s" for k, v in tl["seconds"].items()))
 
     # ---- gradients -----------------------------------------------------------
-    def _take_grad(self, shard, grad: torch.Tensor, owned: bool = False) -> None:
-        if self.steps.updating_in_backward and self.update_policy.from_staging(shard, grad,
-                                                                               self.optimizer.state_tier(shard)):
+    def _take_grad(self, shard, grad: torch.Tensor, owned: bool = False, trailing: bool = False) -> None:
+        """trailing: the gradient went down in a backward whose step has ended, its update
+        still to run (Note [head first after backward] in partition/device_copies.py)."""
+        overlapped = trailing or self.steps.updating_in_backward
+        if overlapped and self.update_policy.from_staging(shard, grad, self.optimizer.state_tier(shard)):
             # Note [updates from the staging buffer] (engine/gradients.py): no copy into the partition.
             kept, shard.grad_part, shard.has_grad = shard.grad_part, grad, True
             try:
-                self.optimizer.overlap.submit(shard)  # on the host worker: updates now
+                self.optimizer.overlap.submit(shard, trailing=trailing)  # on the host worker: updates now
             finally:
                 staged, shard.grad_part = shard.grad_part, kept
                 if shard.has_grad and staged is not None:  # not updated (a failed step): kept for the retry
@@ -273,8 +301,9 @@ class TrainingStep:
         terms = self._norm_terms
         if terms is not None:  # on the host worker (Note [norm terms during backward])
             terms.take(shard)
-        if self.steps.updating_in_backward and shard.grad_tier is not Tier.DEVICE:
-            self.optimizer.overlap.submit(shard)  # state on the device: updated at step() (overlap.finish)
+        if overlapped and shard.grad_tier is not Tier.DEVICE:
+            # State on the device: updated at step() (overlap.finish).
+            self.optimizer.overlap.submit(shard, trailing=trailing)
 
     @property
     def gradients_pending(self) -> bool:

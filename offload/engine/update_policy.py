@@ -18,6 +18,11 @@ An update needs its shard's final gradient. It runs:
                          file): DeferredUpdates, Note [updates under the next
                          forward];
   in step()              otherwise.
+Updates started during backward go on under the next forward too, head
+first, where each follows its gradient's take-in on the host worker: one
+rank, host state beside a separate device, nothing on NVMe or in the
+device's state, one micro-batch a step (`past_backward`; Note [head first
+after backward] in partition/device_copies.py).
 While updates run during backward, the final gradients waiting for theirs
 are capped (`pending_cap`: reduce_bucket_size, else two of the largest
 partition, never under one); a step whose updates end each gradient's life
@@ -72,6 +77,11 @@ class UpdatePolicy:
         """Whether step() may leave its updates running beside the next forward."""
         return (Tier.HOST in state_tiers and Tier.NVME not in state_tiers and self.separate_memory
                 and self.overlap_comm and all(home is not Tier.NVME for home in homes))
+
+    def past_backward(self, state_tiers, homes, *, world_size: int) -> bool:
+        """Whether updates started during backward may go on under the next forward."""
+        return (self.updates_free_gradients and self.under_next_forward(state_tiers, homes)
+                and Tier.DEVICE not in state_tiers and world_size == 1)
 
     @property
     def updates_free_gradients(self) -> bool:

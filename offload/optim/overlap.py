@@ -83,6 +83,23 @@ class OverlappedStep:
     failed: bool = False  # an update raised: the later ones are skipped (Note [a failed step])
 
 
+class TakenInAndUpdated:
+    """A gradient on its way to the host worker, then its update there (Note [head
+    first after backward] in partition/device_copies.py): what a read of the shard's
+    home waits for. The worker itself never waits on it: its own queue runs in turn."""
+
+    def __init__(self, taken_in: Future, step: OverlappedStep, index: int, worker: HostWorker):
+        self.taken_in, self.step, self.index, self.worker = taken_in, step, index, worker
+
+    def result(self) -> None:
+        if self.worker.on_worker():
+            return
+        self.taken_in.result()  # a delivery that raised raises here
+        update = self.step.updates.get(self.index)
+        if update is not None:  # it ran on the worker as the gradient was taken in
+            update.done.result()
+
+
 class DeferredUpdates:
     """The updates step() left running on the host worker (Note [updates under the next forward])."""
 
@@ -113,6 +130,14 @@ class DeferredUpdates:
                 done = self.worker.submit(self._update, shard, groups[opt.group_index(shard)], grad_scale)
                 shard.pending_update = done
                 self.pending.append(ShardUpdate(shard, done, shard.part_numel, False))
+
+    def follow(self, shard: Shard, taken_in: Future, step: OverlappedStep) -> None:
+        """A gradient copy just started, in a backward whose updates may outlast it
+        (Note [head first after backward]): reads of the shard's home, and settle(),
+        wait for its take-in and update."""
+        waiter = TakenInAndUpdated(taken_in, step, shard.index, self.worker)
+        shard.pending_update = waiter
+        self.pending.append(ShardUpdate(shard, waiter, shard.part_numel, False))
 
     def _update(self, shard: Shard, group: dict, grad_scale: float | None) -> None:
         if grad_scale is not None:
@@ -149,6 +174,9 @@ class OverlappedUpdates:
         self.worker = worker
         self.pending_grad_elems = pending_grad_elems
         self.step: OverlappedStep | None = None
+        # The step leave_running ended while its gradients were still going down
+        # (Note [head first after backward]): theirs is this one's, until the next begins.
+        self.trailing: OverlappedStep | None = None
         self.arrival_order: list[Shard] | None = None  # the last overlapped step's gradients, in order
         # Shards whose shared master the last overlapped backward brought from
         # the gathered parameter (Note [shared fp32 master]): not read again.
@@ -173,10 +201,15 @@ class OverlappedUpdates:
             opt.beside_compute(False)  # no step in progress: a later backward may start one
             raise
         self.step = OverlappedStep(groups=[dict(g) for g in opt.param_groups], stream=stream)
+        self.trailing = None
 
-    def submit(self, shard: Shard) -> None:
-        """The shard's gradient is final: update it on the host worker (at once when called there)."""
+    def submit(self, shard: Shard, *, trailing: bool = False) -> None:
+        """The shard's gradient is final: update it on the host worker (at once when called there).
+        trailing: it went down in a backward whose updates may outlast it (the step
+        in progress, or the one leave_running ended)."""
         st, opt = self.step, self.optimizer
+        if st is None and trailing:
+            st = self.trailing
         if shard.index in st.updates:
             # Its update already ran with the gradient it had: a second one
             # would be lost. Autograd accumulates a parameter once per backward.
@@ -250,6 +283,15 @@ class OverlappedUpdates:
             self.arrival_order = arrived + [s for s in opt.shards if s.index not in st.updates]
             self.masters_from_gather = frozenset(i for i, u in st.updates.items() if u.master_from_gather)
             opt.flush_publishes()  # the shards updated, failed step or not
+
+    def leave_running(self, followed: list[Shard]) -> None:
+        """step() after a backward whose updates go on under the next forward (Note [head
+        first after backward]): the step ends here; DeferredUpdates.settle waits for them.
+        followed: the shards whose gradients went down, in the order they came."""
+        self.step, self.trailing = None, self.step
+        seen = {s.index for s in followed}
+        self.arrival_order = followed + [s for s in self.optimizer.shards if s.index not in seen]
+        self.masters_from_gather = frozenset()
 
     def abandon(self) -> None:
         """After a failed backward: waits for the updates already submitted (their

@@ -297,8 +297,10 @@ class ParameterManager:
         if not self._backward_tasks:  # the outermost (a reentrant checkpoint's inner one ends first)
             if self.grad_buckets is not None:
                 self.grad_buckets.flush()  # Note [gradient buckets]
-            if self.to_host is not None:
-                self.to_host.drain()  # every gradient in its partition before the optimizer reads them
+            if self.to_host is not None and self.to_host.gate is None:
+                # Every gradient in its partition before the optimizer reads them, unless
+                # their updates go on (Note [head first after backward] in device_copies.py).
+                self.to_host.drain()
             self.end_backward()
             self.backward_passes += 1
 

@@ -52,9 +52,9 @@ def _spy(monkeypatch):
     seen = {"during backward": 0, "under the next forward": 0}
     submit, start = OverlappedUpdates.submit, DeferredUpdates.start
 
-    def counted_submit(self, shard):
+    def counted_submit(self, shard, **kwargs):
         seen["during backward"] += 1
-        return submit(self, shard)
+        return submit(self, shard, **kwargs)
 
     def counted_start(self, order, **kwargs):
         seen["under the next forward"] += sum(s.has_grad for s in order)

@@ -93,7 +93,7 @@ FIRST_ERROR = {
     "staging-after-h2d": "written by compute (lend) on the host while copy",
     "d2h-after-compute": "on stream 'd2h' while compute (wrote 'gradient of",
     # on the host worker (lend) or, when a released buffer is taken again, in put (__getitem__)
-    "host-after-d2h": "buffer 'gradient staging buffer' read by compute (",
+    "host-after-d2h": "buffer 'gradient staging ring' read by compute (",
 }
 
 
@@ -130,7 +130,7 @@ def test_a_pinned_budget_too_small_for_the_gradient_buffers_is_refused_at_initia
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     cfg = make_config("cpu", "cpu", tmp_path, extra={"memory": {"pinned_budget": 8192}})
     with pytest.raises(MemoryError, match=r"memory.pinned_budget exceeded allocating \d+ pinned bytes "
-                                          r"for gradient staging buffer"):
+                                          r"for gradient staging ring"):
         offload.initialize(model, cfg)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), before[n], rtol=0, atol=0)

@@ -28,7 +28,8 @@ def test_a_transition_from_the_wrong_phase_is_refused():
 
 @pytest.mark.parametrize("layer,clip,after_backward,after_step", [
     ("cpu", 0.0, StepPhase.READY, StepPhase.READY),  # host Adam beside a CPU backward: in step
-    ("sim", 0.0, StepPhase.UPDATING_IN_BACKWARD, StepPhase.READY),
+    # during backward, then on under the next forward (Note [head first after backward])
+    ("sim", 0.0, StepPhase.UPDATING_IN_BACKWARD, StepPhase.UPDATING_UNDER_FORWARD),
     ("sim", 0.05, StepPhase.READY, StepPhase.UPDATING_UNDER_FORWARD),
 ])
 def test_a_run_goes_through_the_phases(tmp_path, monkeypatch, layer, clip, after_backward, after_step):
