@@ -19,11 +19,12 @@
 #
 #   run(command="bash benchmarks/gpu/step_check.sh", carry=[".gpu-check"], timeout_s=600)
 #
-# Knobs: STEP_CHECK_PARTS (default "setup 1b_fp32 1b_bf16 67m tests"; a rerun on a
-# fresh machine keeps setup), STEP_CHECK_TOTAL_S (default 575), STEP_CHECK_1B_FP32
+# Knobs: STEP_CHECK_PARTS (default "setup 1b_fp32 1b_bf16 67m tests"; setup or
+# project first, the others in the order named; a rerun on a fresh machine keeps setup), STEP_CHECK_TOTAL_S (default 575), STEP_CHECK_1B_FP32
 # (default torch,offload-cpu,offload-auto,deepspeed-cpu), STEP_CHECK_1B_BF16 (default
 # torch,offload-cpu,offload-auto: DeepSpeed's bf16 step is not a target),
-# STEP_CHECK_24GB=0 (no offload-auto run with a 24 GB card's budget),
+# STEP_CHECK_24GB (the precisions with an offload-auto run at a 24 GB card's budget,
+# default "fp32 bf16"; 0: none),
 # STEP_CHECK_ALLOW_CPU=1 (a test of this script on the CPU, tiny settings).
 # Writes to $OUT (./gpu-check-out where unset): summary.txt, setup.log, bench.log,
 # tests.log, train_1b_fp32.json, train_1b_bf16.json, train_67m.json.
@@ -93,10 +94,11 @@ bench() {  # NAME KEEP ARGS...: benchmarks/train.py within what the budget leave
 }
 
 one_b() {  # PRECISION KEEP CONTENDERS: the 1B contenders, then offload-auto with a 24 GB card's budget
-  local p=$1 keep=$2 json=$WORK/1b_$1/train.json
-  bench "1b_$p" $((keep + $([ "${STEP_CHECK_24GB:-1}" = 0 ] && echo 0 || echo 45))) "${ONE_B[@]}" --precision "$p" --timeout 150 --contenders "$(ds "$3")"
+  local p=$1 keep=$2 json=$WORK/1b_$1/train.json with24=0
+  case " ${STEP_CHECK_24GB:-fp32 bf16} " in *" $p "*|" 1 ") with24=1 ;; esac
+  bench "1b_$p" $((keep + 45 * with24)) "${ONE_B[@]}" --precision "$p" --timeout 150 --contenders "$(ds "$3")"
   [ -f "$json" ] && cp "$json" "$OUT_DIR/train_1b_$p.json"
-  [ "${STEP_CHECK_24GB:-1}" = 0 ] && return
+  [ "$with24" = 0 ] && return
   bench "1b_${p}_24gb" "$keep" "${ONE_B[@]}" --precision "$p" --timeout 120 --contenders offload-auto \
     --device-budget 24GB || return
   # offload-auto-24GB joins the first run's JSON (the same machine, minutes apart)
@@ -109,23 +111,35 @@ json.dump(r, open(first, "w"), indent=1)
 EOF
 }
 
-# Kept back for the parts after each: bf16's 1B ~110 s, 67M ~100 s, the tests ~45 s.
-K67=$(( $(want 67m && echo 100 || echo 0) + $(want tests && echo 45 || echo 0) ))
-want 1b_fp32 && one_b fp32 $(( K67 + $(want 1b_bf16 && echo 110 || echo 0) )) \
-  "${STEP_CHECK_1B_FP32:-torch,offload-cpu,offload-auto,deepspeed-cpu}"
-want 1b_bf16 && one_b bf16 "$K67" "${STEP_CHECK_1B_BF16:-torch,offload-cpu,offload-auto}"
-if want 67m; then
-  bench 67m "$(want tests && echo 45 || echo 0)" "${SMALL[@]}" --timeout 80 \
-    --contenders "$(ds torch,offload-cpu,offload-nvme,deepspeed-cpu,deepspeed-nvme)"
-  [ -f "$WORK/67m/train.json" ] && cp "$WORK/67m/train.json" "$OUT_DIR/train_67m.json"
-fi
-if want tests && [ "$(left)" -ge 30 ]; then
-  GPU_CHECK_STAGES=cuda_tests GPU_CHECK_TOTAL_S=$(left) GPU_CHECK_TESTS_CAP=$(left) \
-    GPU_CHECK_WORK=/tmp/gpu-check-tests OUT=$WORK/tests-out bash benchmarks/gpu/check.sh \
-    >"$WORK/tests.stdout" 2>&1
-  note "tests exit $? after $(( $(date +%s) - T0 )) s in all"
-  cat "$WORK/tests-out/summary.txt" "$WORK/tests-out/tests.log" >"$OUT_DIR/tests.log" 2>/dev/null
-fi
+# The parts run in the order STEP_CHECK_PARTS names them; each keeps back what the
+# parts after it need at least: 1B fp32 ~130 s, 1B bf16 ~110 s, 67M ~100 s, the tests ~45 s.
+least() { case $1 in 1b_fp32) echo 130 ;; 1b_bf16) echo 110 ;; 67m) echo 100 ;; tests) echo 45 ;; *) echo 0 ;; esac; }
+after() {  # PART: the seconds kept back for the parts after it
+  local seen=0 sum=0 w
+  for w in $PARTS; do
+    [ "$seen" = 1 ] && sum=$((sum + $(least "$w")))
+    [ "$w" = "$1" ] && seen=1
+  done
+  echo "$sum"
+}
+for part in $PARTS; do
+  case $part in
+    1b_fp32) one_b fp32 "$(after 1b_fp32)" "${STEP_CHECK_1B_FP32:-torch,offload-cpu,offload-auto,deepspeed-cpu}" ;;
+    1b_bf16) one_b bf16 "$(after 1b_bf16)" "${STEP_CHECK_1B_BF16:-torch,offload-cpu,offload-auto}" ;;
+    67m)
+      bench 67m "$(after 67m)" "${SMALL[@]}" --timeout 80 \
+        --contenders "$(ds torch,offload-cpu,offload-nvme,deepspeed-cpu,deepspeed-nvme)"
+      [ -f "$WORK/67m/train.json" ] && cp "$WORK/67m/train.json" "$OUT_DIR/train_67m.json" ;;
+    tests)
+      if [ "$(left)" -ge 30 ]; then
+        GPU_CHECK_STAGES=cuda_tests GPU_CHECK_TOTAL_S=$(left) GPU_CHECK_TESTS_CAP=$(left) \
+          GPU_CHECK_WORK=/tmp/gpu-check-tests OUT=$WORK/tests-out bash benchmarks/gpu/check.sh \
+          >"$WORK/tests.stdout" 2>&1
+        note "tests exit $? after $(( $(date +%s) - T0 )) s in all"
+        cat "$WORK/tests-out/summary.txt" "$WORK/tests-out/tests.log" >"$OUT_DIR/tests.log" 2>/dev/null
+      fi ;;
+  esac
+done
 
 # The summary: each contender's median step, peak memory, bus bytes and seconds a step.
 "$PY" - "$OUT_DIR" >>"$WORK/summary" 2>&1 <<'EOF'

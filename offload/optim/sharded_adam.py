@@ -422,7 +422,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         # Where the bytes are, not which layer (Note [one device choice]): the
         # native kernel reads host memory; masters in a GPU's memory take torch's.
         if master.device.type != "cpu":
-            grad_sq = float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
+            grad_sq = torch.linalg.vector_norm(grad, dtype=torch.float32).double().square()  # read later
             fused_torch_adam(master, grad, m, v, step, group)
             if home_out is not None:
                 home_out.copy_(master)

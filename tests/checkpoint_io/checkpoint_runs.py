@@ -96,7 +96,14 @@ def resume_all(cases, root, out_path, layer="cpu"):
     `layer` (a forkserver's children have the server's environment, not the test's)."""
     os.environ["OFFLOAD_DEVICE"] = layer
     torch.set_num_threads(1)
-    results = {i: second_half(case, os.path.join(root, f"case{i}")) for i, case in enumerate(cases)}
+    try:
+        results = {i: second_half(case, os.path.join(root, f"case{i}")) for i, case in enumerate(cases)}
+    except BaseException:  # the parent reports it: a child's stderr is not the test's
+        import traceback
+
+        with open(out_path + ".error", "w") as f:
+            f.write(traceback.format_exc())
+        raise
     torch.save(results, out_path)
 
 

@@ -45,7 +45,9 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path):
     child = ctx.Process(target=runs.resume_all, args=(CASES_W1, str(tmp_path), str(out), os.environ["OFFLOAD_DEVICE"]))
     child.start()
     child.join(timeout=240)
-    assert child.exitcode == 0, f"resuming process failed (exit code {child.exitcode})"
+    error = out.with_name(out.name + ".error")
+    assert child.exitcode == 0, (f"resuming process failed (exit code {child.exitcode})"
+                                 + (f":\n{error.read_text()}" if error.exists() else ""))
     resumed = torch.load(out, weights_only=False)
     for i, case in enumerate(CASES_W1):
         _assert_resumed_equals_straight(straight[i], resumed[i], case)
