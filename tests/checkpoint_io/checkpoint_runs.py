@@ -107,9 +107,13 @@ def resume_all(cases, root, out_path, layer="cpu"):
     torch.save(results, out_path)
 
 
-def fresh_process_context():
+def fresh_process_context(layer: str = "cpu"):
     """New processes forked from a server that has imported torch (and torch._dynamo, which
-    torch.optim imports on first use: seconds) and nothing else: no engine, no RNG use."""
+    torch.optim imports on first use: seconds) and nothing else: no engine, no RNG use.
+    On cuda, spawned: a server whose imports touched CUDA (the stream sanitizer does at
+    the first tensor op) cannot fork a child that uses it."""
+    if layer == "cuda":
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "offload.engine", "tests.checkpoint_io.checkpoint_runs"])
     return ctx

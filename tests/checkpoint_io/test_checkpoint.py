@@ -40,7 +40,7 @@ def _assert_resumed_equals_straight(straight, resumed, case):
 def test_resume_in_a_new_process_is_bitwise_exact(tmp_path):
     straight = {i: runs.straight_and_first_half(case, str(tmp_path / f"case{i}"))
                 for i, case in enumerate(CASES_W1)}
-    ctx = runs.fresh_process_context()
+    ctx = runs.fresh_process_context(os.environ["OFFLOAD_DEVICE"])
     out = tmp_path / "resumed.pt"
     child = ctx.Process(target=runs.resume_all, args=(CASES_W1, str(tmp_path), str(out), os.environ["OFFLOAD_DEVICE"]))
     child.start()
