@@ -25,7 +25,7 @@ Note [updates under the next forward]
 Gradient clipping and the fp16 overflow check need every gradient before any
 update, so those updates cannot run during backward. Instead step() computes
 the norm (or the check), then hands every update to the host worker in
-forward order (DeferredUpdates.start) and returns; each shard's `pending_update`
+forward order (DeferredUpdates.start) and returns; each shard's `in_flight.update`
 gates every read of its home (Shard.await_update: the copy-in for the next
 forward, home_partition, a new gradient) and settle() waits for all of them
 (anything that reads optimizer state or every value). So the next forward
@@ -128,7 +128,7 @@ class DeferredUpdates:
         for shard in order:
             if shard.has_grad:
                 done = self.worker.submit(self._update, shard, groups[opt.group_index(shard)], grad_scale)
-                shard.pending_update = done
+                shard.in_flight.update = done
                 self.pending.append(ShardUpdate(shard, done, shard.part_numel, False))
 
     def follow(self, shard: Shard, taken_in: Future, step: OverlappedStep) -> None:
@@ -136,7 +136,7 @@ class DeferredUpdates:
         (Note [head first after backward]): reads of the shard's home, and settle(),
         wait for its take-in and update."""
         waiter = TakenInAndUpdated(taken_in, step, shard.index, self.worker)
-        shard.pending_update = waiter
+        shard.in_flight.update = waiter
         self.pending.append(ShardUpdate(shard, waiter, shard.part_numel, False))
 
     def _update(self, shard: Shard, group: dict, grad_scale: float | None) -> None:
@@ -157,7 +157,7 @@ class DeferredUpdates:
                 except BaseException as exc:  # noqa: BLE001 - the first is raised below
                     error = error or exc
                 finally:
-                    update.shard.pending_update = None
+                    update.shard.in_flight.update = None
         self.optimizer.beside_compute(False)
         self.optimizer.flush_publishes()
         if error is not None:

@@ -65,7 +65,7 @@ removed_waits: set[str] = set()
 # may go on under the next forward (UpdatePolicy.past_backward), the end of
 # backward does not wait for the worker: every gradient put in the ring is
 # `gated` (the engine's DeferredUpdates.follow sets the shard's
-# pending_update to "taken in and updated", so any read of its home waits,
+# in_flight.update to "taken in and updated", so any read of its home waits,
 # and settle() waits for all), and step() leaves them running and turns the
 # worker head first: the records not yet taken in go newest first. The
 # newest came last in backward, from the layers nearest the input, which the

@@ -20,7 +20,7 @@ def start_all_gather_ahead(shards: list) -> None:
     """Starts one all-gather of `shards` (each ready: Shard.ready_to_gather_ahead)."""
     packed = PackedAllGather(shards)
     for shard in shards:
-        shard.all_gather_ahead = packed
+        shard.in_flight.all_gather = packed
 
 
 class PackedAllGather:

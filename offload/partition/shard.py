@@ -25,7 +25,7 @@ import torch
 
 from offload.aio.memory import aligned_tensor
 from offload.partition.shard_gradient import ShardGradient
-from offload.partition.shard_context import Residency, ShardContext, _FailedRead, partition_numel
+from offload.partition.shard_context import InFlight, Residency, ShardContext, _FailedRead, partition_numel
 from offload.tiers import Tier
 
 
@@ -56,9 +56,7 @@ class Shard(ShardGradient):
         # gathering points param.data at it and costs no bytes and no copy.
         self._zero_copy = (home is Tier.HOST and ctx.pg.world_size == 1
                            and not ctx.layer.separate_memory)
-        self._fetch = None  # pending NVMe read while FETCHING
-        self._copy_in = None  # the copy into _full compute waits before using it (Note [copy streams])
-        self.all_gather_ahead = None  # its PackedAllGather while one is under way (Note [all-gathers ahead])
+        self.in_flight = InFlight()  # reads, copies, all-gathers and updates under way
         self.host_part: torch.Tensor | None = None  # HOST home only
         self.pinned_home = False  # host_part is pinned memory (engine/build.py _home_pinner)
         self._host_alias: torch.Tensor | None = None  # host_part as the layer's pinned buffer
@@ -70,10 +68,6 @@ class Shard(ShardGradient):
         # Whether grad_part is charged to the account: not a staging buffer lent for one
         # update (Note [updates from the staging buffer] in engine/gradients.py).
         self._grad_charged = False
-        # The update step() left running on the host worker, until settled: every read of
-        # the home or the gradient waits for it (Note [updates under the next forward]
-        # in offload/optim/overlap.py).
-        self.pending_update = None
         # Whether any gradient arrived since the last optimizer step: like
         # torch.optim, a parameter whose .grad stayed None is not stepped.
         self.has_grad = False
@@ -141,8 +135,8 @@ class Shard(ShardGradient):
 
     def await_update(self) -> None:
         """Returns once no update is writing this shard's home or reading its gradient."""
-        if self.pending_update is not None:
-            self.pending_update.result()  # an update that raised raises here too
+        if self.in_flight.update is not None:
+            self.in_flight.update.result()  # an update that raised raises here too
 
     def prefetch(self) -> None:
         """Starts bringing the parameter to the device without waiting."""
@@ -152,9 +146,9 @@ class Shard(ShardGradient):
         self._full = self._alloc_full()
         try:
             if self.home is Tier.NVME:
-                self._fetch = self.ctx.param_store.read_full(self, self._full)
+                self.in_flight.read = self.ctx.param_store.read_full(self, self._full)
             else:
-                self._copy_in = self.ctx.streams.to_device(self.own_slice(self._full), self._host_copy_source())
+                self.in_flight.copy_in = self.ctx.streams.to_device(self.own_slice(self._full), self._host_copy_source())
         except BaseException:
             self._drop_full()
             raise
@@ -169,9 +163,9 @@ class Shard(ShardGradient):
         if self.residency is not Residency.GATHERED:
             self.await_update()
             self._materialize()
-        elif self.pending_update is not None or self._copy_in is not None:  # a device home's update
+        elif self.in_flight.update is not None or self.in_flight.copy_in is not None:  # a device home's update
             self.await_update()  # it started the copy (Note [device homes' new values])
-            if self._copy_in is not None:
+            if self.in_flight.copy_in is not None:
                 self._await_copy_in()
                 self.param.data = self._compute_view()
         self._refs += 1
@@ -194,23 +188,23 @@ class Shard(ShardGradient):
                 self._drop_full()  # gives the buffer and its charge back
                 raise
         else:  # FETCHING
-            self._fetch.wait()
-            self._fetch = None
+            self.in_flight.read.wait()
+            self.in_flight.read = None
         self.param.data = self._full[:self.numel].view(self.shape)
         self.residency = Residency.GATHERED
 
     def _materialize_separate(self) -> None:
         """_materialize on a device with memory of its own (Note [copy streams])."""
-        if self.all_gather_ahead is not None:  # started ahead: the whole value is on its way
+        if self.in_flight.all_gather is not None:  # started ahead: the whole value is on its way
             self._finish_all_gather()
             self.param.data = self._compute_view()
             self.residency = Residency.GATHERED
             return
         self.prefetch()  # the copy-in (or NVMe read), unless a read ahead started it
         try:
-            if self._fetch is not None:
-                fetch, self._fetch = self._fetch, None
-                self._copy_in = fetch.wait()  # the bytes are staged; their copy-in is under way
+            if self.in_flight.read is not None:
+                fetch, self.in_flight.read = self.in_flight.read, None
+                self.in_flight.copy_in = fetch.wait()  # the bytes are staged; their copy-in is under way
             self._await_copy_in()
             if self.ctx.pg.world_size > 1:
                 full = self.ctx.layer.lend(self._full, write=True)
@@ -226,17 +220,17 @@ class Shard(ShardGradient):
         """Whether this parameter joins an all-gather ahead of its use (Note [all-gathers
         ahead]): not when its value is gathered or being gathered already; else its
         partition is copied in now, for the collective to read."""
-        if self.residency is Residency.GATHERED or self.all_gather_ahead is not None:
+        if self.residency is Residency.GATHERED or self.in_flight.all_gather is not None:
             return False
         self.prefetch()
         try:
-            if self._fetch is not None:
-                fetch, self._fetch = self._fetch, None
-                self._copy_in = fetch.wait()
-            if self._copy_in is not None:
+            if self.in_flight.read is not None:
+                fetch, self.in_flight.read = self.in_flight.read, None
+                self.in_flight.copy_in = fetch.wait()
+            if self.in_flight.copy_in is not None:
                 # The collective reads the partition from the host side (gloo's threads;
                 # NCCL would wait the event on its stream): the copy-in must be done.
-                self._copy_in.synchronize()
+                self.in_flight.copy_in.synchronize()
                 self._await_copy_in()
         except BaseException:
             self._drop_full()
@@ -248,7 +242,7 @@ class Shard(ShardGradient):
         return self._full
 
     def _finish_all_gather(self) -> None:
-        packed, self.all_gather_ahead = self.all_gather_ahead, None
+        packed, self.in_flight.all_gather = self.in_flight.all_gather, None
         packed.finish()
 
     def _host_copy_source(self) -> torch.Tensor:
@@ -264,17 +258,17 @@ class Shard(ShardGradient):
     def advance(self) -> None:
         """A read ahead whose bytes are in starts its copy-in now, not when the step
         needs the parameter: the copy then overlaps compute too (Note [copy streams])."""
-        if self._fetch is not None and self.ctx.streams is not None and self._fetch.bytes_ready():
-            fetch, self._fetch = self._fetch, None
+        if self.in_flight.read is not None and self.ctx.streams is not None and self.in_flight.read.bytes_ready():
+            fetch, self.in_flight.read = self.in_flight.read, None
             try:
-                self._copy_in = fetch.wait()
+                self.in_flight.copy_in = fetch.wait()
             except Exception as exc:  # noqa: BLE001 - this parameter's own gather raises it
-                self._fetch = _FailedRead(exc)
+                self.in_flight.read = _FailedRead(exc)
 
     def _await_copy_in(self) -> None:
-        if self._copy_in is not None:
-            self.ctx.streams.wait(self._copy_in)  # compute-after-h2d (Note [copy streams])
-            self._copy_in = None
+        if self.in_flight.copy_in is not None:
+            self.ctx.streams.wait(self.in_flight.copy_in)  # compute-after-h2d (Note [copy streams])
+            self.in_flight.copy_in = None
 
     def _compute_view(self) -> torch.Tensor:
         """The gathered value as the model sees it (on a separate device, lent to compute)."""
@@ -291,7 +285,7 @@ class Shard(ShardGradient):
         partition, which the caller then all-gathers) starts its copy to the device;
         compute waits for it at the next gather (Note [copy streams])."""
         dst = self._full if padded_or_part.numel() == self.padded_numel else self.own_slice(self._full)
-        self._copy_in = self.ctx.streams.to_device_staged(dst, padded_or_part)
+        self.in_flight.copy_in = self.ctx.streams.to_device_staged(dst, padded_or_part)
 
     def release(self) -> None:
         """Drops one hold; the last one frees the device copy (home copy stays authoritative)."""
@@ -305,13 +299,13 @@ class Shard(ShardGradient):
         """End of a pass: drop every hold (parameters gathered on demand, frozen ones)."""
         self._refs = 0
         if self.home is not Tier.DEVICE and self.residency is not Residency.RELEASED:
-            if self._fetch is not None:
-                self._fetch.cancel()  # the bytes only: no collective outside use order
-                self._fetch = None
-            if self._copy_in is not None:  # a copy-in nobody used: done before its buffer is freed
-                self._copy_in.synchronize()
-                self._copy_in = None
-            if self.all_gather_ahead is not None:  # every rank started it: it completes
+            if self.in_flight.read is not None:
+                self.in_flight.read.cancel()  # the bytes only: no collective outside use order
+                self.in_flight.read = None
+            if self.in_flight.copy_in is not None:  # a copy-in nobody used: done before its buffer is freed
+                self.in_flight.copy_in.synchronize()
+                self.in_flight.copy_in = None
+            if self.in_flight.all_gather is not None:  # every rank started it: it completes
                 self._finish_all_gather()
             self._drop_full()
 

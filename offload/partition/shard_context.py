@@ -7,7 +7,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -18,6 +18,10 @@ from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.device_copies import CopyStreams
 from offload.tiers import Tier
+
+if TYPE_CHECKING:
+    from offload.device import Event
+    from offload.partition.gather_ahead import PackedAllGather
 
 class Residency(enum.Enum):
     """Where the full compute-dtype value is, and which bytes that costs.
@@ -46,6 +50,25 @@ class PendingRead(Transfer, Protocol):
 
     def bytes_ready(self) -> bool:
         """Whether the bytes are in: wait() would not block on the disk."""
+
+
+class PendingUpdate(Protocol):
+    """An optimizer update of a shard under way on the host worker (a Future, or
+    overlap.TakenInAndUpdated): result() returns once it ran, or raises its error."""
+
+    def result(self) -> object: ...
+
+
+@dataclass
+class InFlight:
+    """What is under way for one shard, each None when nothing is (Shard.in_flight)."""
+
+    read: "PendingRead | None" = None  # NVMe -> the gathered buffer, while FETCHING
+    copy_in: "Event | None" = None  # the copy into the gathered buffer compute waits for (Note [copy streams])
+    all_gather: "PackedAllGather | None" = None  # started ahead of use (Note [all-gathers ahead])
+    # The update left running on the host worker: every read of the home or the gradient
+    # waits for it (Note [updates under the next forward] in optim/overlap.py).
+    update: PendingUpdate | None = None
 
 
 class _FailedRead:
