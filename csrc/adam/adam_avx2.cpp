@@ -114,7 +114,10 @@ OFFLOAD_AVX2 void avx2_kernel(const AdamParams& a, const AdamBuffers& b, size_t 
   const AdamBuffers lb = b;
   const Consts c = make_consts(la);
   size_t i = begin;
-  for (; i + kLanes <= end; i += kLanes) update8<P>(la, c, lb, i);
+  for (; i + kLanes <= end; i += kLanes) {
+    prefetch_ahead(lb, i, P);
+    update8<P>(la, c, lb, i);
+  }
   if (i < end) adam_padded_tail(a, b, i, end, kLanes, P, &update8_once<P>);
 }
 

@@ -181,7 +181,10 @@ OFFLOAD_AVX512 void avx512_kernel(const AdamParams& a, const AdamBuffers& b, siz
   const AdamBuffers lb = b;
   const Consts c = make_consts(la);
   size_t i = begin;
-  for (; i + kLanes <= end; i += kLanes) update16<P, S>(la, c, lb, i);
+  for (; i + kLanes <= end; i += kLanes) {
+    prefetch_ahead(lb, i, P);
+    update16<P, S>(la, c, lb, i);
+  }
   if (i < end) adam_padded_tail(a, b, i, end, kLanes, P, &update16_once<P, S>);
 }
 
