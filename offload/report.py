@@ -110,6 +110,7 @@ def collect() -> dict:
         "simd_used": simd_used,
         "simd_override": os.environ.get(simd.ENV_VAR, "(unset)"),
         "adam_sqrt": importlib.import_module("offload.ops.adam").describe_sqrt_source(),  # Note [bitwise torch order]
+        "adam_equals": importlib.import_module("offload.ops.adam").describe_reference(),
         "threads": simd.num_threads(),
         "cpu_count": os.cpu_count(),
         "io_backends": _io_backends(),

@@ -127,6 +127,33 @@ def describe_sqrt_source() -> str:
     return f"{source} ({how} on all {PROBE_SIZE:,} probe inputs)"
 
 
+def describe_reference() -> str:
+    """One line for `offload report`: which AdamW the host update equals (Note [which
+    AdamW the host update equals])."""
+    requested = _requested_sqrt()
+    here = "torch.optim.AdamW on this CPU, bit for bit"
+    if requested not in ("auto", "torch"):
+        here = (f"torch.optim.AdamW on this CPU where the {requested} square root ({SQRT_ENV_VAR}) "
+                "equals torch.sqrt (adam_sqrt)")
+    return here + "; CUDA's AdamW to fp32 rounding, not bit for bit (its own fma contractions)"
+
+
+# Note [which AdamW the host update equals]
+# On a machine with a GPU, a user may compare with plain torch there, whose
+# AdamW runs on CUDA. The host update equals torch's AdamW on the host CPU,
+# bit for bit (Note [bitwise torch order]: the same roundings, torch.sqrt's
+# own square root), and CUDA's to fp32 rounding only: nvcc contracts that
+# kernel's multiply-adds into fmas of its own choosing (by default, and not
+# the same across its releases), and its square root is the IEEE one. Chosen
+# on purpose: the host's torch is the only reference the host can equal on
+# every machine and release, exactly, and checked by every test on the CPU;
+# matching CUDA's would mean copying one nvcc release's contractions, and
+# would still differ from its foreach kernel. What it costs on a GPU: losses
+# and weights equal plain torch on the same GPU to fp32 rounding (the CUDA
+# tests compare at that tolerance, `exact()` in tests/layer_under_test.py).
+# `offload report` shows it (adam_equals).
+
+
 def _probed_source(level: str) -> str:
     verdicts = _probe_verdicts(level)
     return next((source for source, count in verdicts.items() if count == 0), "torch")

@@ -536,3 +536,18 @@ def test_the_sum_of_grad_squares_without_the_extension(monkeypatch):
         got = adam_step(torch.randn(1031), grad, torch.zeros(1031), torch.zeros(1031), step=1, lr=1e-3,
                         beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, sum_grad_squares=True)
     assert got == pytest.approx(float(grad.double().square().sum()), rel=1e-5)
+
+
+def test_the_report_says_which_adamw_the_host_update_equals(monkeypatch):
+    """Note [which AdamW the host update equals]: torch's on this CPU, bit for bit, with
+    the square root chosen by the probe (or torch's own); CUDA's to fp32 rounding. A
+    forced kernel square root is bit for bit only where it equals torch.sqrt, said so."""
+    from offload.report import collect
+
+    monkeypatch.delenv(adam.SQRT_ENV_VAR, raising=False)
+    line = collect()["adam_equals"]
+    assert line.startswith("torch.optim.AdamW on this CPU, bit for bit; CUDA's AdamW to fp32 rounding"), line
+    monkeypatch.setenv(adam.SQRT_ENV_VAR, "ieee")
+    assert "where the ieee square root (OFFLOAD_ADAM_SQRT) equals torch.sqrt" in adam.describe_reference()
+    monkeypatch.setenv(adam.SQRT_ENV_VAR, "torch")
+    assert adam.describe_reference().startswith("torch.optim.AdamW on this CPU, bit for bit")
