@@ -31,11 +31,16 @@ The engine's close() closes it (`close`): every buffer and its charge go.
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 
 from offload.aio.memory import ALIGN, aligned_empty, round_up
+
+
+def boxed(value):
+    """None, or `value` in a tuple: a result Condition.wait_for can tell from a timeout
+    (a tensor has no truth value)."""
+    return None if value is None else (value,)
 
 
 class BufferPool:
@@ -71,15 +76,12 @@ class BufferPool:
         """As try_acquire, waiting for another thread to release a buffer while
         none is free; a wait past `timeout` seconds is an error naming the pool
         (a thread waiting for buffers it holds itself would wait forever)."""
-        deadline = time.monotonic() + timeout
         with self._released:
-            while (buf := self.try_acquire(nbytes)) is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{self._what}: no buffer of {nbytes} bytes came free in {timeout:.0f} s "
-                                       f"({self.in_use_bytes} of {self.budget_bytes} bytes in use)")
-                self._released.wait(left)
-            return buf
+            got = self._released.wait_for(lambda: boxed(self.try_acquire(nbytes)), timeout)
+            if got is None:
+                raise TimeoutError(f"{self._what}: no buffer of {nbytes} bytes came free in {timeout:.0f} s "
+                                   f"({self.in_use_bytes} of {self.budget_bytes} bytes in use)")
+            return got[0]
 
     def try_acquire(self, nbytes: int, *, keep_free_bytes: int = 0) -> torch.Tensor | None:
         """A whole aligned uint8 buffer of at least `nbytes`, or

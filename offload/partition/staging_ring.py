@@ -20,11 +20,11 @@ for it fails there.
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 
 import torch
 
+from offload.aio.buffer_pool import boxed
 from offload.aio.memory import aligned_empty, round_up
 
 
@@ -61,14 +61,12 @@ class StagingRing:
         size = round_up(max(nbytes, 1))
         if size > self.capacity:
             raise ValueError(f"{self._what}: request of {size} bytes exceeds its {self.capacity} bytes")
-        deadline = time.monotonic() + timeout
         with self._cond:
-            while (offset := self._place(size)) is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{self._what}: no room for {size} bytes came free in {timeout:.0f} s "
-                                       f"({self.in_use_bytes} of {self.capacity} bytes in use)")
-                self._cond.wait(left)
+            placed = self._cond.wait_for(lambda: boxed(self._place(size)), timeout)
+            if placed is None:
+                raise TimeoutError(f"{self._what}: no room for {size} bytes came free in {timeout:.0f} s "
+                                   f"({self.in_use_bytes} of {self.capacity} bytes in use)")
+            (offset,) = placed
             self._pieces.append([offset, size, False])
             self.in_use_bytes += size
             self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
