@@ -4,11 +4,14 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "adam_kernels.h"
 
 #define OFFLOAD_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define OFFLOAD_MKL_SQRT_AVX2 OFFLOAD_AVX2
+#include "adam_mkl_sqrt.h"
 
 namespace offload {
 namespace {
@@ -63,10 +66,17 @@ OFFLOAD_AVX2 inline Consts make_consts(const AdamParams& a) {
                 _mm256_set1_ps(a.bias2_sqrt),    _mm256_set1_ps(a.decay), small};
 }
 
+template <SqrtSource S>
+OFFLOAD_AVX2 inline __m256 sqrt8(__m256 x) {
+  if constexpr (S == SqrtSource::kMklAvx2) return mkl_sqrt::root8<true>(x);
+  if constexpr (S == SqrtSource::kMklSse) return mkl_sqrt::root8<false>(x);
+  return _mm256_sqrt_ps(x);
+}
+
 // Note [bitwise torch order]: one intrinsic per rounding torch does, fmadd
 // only where ATen's Vectorized code has one. One body for the three passes
-// (adam_scalar.cpp); the sqrt here is always the IEEE one.
-template <AdamPass P>
+// (adam_scalar.cpp) and the three square roots this kernel can compute.
+template <AdamPass P, SqrtSource S>
 OFFLOAD_AVX2 inline void update8(const AdamParams& a, const Consts& c, const AdamBuffers& b,
                                  size_t i) {
   __m256 m, root;
@@ -82,7 +92,7 @@ OFFLOAD_AVX2 inline void update8(const AdamParams& a, const Consts& c, const Ada
     _mm256_storeu_ps(b.exp_avg + i, m);
     _mm256_storeu_ps(b.exp_avg_sq + i, v);
     if constexpr (P == AdamPass::kMoments) return;
-    root = _mm256_sqrt_ps(v);
+    root = sqrt8<S>(v);
   } else {
     m = _mm256_loadu_ps(b.exp_avg + i);
     root = _mm256_loadu_ps(b.root + i);
@@ -98,13 +108,13 @@ OFFLOAD_AVX2 inline void update8(const AdamParams& a, const Consts& c, const Ada
   }
 }
 
-template <AdamPass P>
+template <AdamPass P, SqrtSource S>
 OFFLOAD_AVX2 void update8_once(const AdamParams& a, const AdamBuffers& b, size_t i) {
   const Consts c = make_consts(a);
-  update8<P>(a, c, b, i);
+  update8<P, S>(a, c, b, i);
 }
 
-template <AdamPass P>
+template <AdamPass P, SqrtSource S>
 OFFLOAD_AVX2 void avx2_kernel(const AdamParams& a, const AdamBuffers& b, size_t begin,
                               size_t end) {
   // Local copies: the vector stores below are may_alias, so with `a` and `b`
@@ -116,15 +126,21 @@ OFFLOAD_AVX2 void avx2_kernel(const AdamParams& a, const AdamBuffers& b, size_t 
   size_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
     prefetch_ahead(lb, i, P);
-    update8<P>(la, c, lb, i);
+    update8<P, S>(la, c, lb, i);
   }
-  if (i < end) adam_padded_tail(a, b, i, end, kLanes, P, &update8_once<P>);
+  if (i < end) adam_padded_tail(a, b, i, end, kLanes, P, &update8_once<P, S>);
 }
 
+template <SqrtSource S>
 OFFLOAD_AVX2 void avx2_sqrt(const float* in, float* out, size_t n) {
   size_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) _mm256_storeu_ps(out + i, _mm256_sqrt_ps(_mm256_loadu_ps(in + i)));
-  for (; i < n; ++i) _mm_store_ss(out + i, _mm_sqrt_ss(_mm_load_ss(in + i)));
+  for (; i + kLanes <= n; i += kLanes) _mm256_storeu_ps(out + i, sqrt8<S>(_mm256_loadu_ps(in + i)));
+  if (i < n) {  // padded: the tail's lanes get the body's arithmetic
+    alignas(32) float lanes[kLanes] = {};
+    std::copy(in + i, in + n, lanes);
+    _mm256_store_ps(lanes, sqrt8<S>(_mm256_load_ps(lanes)));
+    std::copy(lanes, lanes + (n - i), out + i);
+  }
 }
 
 OFFLOAD_AVX2 double avx2_sum_squares(const AdamBuffers& b, size_t begin, size_t end) {
@@ -147,15 +163,25 @@ SumSquaresKernel adam_avx2_sum_squares() { return &avx2_sum_squares; }
 
 AdamKernel adam_avx2_kernel(AdamPass pass, SqrtSource sqrt) {
   switch (pass) {
-    case AdamPass::kMoments: return &avx2_kernel<AdamPass::kMoments>;
-    case AdamPass::kApply: return &avx2_kernel<AdamPass::kApply>;
+    case AdamPass::kMoments: return &avx2_kernel<AdamPass::kMoments, SqrtSource::kIeee>;
+    case AdamPass::kApply: return &avx2_kernel<AdamPass::kApply, SqrtSource::kIeee>;
     case AdamPass::kFused: break;
   }
-  return sqrt == SqrtSource::kIeee ? &avx2_kernel<AdamPass::kFused> : nullptr;
+  switch (sqrt) {
+    case SqrtSource::kIeee: return &avx2_kernel<AdamPass::kFused, SqrtSource::kIeee>;
+    case SqrtSource::kMklAvx2: return &avx2_kernel<AdamPass::kFused, SqrtSource::kMklAvx2>;
+    case SqrtSource::kMklSse: return &avx2_kernel<AdamPass::kFused, SqrtSource::kMklSse>;
+    default: return nullptr;
+  }
 }
 
 SqrtKernel adam_avx2_sqrt(SqrtSource sqrt) {
-  return sqrt == SqrtSource::kIeee ? &avx2_sqrt : nullptr;
+  switch (sqrt) {
+    case SqrtSource::kIeee: return &avx2_sqrt<SqrtSource::kIeee>;
+    case SqrtSource::kMklAvx2: return &avx2_sqrt<SqrtSource::kMklAvx2>;
+    case SqrtSource::kMklSse: return &avx2_sqrt<SqrtSource::kMklSse>;
+    default: return nullptr;
+  }
 }
 
 }  // namespace offload

@@ -16,6 +16,8 @@
 #include "adam_kernels.h"
 
 #define OFFLOAD_AVX512 __attribute__((target("avx512f")))
+#define OFFLOAD_MKL_SQRT_AVX512 OFFLOAD_AVX512
+#include "adam_mkl_sqrt.h"
 
 namespace offload {
 namespace {
@@ -127,9 +129,17 @@ OFFLOAD_AVX512 inline __m512 denom_as_torch(__m512 v, const Consts& c) {
   return _mm512_add_ps(q_exact, c.eps);
 }
 
+template <SqrtSource S>
+OFFLOAD_AVX512 inline __m512 root16(__m512 x) {
+  if constexpr (S == SqrtSource::kMklAvx512) return sqrt_as_torch(x);
+  if constexpr (S == SqrtSource::kMklAvx2) return mkl_sqrt::root16<true>(x);
+  if constexpr (S == SqrtSource::kMklSse) return mkl_sqrt::root16<false>(x);
+  return _mm512_sqrt_ps(x);
+}
+
 // Note [bitwise torch order]: one intrinsic per rounding torch does, fmadd
 // only where ATen's Vectorized code has one. One body for the three passes
-// (adam_scalar.cpp) and the two square roots this kernel can compute.
+// (adam_scalar.cpp) and the four square roots this kernel can compute.
 template <AdamPass P, SqrtSource S>
 OFFLOAD_AVX512 inline void update16(const AdamParams& a, const Consts& c, const AdamBuffers& b,
                                     size_t i) {
@@ -149,7 +159,7 @@ OFFLOAD_AVX512 inline void update16(const AdamParams& a, const Consts& c, const 
     if constexpr (S == SqrtSource::kMklAvx512) {
       denom = denom_as_torch(v, c);
     } else {
-      denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c.bias2_sqrt), c.eps);
+      denom = _mm512_add_ps(_mm512_div_ps(root16<S>(v), c.bias2_sqrt), c.eps);
     }
   } else {
     m = _mm512_loadu_ps(b.exp_avg + i);
@@ -188,11 +198,6 @@ OFFLOAD_AVX512 void avx512_kernel(const AdamParams& a, const AdamBuffers& b, siz
   if (i < end) adam_padded_tail(a, b, i, end, kLanes, P, &update16_once<P, S>);
 }
 
-template <SqrtSource S>
-OFFLOAD_AVX512 inline __m512 root16(__m512 x) {
-  if constexpr (S == SqrtSource::kMklAvx512) return sqrt_as_torch(x);
-  return _mm512_sqrt_ps(x);
-}
 
 template <SqrtSource S>
 OFFLOAD_AVX512 void avx512_sqrt(const float* in, float* out, size_t n) {
@@ -228,13 +233,23 @@ AdamKernel adam_avx512_kernel(AdamPass pass, SqrtSource sqrt) {
     case AdamPass::kApply: return &avx512_kernel<AdamPass::kApply, SqrtSource::kIeee>;
     case AdamPass::kFused: break;
   }
-  return sqrt == SqrtSource::kMklAvx512 ? &avx512_kernel<AdamPass::kFused, SqrtSource::kMklAvx512>
-                                        : &avx512_kernel<AdamPass::kFused, SqrtSource::kIeee>;
+  switch (sqrt) {
+    case SqrtSource::kIeee: return &avx512_kernel<AdamPass::kFused, SqrtSource::kIeee>;
+    case SqrtSource::kMklAvx512: return &avx512_kernel<AdamPass::kFused, SqrtSource::kMklAvx512>;
+    case SqrtSource::kMklAvx2: return &avx512_kernel<AdamPass::kFused, SqrtSource::kMklAvx2>;
+    case SqrtSource::kMklSse: return &avx512_kernel<AdamPass::kFused, SqrtSource::kMklSse>;
+    default: return nullptr;
+  }
 }
 
 SqrtKernel adam_avx512_sqrt(SqrtSource sqrt) {
-  return sqrt == SqrtSource::kMklAvx512 ? &avx512_sqrt<SqrtSource::kMklAvx512>
-                                        : &avx512_sqrt<SqrtSource::kIeee>;
+  switch (sqrt) {
+    case SqrtSource::kIeee: return &avx512_sqrt<SqrtSource::kIeee>;
+    case SqrtSource::kMklAvx512: return &avx512_sqrt<SqrtSource::kMklAvx512>;
+    case SqrtSource::kMklAvx2: return &avx512_sqrt<SqrtSource::kMklAvx2>;
+    case SqrtSource::kMklSse: return &avx512_sqrt<SqrtSource::kMklSse>;
+    default: return nullptr;
+  }
 }
 
 }  // namespace offload

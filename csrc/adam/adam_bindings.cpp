@@ -26,8 +26,10 @@ SqrtSource parse_sqrt(const std::string& name) {
   if (name == "ieee") return SqrtSource::kIeee;
   if (name == "mkl-avx512") return SqrtSource::kMklAvx512;
   if (name == "mkl-vml") return SqrtSource::kMklVml;
+  if (name == "mkl-avx2") return SqrtSource::kMklAvx2;
+  if (name == "mkl-sse") return SqrtSource::kMklSse;
   throw std::invalid_argument("unknown square root '" + name +
-                              "' (expected ieee, mkl-avx512 or mkl-vml)");
+                              "' (expected ieee, mkl-avx512, mkl-avx2, mkl-sse or mkl-vml)");
 }
 
 AdamPass parse_pass(const std::string& name) {

@@ -60,7 +60,8 @@ void check_level(SimdLevel level) {
 [[noreturn]] void no_such_sqrt(SimdLevel level, SqrtSource sqrt) {
   throw std::invalid_argument(std::string("the ") + simd_level_name(level) +
                               " kernel cannot compute the " + sqrt_source_name(sqrt) +
-                              " square root (mkl-avx512 needs the avx512 kernel, mkl-vml "
+                              " square root (mkl-avx512 needs the avx512 kernel, mkl-avx2 and mkl-sse the avx2 or "
+                              "avx512 kernel, mkl-vml "
                               "MKL's vsSqrt bound first)");
 }
 

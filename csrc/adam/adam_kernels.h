@@ -37,15 +37,17 @@
 //   AVX2 path: IEEE except in [2^-126, 2^-104), where 1.9M inputs, the
 //     hardest to round, are 1 ulp off (the residual underflows);
 //   SSE4.2 path (and what an AMD EPYC ran): 1 ulp off on ~17% of inputs.
+// Each path's sequence is in Note [MKL's square roots] (adam_mkl_sqrt.h).
 // Builds without MKL take the IEEE sqrt. So no sqrt fixed at build time is
 // torch's on every CPU. The rule instead, decided once per process and SIMD
 // level by offload/ops/adam.py (sqrt_source(), shown by `offload report`):
-//   1. The kernels can compute three square roots (SqrtSource), fastest first:
+//   1. The kernels can compute five square roots (SqrtSource), fastest first:
 //      the IEEE one (every level); MKL's AVX-512 sequence (sqrt_as_torch in
 //      adam_avx512.cpp, the AVX-512 kernel only: it needs VRSQRT14PS); MKL's
-//      vsSqrt itself, found at run time in torch's own library (adam_vml.cpp;
-//      every level: per 1024-element block, kMoments, vsSqrt, kApply, with
-//      the block in L1 throughout).
+//      AVX2 and SSE4.2 sequences (adam_mkl_sqrt.h; the AVX2 and AVX-512
+//      kernels); MKL's vsSqrt itself, found at run time in torch's own library
+//      (adam_vml.cpp; every level: per 1024-element block, kMoments, vsSqrt,
+//      kApply, with the block in L1 throughout).
 //   2. A probe compares torch.sqrt with each of them on ~2.1M inputs: in every
 //      binade, subnormals to the largest finite, the 4096 hardest-to-round
 //      significands (root nearest a rounding midpoint, where a sqrt that is
@@ -97,6 +99,8 @@ enum class SqrtSource : int {
   kIeee = 0,       // the IEEE square root, every level
   kMklAvx512 = 1,  // MKL's AVX-512 sequence in registers (sqrt_as_torch), the AVX-512 kernel only
   kMklVml = 2,     // MKL's vsSqrt itself, called per block (adam_vml.cpp), every level once bound
+  kMklAvx2 = 3,    // MKL's AVX2 sequence in registers (Note [MKL's square roots]), AVX2 and AVX-512
+  kMklSse = 4,     // MKL's SSE4.2 sequence, what an AMD EPYC runs (Note [MKL's square roots]), likewise
 };
 
 // What one call computes: the whole update, or one half of the update split

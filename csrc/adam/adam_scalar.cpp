@@ -21,6 +21,8 @@ const char* sqrt_source_name(SqrtSource s) {
     case SqrtSource::kIeee: return "ieee";
     case SqrtSource::kMklAvx512: return "mkl-avx512";
     case SqrtSource::kMklVml: return "mkl-vml";
+    case SqrtSource::kMklAvx2: return "mkl-avx2";
+    case SqrtSource::kMklSse: return "mkl-sse";
   }
   return "unknown";
 }

@@ -32,7 +32,7 @@ SQRT_ENV_VAR = "OFFLOAD_ADAM_SQRT"
 # What OFFLOAD_ADAM_SQRT accepts: auto (probe, the default), a kernel sqrt to
 # force into the fused pass (exact only where it is torch's), or torch (the
 # split update, exact everywhere).
-SQRT_CHOICES = ("auto", "ieee", "mkl-avx512", "mkl-vml", "torch")
+SQRT_CHOICES = ("auto", "ieee", "mkl-avx512", "mkl-avx2", "mkl-sse", "mkl-vml", "torch")
 # Elements per block of the split update (the last resort, for a torch whose
 # sqrt is neither a kernel's nor MKL's vsSqrt): 4 MiB of scratch; smaller
 # blocks pay a torch.sqrt launch (an OpenMP team) each, more than cache saves.
@@ -67,9 +67,11 @@ def _check_scalar(name: str, value, low: float, high: float | None = None, *, lo
 
 def kernel_sqrts(level: str) -> tuple[str, ...]:
     """The square roots the fused kernel can compute at SIMD `level`, fastest
-    first: in registers (IEEE; MKL's AVX-512 sequence), then MKL's vsSqrt
+    first: in registers (IEEE; MKL's AVX-512, AVX2 and SSE4.2 sequences, Note
+    [MKL's square roots] in csrc/adam/adam_mkl_sqrt.h), then MKL's vsSqrt
     called per block, where torch's MKL exports it."""
-    in_registers = ("ieee", "mkl-avx512") if level == "avx512" else ("ieee",)
+    in_registers = {"avx512": ("ieee", "mkl-avx512", "mkl-avx2", "mkl-sse"),
+                    "avx2": ("ieee", "mkl-avx2", "mkl-sse")}.get(level, ("ieee",))
     return in_registers + (("mkl-vml",) if _vml_bound() else ())
 
 
@@ -94,7 +96,8 @@ def _requested_sqrt() -> str:
 
 def sqrt_source(level: str | None = None) -> str:
     """Which square root adam_step uses at SIMD `level` (default: the level in
-    use): one the fused kernel computes ('ieee', 'mkl-avx512', 'mkl-vml'; the
+    use): one the fused kernel computes ('ieee', 'mkl-avx512', 'mkl-avx2', 'mkl-sse',
+    'mkl-vml'; the
     first of kernel_sqrts(level) that equals torch.sqrt on every probe input)
     or 'torch' (the update split around torch.sqrt; also the pure-PyTorch
     path). OFFLOAD_ADAM_SQRT overrides the probe; a forced kernel sqrt that is
@@ -106,8 +109,9 @@ def sqrt_source(level: str | None = None) -> str:
     if requested == "auto":
         return _probed_source(level)
     if requested not in kernel_sqrts(level):
-        need = ("the avx512 kernel" if requested == "mkl-avx512"
-                else "MKL's vsSqrt in torch's library, which this torch does not export")
+        need = {"mkl-avx512": "the avx512 kernel", "mkl-avx2": "the avx2 or avx512 kernel",
+                "mkl-sse": "the avx2 or avx512 kernel"}.get(
+                    requested, "MKL's vsSqrt in torch's library, which this torch does not export")
         raise ValueError(f"{SQRT_ENV_VAR}={requested!r} needs {need}; the SIMD level in use is "
                          f"{level!r}, whose kernel computes {', '.join(kernel_sqrts(level))}")
     return requested

@@ -397,11 +397,12 @@ def test_native_kernel_refuses_unknown_names():
     for index, bad, pattern in [(18, "avx1024", "unknown SIMD level 'avx1024'"),
                                 (2, "int8", "unsupported element type 'int8'"),
                                 (20, "twice", "unknown Adam pass 'twice'"),
-                                (21, "mkl-sse", "unknown square root 'mkl-sse'")]:
+                                (21, "mkl-sse4", "unknown square root 'mkl-sse4'")]:
         with pytest.raises(ValueError, match=pattern):
             update(*args[:index], bad, *args[index + 1:])
-    with pytest.raises(ValueError, match="the scalar kernel cannot compute the mkl-avx512 square root"):
-        update(*args[:21], "mkl-avx512", 0)
+    for sqrt in ("mkl-avx512", "mkl-avx2", "mkl-sse"):
+        with pytest.raises(ValueError, match=f"the scalar kernel cannot compute the {sqrt} square root"):
+            update(*args[:21], sqrt, 0)
     with pytest.raises(ValueError, match="unknown square root 'torch'"):  # torch's is Python's to call
         update(*args[:21], "torch", 0)
     with pytest.raises(ValueError, match="apply pass needs root"):
@@ -457,7 +458,7 @@ def test_hard_significands_are_the_nearest_to_a_midpoint(t):
 def test_sqrt_override_is_validated(monkeypatch):
     monkeypatch.setenv(adam.SQRT_ENV_VAR, "fast")
     with pytest.raises(ValueError, match="OFFLOAD_ADAM_SQRT='fast' is not a square-root source; "
-                                         "expected one of auto, ieee, mkl-avx512, mkl-vml, torch"):
+                                         "expected one of auto, ieee, mkl-avx512, mkl-avx2, mkl-sse, mkl-vml, torch"):
         _call(_args())
     assert "error: OFFLOAD_ADAM_SQRT='fast'" in adam.describe_sqrt_source()
     monkeypatch.setenv(adam.SQRT_ENV_VAR, " Torch ")
