@@ -60,6 +60,7 @@ from offload.partition.gather_ahead import start_all_gather_ahead
 from offload.partition.grad_buckets import GradientBuckets
 from offload.partition.prefetch import PrefetchScheduler
 from offload.partition.shard import Shard
+from offload.partition.compiled import warn_compiled_model
 from offload.partition.gather_on_use import GatherOnUse
 from offload.partition.shard_context import Residency
 from offload.tiers import Tier
@@ -123,6 +124,7 @@ class ParameterManager:
                                                       reuse_distance=-1, enabled=False)
         self.timeline = timeline or Timeline(enabled=False)
         self._internal = False  # set while the manager itself touches parameters
+        self.compile_warned = False  # Note [compiled models]
         self._on_demand: list[Shard] = []
         self._backward_holds: dict[Shard, int] = {}
         # Note [the model is the interface]
@@ -270,6 +272,8 @@ class ParameterManager:
         self._module_depth += 1  # first: _leave_module runs even if what follows raises
         if self._context_depth:
             return
+        if torch.compiler.is_compiling():  # True only while dynamo traces this hook
+            warn_compiled_model(self)
         in_backward = torch._C._current_graph_task_id() != -1
         stack = contextlib.ExitStack()
         stack.enter_context(self.forward_context(new_pass=not in_backward, recomputing=in_backward))
