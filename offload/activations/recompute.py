@@ -65,6 +65,7 @@ autograd makes no version-counter check on a saved tensor anyway.
 """
 from __future__ import annotations
 
+import contextvars
 import itertools
 import time
 
@@ -72,6 +73,18 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from offload.activations.saver import ACTIVE, ActivationSaver
+
+# Note [a recomputation inside another's]
+# A checkpointed function called during a backward is being recomputed by
+# someone else: Hugging Face's or torch's checkpointing around the engine's
+# (gradient_checkpointing_enable with activation_checkpointing.modules). Its
+# saved tensors are needed in that same backward, so checkpointing it again
+# only computes it a third time: it runs as a plain call. Not inside the
+# engine's own recomputation (OWN_RECOMPUTE), where a nested checkpointed
+# function must save what its forward saved, its inputs. Before, on a GPU
+# (autograd's device thread) each such layer was recomputed once more by the
+# engine; on the CPU torch's checkpoint did the same, uncounted.
+OWN_RECOMPUTE: contextvars.ContextVar[bool] = contextvars.ContextVar("offload_own_recompute", default=False)
 
 
 class _Placeholder:
@@ -165,9 +178,13 @@ class _Frame:
         with torch.random.fork_rng(devices=self.device_ids, device_type=self.device_type):
             torch.set_rng_state(self.cpu_rng)
             torch_checkpoint.set_device_states(self.device_ids, self.device_rng, device_type=self.device_type)
-            with self.manager.forward_context(new_pass=False), torch.enable_grad(), _autocast(self.autocast), \
-                    torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                self.fn(*args, **kwargs)
+            token = OWN_RECOMPUTE.set(True)
+            try:
+                with self.manager.forward_context(new_pass=False), torch.enable_grad(), _autocast(self.autocast), \
+                        torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                    self.fn(*args, **kwargs)
+            finally:
+                OWN_RECOMPUTE.reset(token)
         if len(store) != len(self.meta):
             raise RuntimeError(f"offload.checkpoint: the recomputation of {_name(self.fn)} saved "
                                f"{len(store)} tensors, its forward {len(self.meta)}: a checkpointed "
@@ -190,6 +207,8 @@ def checkpoint(fn, *args, **kwargs):
     """
     if not callable(fn):
         raise TypeError(f"offload.checkpoint: fn must be callable, got {type(fn).__name__}")
+    if torch._C._current_graph_task_id() != -1 and not OWN_RECOMPUTE.get():
+        return fn(*args, **kwargs)  # Note [a recomputation inside another's]
     saver = ACTIVE.get()
     if saver is None:
         return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
