@@ -174,7 +174,7 @@ def test_step_refuses_an_unknown_part_and_reads_its_defaults():
     with pytest.raises(check.Refused, match="STEP_CHECK_WORK must be a folder under /tmp"):
         step.Step({"STEP_CHECK_WORK": "/"}, 0)
     s = step.Step({}, 0)
-    assert (s.parts, s.budget.total_s, s.dev) == (["setup", "1b_fp32", "1b_bf16", "67m", "tests"], 575,
+    assert (s.parts, s.budget.total_s, s.dev) == (["setup", "1b_fp32", "1b_bf16", "67m", "adam_ref", "tests"], 575,
                                                   ["--device", "cuda"])
     s = step.Step({"STEP_CHECK_ALLOW_CPU": "1", "STEP_CHECK_PARTS": "tests 67m"}, 0)
     assert (s.parts, s.budget.total_s, s.dev, s.env["GPU_CHECK_ALLOW_CPU"]) == (["tests", "67m"], 1500,

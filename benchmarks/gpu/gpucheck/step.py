@@ -98,7 +98,7 @@ def contender(name: str, v: dict) -> str:
 class Step:
     def __init__(self, env, t0: float):
         self.cpu = knob(env, "STEP_CHECK_ALLOW_CPU", "0") == "1"
-        parts = knob(env, "STEP_CHECK_PARTS", "setup 1b_fp32 1b_bf16 67m tests").split()
+        parts = knob(env, "STEP_CHECK_PARTS", "setup 1b_fp32 1b_bf16 67m adam_ref tests").split()
         for w in parts:
             if w not in PARTS:
                 raise Refused(f"STEP_CHECK_PARTS has '{w}' ({', '.join(PARTS)})")
