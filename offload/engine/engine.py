@@ -121,6 +121,8 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
                                         on_forward=weak_callback(self._before_forward),  # model(x) too
                                         on_edit=weak_callback(self._on_edit))
         self.activation_checkpointing.attach(self.manager)
+        if self.manager.to_host is not None:  # Note [masters down with their gradients]
+            self.manager.to_host.brings_master = weak_callback(self._brings_master)
 
         # Note [when updates run] (engine/update_policy.py): the same answers the budgets had.
         self.update_policy = UpdatePolicy.of(config, separate_memory=self.device_layer.separate_memory)

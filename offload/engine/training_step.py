@@ -282,9 +282,12 @@ class TrainingStep:
                          ", ".join(f"{k} {v:.3f} s" for k, v in tl["seconds"].items()))
 
     # ---- gradients -----------------------------------------------------------
-    def _take_grad(self, shard, grad: torch.Tensor, owned: bool = False, trailing: bool = False) -> None:
+    def _take_grad(self, shard, grad: torch.Tensor, owned: bool = False, trailing: bool = False,
+                   master: torch.Tensor | None = None) -> None:
         """trailing: the gradient went down in a backward whose step has ended, its update
-        still to run (Note [head first after backward] in partition/device_copies.py)."""
+        still to run (Note [head first after backward] in partition/device_copies.py).
+        master: the parameter's partition that came down with it (Note [masters down
+        with their gradients]), valid during the call."""
         overlapped = trailing or self.steps.updating_in_backward
         if overlapped and self.update_policy.from_staging(shard, grad, self.optimizer.state_tier(shard)):
             # Note [updates from the staging buffer] (engine/gradients.py): no copy into the partition.
@@ -303,7 +306,13 @@ class TrainingStep:
             terms.take(shard)
         if overlapped and shard.grad_tier is not Tier.DEVICE:
             # State on the device: updated at step() (overlap.finish).
-            self.optimizer.overlap.submit(shard, trailing=trailing)
+            self.optimizer.overlap.submit(shard, trailing=trailing, master=master)
+
+    def _brings_master(self, shard) -> bool:
+        """Whether the parameter's partition goes down with this gradient: its update
+        follows the take-in and takes the master from it (Note [masters down with their
+        gradients] in partition/device_copies.py)."""
+        return self.steps.updating_in_backward and self.optimizer.shares_master(shard)
 
     @property
     def gradients_pending(self) -> bool:

@@ -203,10 +203,12 @@ class OverlappedUpdates:
         self.step = OverlappedStep(groups=[dict(g) for g in opt.param_groups], stream=stream)
         self.trailing = None
 
-    def submit(self, shard: Shard, *, trailing: bool = False) -> None:
+    def submit(self, shard: Shard, *, trailing: bool = False, master: torch.Tensor | None = None) -> None:
         """The shard's gradient is final: update it on the host worker (at once when called there).
         trailing: it went down in a backward whose updates may outlast it (the step
-        in progress, or the one leave_running ended)."""
+        in progress, or the one leave_running ended). master: its shared master, come
+        down with the gradient (Note [masters down with their gradients] in
+        partition/device_copies.py): taken by the update at once, on this thread."""
         st, opt = self.step, self.optimizer
         if st is None and trailing:
             st = self.trailing
@@ -221,18 +223,22 @@ class OverlappedUpdates:
         if not inline:
             self._wait_backlog(st, shard.part_numel)
         # Beside a separate device the gathered copy is the device's, and may be
-        # released by now: the host worker reads the master from its file.
-        master = None if inline else self._gathered_master(shard)
-        if master is not None:
+        # released by now: the master came down with the gradient, or the host
+        # worker reads it from its file.
+        charged = master is None and not inline
+        if master is None and not inline:
+            master = self._gathered_master(shard)
+        if master is not None and charged:
             opt.account.charge(Tier.HOST, shard.part_numel * 4, f"master of {shard.name} from its gathered copy")
+        charged = charged and master is not None
         if inline:  # the gradient was taken in on this thread: its update follows at once
             done: Future = Future()
             try:
-                done.set_result(self._run(st, shard, group, master))
+                done.set_result(self._run(st, shard, group, master, charged))
             except BaseException as exc:  # noqa: BLE001 - raised by finish(), on the step's thread
                 done.set_exception(exc)
         else:
-            done = self.worker.submit(self._run, st, shard, group, master)
+            done = self.worker.submit(self._run, st, shard, group, master, charged)
         update = ShardUpdate(shard, done, shard.part_numel, master is not None)
         st.updates[shard.index] = update
         if not inline:
@@ -298,17 +304,22 @@ class OverlappedUpdates:
         gradients were final) and starts no others, so no thread is left writing."""
         self.finish(update_late=False)
 
-    def _run(self, st: OverlappedStep, shard: Shard, group: dict, master: torch.Tensor | None) -> None:
+    def _run(self, st: OverlappedStep, shard: Shard, group: dict, master: torch.Tensor | None,
+             charged: bool = False) -> None:
+        """charged: `master` is a host copy charged to the host tier, credited here."""
         opt = self.optimizer
-        if st.failed:  # Note [a failed step]: left, with its gradient, for the retry
-            if master is not None:
-                opt.account.credit(Tier.HOST, shard.part_numel * 4)
-            return
         try:
-            opt.update_shard(shard, group, st.stream, master)
-        except BaseException:
-            st.failed = True
-            raise
+            if st.failed:  # Note [a failed step]: left, with its gradient, for the retry
+                return
+            try:
+                opt.update_shard(shard, group, st.stream, master)
+            except BaseException:
+                st.failed = True
+                raise
+        finally:
+            if charged:
+                del master  # the gathered buffer may be reused from here
+                opt.account.credit(Tier.HOST, shard.part_numel * 4)
 
     def _gathered_master(self, shard: Shard) -> torch.Tensor | None:
         """This rank's partition of the gathered parameter, as the shared master

@@ -401,12 +401,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
                 master, m, v = self._states[shard.index]
                 grad_sq = self._update(shard, master, m, v, group)
             else:
-                try:
-                    buf = stream.take(shard, master_value)
-                finally:
-                    if master_value is not None:
-                        del master_value  # the gathered buffer may be reused from here
-                        self.account.credit(Tier.HOST, shard.part_numel * 4)
+                buf = stream.take(shard, master_value)  # the caller credits a charged master_value
                 grad_sq = self._update(shard, *stream.layout(shard).views(buf), group)
                 stream.put(shard, buf)
             shard.clear_grad()

@@ -275,6 +275,13 @@ class Shard(ShardGradient):
         full = self._full if self.ctx.streams is None else self.ctx.layer.lend(self._full, write=False)
         return full[:self.numel].view(self.shape)
 
+    def gathered_own_part(self) -> torch.Tensor | None:
+        """This rank's partition of the gathered value on a separate device, lent to
+        compute for reading; None where it is not gathered there."""
+        if self.residency is not Residency.GATHERED or self.ctx.streams is None or self._full is None:
+            return None
+        return self.own_slice(self.ctx.layer.lend(self._full, write=False))
+
     def own_slice(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's partition of a padded flat buffer (a view; my_slice pads a short one)."""
         start = self.ctx.pg.rank * self.part_numel

@@ -107,3 +107,60 @@ def _moments(engine, shard):
     own_master = 0 if opt.shares_master(shard) else 1
     packed = read_swap_file(opt.state_file(shard), torch.float32, (2 + own_master) * shard.part_numel)
     return packed[own_master * shard.part_numel:].clone()
+
+
+def _bytes_read(engine) -> int:
+    return sum(s.stats.bytes_read for s in engine._stores)
+
+
+def test_on_a_separate_device_masters_come_down_with_their_gradients(tmp_path, monkeypatch):
+    """Note [masters down with their gradients]: on the sim (a device with memory of its
+    own, every copy checked against stream order) the gathered parameter is the
+    device's, so its partition goes down behind the gradient and the update takes
+    it: the disk reads each master no more, and training equals plain PyTorch."""
+    monkeypatch.setenv("OFFLOAD_DEVICE", "sim")
+    monkeypatch.setenv("OFFLOAD_SIM_GBPS", "5")
+    model = build("tiny_gpt")
+    data = batches(STEPS, seed=8)
+    ref_model, ref_losses = run_reference(model, data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01)
+    read = {}
+    for brings in (True, False):
+        with offload.initialize(copy.deepcopy(model), make_config("nvme", "nvme", tmp_path / str(brings))) as engine:
+            assert engine.device_layer.name == "sim"
+            if not brings:
+                engine.manager.to_host.brings_master = lambda shard: False
+            counts = []
+            losses = train_engine(engine, data, before_step=lambda e, step: counts.append(_bytes_read(e)))
+            read[brings] = counts[-1] - counts[-2]  # one whole step, after the first learned the order
+            brought = {engine.shards[i].name for i in engine.optimizer.overlap.masters_from_gather}
+            _assert_matches_reference(engine, losses, ref_model, ref_losses)
+            if brings:
+                assert "blocks.0.fc.weight" in brought
+                masters = sum(s.part_numel * 4 for s in engine.shards if s.name in brought)
+            else:
+                assert not brought
+    # The masters that came down are exactly the bytes the disk no longer read.
+    assert read[False] - read[True] == masters, read
+
+
+def test_masters_stay_on_disk_without_room_on_the_device(tmp_path, monkeypatch):
+    """A clone the device budget has no room for is not made: the stream reads the master."""
+    from offload.partition.accounting import TierBudgetError
+
+    monkeypatch.setenv("OFFLOAD_DEVICE", "sim")
+    model = build("tiny_gpt")
+    data = batches(3, seed=9)
+    ref_model, ref_losses = run_reference(model, data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01)
+    with offload.initialize(copy.deepcopy(model), make_config("nvme", "nvme", tmp_path)) as engine:
+        account = engine.shards[0].ctx.account
+        charge = account.charge
+
+        def no_room_for_masters(tier, nbytes, what):
+            if what.startswith("master of"):
+                raise TierBudgetError(f"no room for {what}")
+            return charge(tier, nbytes, what)
+
+        monkeypatch.setattr(account, "charge", no_room_for_masters)
+        losses = train_engine(engine, data)
+        assert not engine.optimizer.overlap.masters_from_gather
+        _assert_matches_reference(engine, losses, ref_model, ref_losses)
