@@ -8,8 +8,12 @@ asserting it: the same parameters, gradients and hyperparameters go through
 --device (its single-tensor, foreach and fused forms where that device has
 them), for --steps steps with new gradients each step; after every step each
 reference's parameters, exp_avg and exp_avg_sq are compared with the host's:
-the share of elements that differ and the largest difference in units in the
-last place (ulps, over the fp32 bit patterns).
+the share of elements that differ, the largest difference in units in the
+last place (ulps, over the fp32 bit patterns) and the relative error
+||host - torch|| / ||torch||. The ulp maximum alone misleads where a value
+crosses zero: exp_avg, a running mean of gradients of either sign, has
+elements near zero, where a difference of rounding flips the sign and spans
+some 2^31 ulps; the relative error says how far apart the tensors are.
 
   offload bench adam-reference --device cuda --size 16M --steps 10
   offload bench adam-reference --device cpu      # expect 0 against the single-tensor form
@@ -64,7 +68,8 @@ def compare(device: str, size: int, steps: int, seed: int = 0, hyper: dict | Non
             refs[form] = (p, torch.optim.AdamW([p], **hyper, **kw))
         except (RuntimeError, ValueError) as exc:  # a form this device or release lacks
             common.log(f"adam-reference: torch AdamW {form} on {dev}: {exc}")
-    worst = {form: {t: {"share": 0.0, "max_ulps": 0} for t in ("param", "exp_avg", "exp_avg_sq")} for form in refs}
+    worst = {form: {t: {"share": 0.0, "max_ulps": 0, "rel_error": 0.0} for t in ("param", "exp_avg", "exp_avg_sq")}
+             for form in refs}
     beta1, beta2 = hyper["betas"]
     for step, g in enumerate(grads, start=1):
         adam_step(host["p"], g, host["m"], host["v"], step=step, lr=hyper["lr"], beta1=beta1, beta2=beta2,
@@ -75,10 +80,13 @@ def compare(device: str, size: int, steps: int, seed: int = 0, hyper: dict | Non
             state = opt.state[p]
             for name, ours, theirs in (("param", host["p"], p.detach()), ("exp_avg", host["m"], state["exp_avg"]),
                                        ("exp_avg_sq", host["v"], state["exp_avg_sq"])):
-                d = _ulps(ours, theirs.cpu())
+                theirs = theirs.cpu()
+                d = _ulps(ours, theirs)
                 w = worst[form][name]
                 w["share"] = max(w["share"], float((d != 0).float().mean()))
                 w["max_ulps"] = max(w["max_ulps"], int(d.max()))
+                scale = float(theirs.double().norm()) or 1.0
+                w["rel_error"] = max(w["rel_error"], float((ours.double() - theirs.double()).norm()) / scale)
     return {"device": str(dev), "size": size, "steps": steps, "hyperparameters": {**hyper, "betas": list(hyper["betas"])},
             "host_sqrt": sqrt_source(), "torch": torch.__version__, "worst_step": worst}
 

@@ -22,7 +22,7 @@ def test_ulps_count_fp32_steps_across_zero():
 def test_on_the_cpu_the_host_update_equals_torchs_adamw_in_every_element():
     result = compare("cpu", 100_003, 3, seed=1)
     single = result["worst_step"]["single"]
-    assert all(v == {"share": 0.0, "max_ulps": 0} for v in single.values()), single
+    assert all(v == {"share": 0.0, "max_ulps": 0, "rel_error": 0.0} for v in single.values()), single
     assert set(result["worst_step"]) <= {"single", "foreach", "fused"}
 
 
@@ -31,7 +31,7 @@ def test_the_command_writes_its_json(tmp_path):
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     written = json.loads((tmp_path / "adam_reference.json").read_text())
-    assert written["worst_step"]["single"]["param"] == {"share": 0.0, "max_ulps": 0}
+    assert written["worst_step"]["single"]["param"] == {"share": 0.0, "max_ulps": 0, "rel_error": 0.0}
     refused = subprocess.run([sys.executable, "-m", "offload", "bench", "adam-reference", "--device", "cuda",
                               "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert refused.returncode == (0 if torch.cuda.is_available() else 2)

@@ -536,10 +536,11 @@ def test_step_summarises_the_adam_reference_per_form(tmp_path):
     (tmp_path / "adam_reference.json").write_text(json.dumps({
         "size": 1000, "steps": 2, "host_sqrt": "ieee", "device": "cuda:0",
         "worst_step": {"fused": {"param": {"share": 0.25, "max_ulps": 3},
-                                 "exp_avg": {"share": 0.0, "max_ulps": 0}}}}))
+                                 "exp_avg": {"share": 1.0, "max_ulps": 1674226721, "rel_error": 3.2e-7}}}}))
     lines = step.adam_reference_lines(tmp_path)
     assert lines[0] == "== adam_reference.json: 1,000 elements, 2 steps, host sqrt ieee"
-    assert lines[1] == "  torch fused    on cuda:0: param 25.000% differ (max 3 ulps), exp_avg 0.000% differ (max 0 ulps)"
+    assert lines[1] == ("  torch fused    on cuda:0: param 25.000% differ (max 3 ulps), "
+                        "exp_avg 100.000% differ (max 1674226721 ulps, rel 3.2e-07)")
     (tmp_path / "adam_reference.json").write_text("{")
     assert "unreadable" in step.adam_reference_lines(tmp_path)[0]
     assert step.adam_reference_lines(tmp_path / "absent") == []

@@ -59,7 +59,7 @@ def report(out: Path) -> list[str]:
 
 def adam_reference_lines(out: Path) -> list[str]:
     """The host update against torch's AdamW on the device, per form: the share of
-    elements that differ and the largest difference in ulps (the worst step)."""
+    elements that differ, the largest difference in ulps and the relative error (the worst step)."""
     path = out / "adam_reference.json"
     if not path.exists():
         return []
@@ -68,7 +68,8 @@ def adam_reference_lines(out: Path) -> list[str]:
         lines = [f"== adam_reference.json: {r['size']:,} elements, {r['steps']} steps, host sqrt {r['host_sqrt']}"]
         for form, tensors in r["worst_step"].items():
             lines.append(f"  torch {form:<8} on {r['device']}: " + ", ".join(
-                f"{t} {100 * v['share']:.3f}% differ (max {v['max_ulps']} ulps)" for t, v in tensors.items()))
+                f"{t} {100 * v['share']:.3f}% differ (max {v['max_ulps']} ulps"
+                + (f", rel {v['rel_error']:.1e})" if "rel_error" in v else ")") for t, v in tensors.items()))
         return lines
     except Exception as exc:
         return [f"  adam_reference.json: unreadable ({type(exc).__name__}: {exc})"]
