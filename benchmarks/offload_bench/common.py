@@ -47,7 +47,7 @@ def parse_size_list(text: str) -> list[int]:
     return sizes
 
 
-def time_interleaved(fns: dict, repeats: int, warmup: int = 1) -> dict:
+def time_interleaved(fns: dict, repeats: int, warmup: int = 1, settle: float = 0.0) -> dict:
     """{key: fn} -> {key: (median seconds, samples)}.
 
     Each fn runs `warmup` times untimed (lazy state, page faults), then the fns
@@ -56,6 +56,9 @@ def time_interleaved(fns: dict, repeats: int, warmup: int = 1) -> dict:
     one that happened to run then. The median, not the mean or the minimum:
     one sample slowed by another process must not move the figure, and the
     minimum rewards luck rather than what a training step will see.
+    settle: seconds of sleep before each timed call, so that threads the previous
+    contender left spinning (OpenMP's, Note [settling between contenders] in
+    cpu_adam.py) have gone to sleep before the next is timed.
     """
     keys = list(fns)
     for _ in range(warmup):
@@ -64,6 +67,8 @@ def time_interleaved(fns: dict, repeats: int, warmup: int = 1) -> dict:
     samples = {key: [] for key in keys}
     for r in range(repeats):
         for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+            if settle:
+                time.sleep(settle)
             t0 = time.perf_counter()
             fns[key]()
             samples[key].append(time.perf_counter() - t0)

@@ -15,6 +15,20 @@ The memory bandwidth of this machine is measured in the same run (streaming
 in-place add and a buffer-to-buffer copy, at start and end) and every result is
 also given as a fraction of that roofline: Adam is memory bound, so GB/s
 against the roofline says how much is left to win, which Gparam/s alone hides.
+
+Note [settling between contenders]
+The peers run on OpenMP (torch's bundled libgomp, and the system's for
+DeepSpeedCPUAdam), whose threads spin after each parallel region before they
+sleep: by default libgomp spins 300,000 times, with PAUSE instructions of
+some 140 cycles each on recent Xeons, so a thread can spin for about 17 ms at 2.5 GHz,
+longer than a 16M step. Interleaved on two cores, the contender timed right
+after a peer shared its cores with that spinning thread. Ours, on its own
+pool, was the one to lose (2 threads, 16M, 2026-11-27 on a 2-core Xeon: ours
+1.198 Gparam/s against 1.436 with a pause before each timed step, the peers
+1.31-1.32 either way). So each timed step comes after `--settle` seconds of
+sleep (default 0.05): every contender is timed on a machine nobody else
+spins on, the rate of the kernel itself. `--settle 0` gives the old
+interleaving, what an update run right after torch's own CPU ops would see.
 """
 from __future__ import annotations
 
@@ -53,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="threads for every contender (default torch.get_num_threads())")
     parser.add_argument("--quick", action="store_true", help="smoke test: sizes 1M,4M and 3 repeats unless given")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam")
+    parser.add_argument("--settle", type=float, default=0.05,
+                        help="seconds of sleep before each timed step, so threads the previous contender "
+                        "left spinning are asleep (Note [settling between contenders]; default 0.05)")
     parser.add_argument("--out", default="bench_out", help="directory for cpu_adam.json and cpu_adam.png")
 
 
@@ -184,7 +201,7 @@ def bench_size(n, contenders, args, ds_cls) -> dict:
     for case in ("fp32", "offload"):
         built = {name: build_contender(name, case, p0, g32, g16, args.threads, ds_cls) for name in contenders}
         fns = {(name, variant): fn for name, variants in built.items() for variant, fn in variants.items()}
-        timed = common.time_interleaved(fns, _repeats(n, args.repeats), args.warmup)
+        timed = common.time_interleaved(fns, _repeats(n, args.repeats), args.warmup, settle=args.settle)
         del built, fns
         gc.collect()  # free this case's state (~16 B/param per contender) before the next
         result[case] = {}
@@ -295,7 +312,7 @@ def run(args) -> int:
         # trustworthy near 0 (with 2 cores, torch's OpenMP barriers slow 10x under contention)
         "other_processes_cpu_share": other_load.share(),
         "config": {"sizes": args.sizes, "repeats": args.repeats, "warmup": args.warmup,
-                   "threads": args.threads, "hyperparameters": HYPER, "adamw": True,
+                   "threads": args.threads, "settle_s": args.settle, "hyperparameters": HYPER, "adamw": True,
                    "offload_simd": simd.selected_level()},
         "roofline": {"gbps": roofline, "method": best, "buffer_bytes": roof_numel * 4,
                      "measurements_gbps": roof_runs,
