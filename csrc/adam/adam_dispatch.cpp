@@ -140,39 +140,41 @@ void adam_update(const AdamParams& params, const AdamBuffers& buffers, size_t n,
   constexpr size_t kMinPerThread = 1 << 15;
   const int useful = static_cast<int>(std::max<size_t>(1, n / kMinPerThread));
   const int threads = std::min(num_threads, useful);
+  // Chunks of 64K elements taken in turn (Note [chunks taken in turn] in
+  // thread_pool.cpp); they start on 64-element (256-byte) boundaries, whole
+  // cache lines and whole vectors for every kernel, so threads never share a line.
+  constexpr size_t kChunk = 1 << 16;
+  const size_t chunks = (n + kChunk - 1) / kChunk;
   if (grad_sq == nullptr || pass == AdamPass::kApply) {
     if (grad_sq != nullptr) *grad_sq = 0.0;
-    // Ranges start on 64-element (256-byte) boundaries: whole cache lines and
-    // whole vectors for every kernel, so threads never share a line.
-    ThreadPool::instance().parallel_for(
-        n, 64, threads, [&](size_t begin, size_t end) { kernel(params, buffers, begin, end); });
+    ThreadPool::instance().parallel_chunks(chunks, threads, [&](size_t i) {
+      kernel(params, buffers, i * kChunk, std::min(n, (i + 1) * kChunk));
+    });
     return;
   }
-  // The norm's term read from cache: each range in blocks of 16 KiB of fp32
+  // The norm's term read from cache: each chunk in blocks of 16 KiB of fp32
   // gradient, each block's squares summed right after its update read it (a
   // second pass over the whole gradient read it from memory again: 23% of the
   // update's time, 16M elements on one core). Blocks start on multiples of
-  // 64 elements from a range's start, so the kernel computes what one call
-  // over the range would: every element alone, tails padded the same way.
-  // Ranges' sums are added in the order of their starts: the same value
-  // for the same thread count.
+  // 64 elements, so the kernel computes what one call over the whole would:
+  // every element alone, tails padded the same way. The chunks' sums are
+  // added in chunk order: the same value on any number of threads.
   constexpr size_t kBlock = 4096;
+  static_assert(kChunk % kBlock == 0, "a chunk is whole blocks");
   const SumSquaresKernel squares = sum_squares_for(level);
-  std::mutex lock;
-  std::vector<std::pair<size_t, double>> parts;
-  ThreadPool::instance().parallel_for(n, 64, threads, [&](size_t begin, size_t end) {
+  std::vector<double> sums(chunks, 0.0);
+  ThreadPool::instance().parallel_chunks(chunks, threads, [&](size_t i) {
+    const size_t end = std::min(n, (i + 1) * kChunk);
     double sum = 0.0;
-    for (size_t b = begin; b < end; b += kBlock) {
+    for (size_t b = i * kChunk; b < end; b += kBlock) {
       const size_t e = std::min(end, b + kBlock);
       kernel(params, buffers, b, e);
       sum += squares(buffers, b, e);
     }
-    std::lock_guard<std::mutex> guard(lock);
-    parts.emplace_back(begin, sum);
+    sums[i] = sum;
   });
-  std::sort(parts.begin(), parts.end());
   double total = 0.0;
-  for (const auto& part : parts) total += part.second;
+  for (const double part : sums) total += part;
   *grad_sq = total;
 }
 

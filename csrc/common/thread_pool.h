@@ -28,6 +28,10 @@ class ThreadPool {
   void parallel_for(size_t n, size_t align, int num_threads,
                     const std::function<void(size_t, size_t)>& fn);
 
+  // Runs fn(i) for every i in [0, chunks) on at most `num_threads` threads,
+  // each taking the next chunk not yet taken (Note [chunks taken in turn]).
+  void parallel_chunks(size_t chunks, int num_threads, const std::function<void(size_t)>& fn);
+
   ~ThreadPool();
 
  private:

@@ -552,3 +552,23 @@ def test_the_report_says_which_adamw_the_host_update_equals(monkeypatch):
     assert "where the ieee square root (OFFLOAD_ADAM_SQRT) equals torch.sqrt" in adam.describe_reference()
     monkeypatch.setenv(adam.SQRT_ENV_VAR, "torch")
     assert adam.describe_reference().startswith("torch.optim.AdamW on this CPU, bit for bit")
+
+
+@pytest.mark.parametrize("n", [65_536 * 3 + 17, 1_000_003])
+def test_the_sum_of_grad_squares_is_the_same_value_on_any_number_of_threads(simd_level, n):
+    """Note [chunks taken in turn]: chunks of fixed bounds, taken by whichever thread
+    is free, their sums added in chunk order: bit for bit the same norm term on 1, 2, 3
+    and 8 threads, and the same update."""
+    gen = torch.Generator().manual_seed(n)
+    p0 = torch.randn(n, generator=gen)
+    grad = torch.randn(n, generator=gen) * 3
+    sums, states = [], []
+    for threads in (1, 2, 3, 8):
+        state = [p0.clone(), torch.zeros(n), torch.zeros(n)]
+        sums.append(adam_step(state[0], grad, state[1], state[2], step=2, lr=1e-3, beta1=0.9, beta2=0.999,
+                              eps=1e-8, weight_decay=0.1, num_threads=threads, sum_grad_squares=True))
+        states.append(state)
+    assert len(set(sums)) == 1, sums
+    for state in states[1:]:
+        for x, y in zip(states[0], state):
+            assert torch.equal(_bits(x), _bits(y))
