@@ -84,6 +84,10 @@ from offload_bench.train_timeline import TIMELINE_PER_STEP_DOC
 
 DEFAULT_CONTENDERS = ("torch", "offload-cpu", "offload-nvme", "deepspeed-cpu", "deepspeed-nvme")
 CONTENDERS = DEFAULT_CONTENDERS + ("offload-nvme-unchecked", "offload-auto", "fsdp2-cpu", "torchao-cpu")
+# Each with its blocks compiled (--compile adds them): torch's forward of each block
+# torch.compile'd, ours through engine.compile() (Note [compiled blocks]).
+COMPILABLE = ("torch", "offload-cpu", "offload-nvme", "offload-auto")
+CONTENDERS += tuple(f"{n}-compiled" for n in COMPILABLE)
 DEVICES = ("cpu", "cuda", "sim")
 PRECISIONS = ("fp32", "bf16")
 # The default run per --device: the GPU run adds FSDP2; the sim concerns ours
@@ -92,7 +96,8 @@ DEVICE_CONTENDERS = {"cpu": DEFAULT_CONTENDERS,
                      "cuda": ("torch", "offload-cpu", "offload-nvme", "fsdp2-cpu", "deepspeed-cpu", "deepspeed-nvme"),
                      "sim": ("torch", "offload-cpu", "offload-nvme")}
 # torchao-cpu is let through to be recorded as skipped (it needs CUDA), as on --device cpu.
-SIM_CONTENDERS = ("torch", "offload-cpu", "offload-nvme", "offload-nvme-unchecked", "offload-auto", "torchao-cpu")
+SIM_CONTENDERS = ("torch", "offload-cpu", "offload-nvme", "offload-nvme-unchecked", "offload-auto", "torchao-cpu",
+                  "torch-compiled", "offload-cpu-compiled", "offload-nvme-compiled", "offload-auto-compiled")
 DEFAULT_SIM_GBPS = 25.0
 
 # The benchmark models (--model), and the --quick one; --layers overrides any
@@ -166,6 +171,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="clip gradients by their global 2-norm (0: off, the default): ours and DeepSpeed "
                         "through the config's gradient_clipping, torch, torchao and FSDP2 with "
                         "torch.nn.utils.clip_grad_norm_ (Hugging Face Trainer clips at 1.0 by default)")
+    p.add_argument("--compile", action="store_true",
+                   help="after each of torch, offload-cpu, offload-nvme and offload-auto named, the same with its "
+                   "blocks compiled (NAME-compiled): torch's block forwards torch.compile'd, ours through "
+                   "engine.compile() (Note [compiled blocks])")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per contender before it is stopped")
     p.add_argument("--deadline", type=float, default=None, metavar="S",
                    help="seconds from now by which the whole run ends and train.json is written: each "
@@ -433,6 +442,8 @@ def run(args) -> int:
 
     contenders = args.contenders if args.contenders is not None else ",".join(DEVICE_CONTENDERS[args.device])
     names = [n.strip() for n in contenders.split(",") if n.strip()]
+    if args.compile:
+        names = [m for n in names for m in ((n, f"{n}-compiled") if n in COMPILABLE else (n,))]
     bad = [n for n in names if n not in CONTENDERS]
     if bad:
         log(f"unknown contender(s) {bad}; choose from {', '.join(CONTENDERS)}")
@@ -500,7 +511,7 @@ def run(args) -> int:
         for round_index in range(args.rounds):
             for name in names:
                 spec = {"settings": settings, "profile": args.profile, "trace_dir": args.out,
-                        "device": args.device, "sim_gbps": _sim_gbps(args)}
+                        "device": args.device, "sim_gbps": _sim_gbps(args), "compile": name.endswith("-compiled")}
                 if name.startswith(("offload-", "deepspeed-")):
                     mode = name.split("-")[1]
                     spec["config"] = (ours if name.startswith("offload-") else configs)[mode]

@@ -107,8 +107,14 @@ def _setup(name: str, model, spec: dict, device, res: dict):
     clip = s.get("grad_clip", 0.0)  # ours and DeepSpeed: the config's gradient_clipping
     if bf16 and name in ("torch", "torchao-cpu"):
         res["precision_how"] = f"fp32 parameters and AdamW; forward and loss under torch.autocast({autocast!r}, bf16)"
+    compiled = spec.get("compile", False)
+    name = name.removesuffix("-compiled")
     if name == "torch":
         model.to(device)
+        if compiled:  # as engine.compile() does: each block's own forward (Note [compiled blocks])
+            for block in model.blocks:
+                block.forward = torch.compile(type(block).forward.__get__(block))
+            res["compile_how"] = "each block's forward torch.compile'd (inductor)"
         opt = torch.optim.AdamW(model.parameters(), **adamw, fused=True)
         return _torch_step(model, opt, lm_loss, autocast, clip), None, device
     if name == "torchao-cpu":
@@ -141,6 +147,9 @@ def _setup(name: str, model, spec: dict, device, res: dict):
         import offload
 
         engine = offload.initialize(model, spec["config"])
+        if compiled:
+            engine.compile()
+            res["compile_how"] = f"engine.compile(): {len(engine.compiled_blocks)} blocks (inductor)"
     elif name.startswith("deepspeed-"):
         _rank0_env(spec)
         import deepspeed

@@ -36,6 +36,12 @@ def _checkpointed_class(cls: type) -> type:
     return new
 
 
+def original_class(module: torch.nn.Module) -> type:
+    """The module's own class, under a checkpointed subclass (Note [checkpointed modules])."""
+    cls = type(module)
+    return cls.__mro__[1] if _CHECKPOINTED.get(cls.__mro__[1]) is cls else cls
+
+
 class ActivationCheckpointing:
     """What one engine installed: its saver and the modules whose class it swapped."""
 

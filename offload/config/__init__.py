@@ -79,8 +79,8 @@ _TOP_INERT = {
     "dump_state": "use engine.memory_report() and engine.timeline()",
     "checkpoint": "checkpoints are always complete-or-absent, per rank, and resume bit-exactly",
     "autotuning": "DeepSpeed's autotuner is a launcher of its own; offload sizes buffers from the model",
-    "compile": "DeepSpeed's compile is not applied; torch.compile around a model the engine manages runs "
-               "slower than eager and is warned about (Note [compiled models])",
+    "compile": "DeepSpeed's compile section is not applied; call engine.compile(), which compiles each block "
+               "at its boundary (Note [compiled blocks])",
 }
 # Old DeepSpeed spellings of a key we read.
 _TOP_RENAMED = {"bfloat16": "bf16"}

@@ -38,6 +38,28 @@ log = logging.getLogger("offload")
 class DeepSpeedMethods:
     """DeepSpeedEngine's methods, on Engine; their names and return values are DeepSpeed's."""
 
+    compiled_blocks: tuple = ()
+
+    def compile(self, backend="inductor", compile_kwargs=None, schedule=None, modules=None) -> None:
+        """DeepSpeed's engine.compile(), done block by block: each block's own forward
+        compiled with torch.compile(backend=..., **compile_kwargs), its parameters gathered
+        at its boundary (Note [compiled blocks] in partition/compiled.py). modules: the
+        block classes' names; by default the class of the largest nn.ModuleList's children."""
+        from offload.partition.compiled import blocks_to_compile, compile_blocks
+
+        self._check_open()
+        if schedule is not None:
+            raise ValueError("compile(schedule=...) is DeepCompile's, DeepSpeed's own; offload compiles each "
+                             "block instead: engine.compile(modules=[...])")
+        if self.compiled_blocks:
+            raise RuntimeError(f"compile: this engine's {len(self.compiled_blocks)} blocks are compiled already")
+        blocks = blocks_to_compile(self.module, modules)
+        self.compiled_blocks = tuple(compile_blocks(self.manager, blocks, backend=backend, **(compile_kwargs or {})))
+
+    @property
+    def is_compiled(self) -> bool:
+        return bool(self.compiled_blocks)
+
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
 

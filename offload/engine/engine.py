@@ -23,6 +23,7 @@ from offload.engine.gradients import NormTerms
 from offload.engine.step_counters import StepCounters
 from offload.engine.step_phase import StepPhases
 from offload.engine.teardown import Teardown
+from offload.partition.compiled import uncompile_blocks
 from offload.engine.training_step import TrainingStep
 from offload.engine.update_policy import UpdatePolicy
 from offload.engine.loss_scaler import LossScaler
@@ -275,6 +276,7 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
                 self.shard_context.gathered_buffers.clear()
             self.manager.remove_hooks()
             self.activation_checkpointing.remove()
+            uncompile_blocks(self.compiled_blocks)  # Note [compiled blocks]
             self._remove_swap_files()
             self.pg.release()  # Note [releasing the process group] in partition/collectives.py
             self._close_device()

@@ -7,6 +7,7 @@ import logging
 
 import psutil
 
+from offload.partition.compiled import uncompile_blocks
 from offload.partition.managed import unmanage
 from offload.tiers import Tier
 
@@ -87,6 +88,7 @@ class Teardown:
             self._host_worker.shutdown()
         if self.activation_checkpointing is not None:
             self.activation_checkpointing.remove()
+            uncompile_blocks(self.compiled_blocks)  # Note [compiled blocks]
         self._remove_swap_files()
         self.pg.release()  # Note [releasing the process group] in partition/collectives.py
         self._close_device()

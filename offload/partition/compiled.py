@@ -1,4 +1,5 @@
-"""A model this engine manages, traced by torch.compile (Note [compiled models]).
+"""torch.compile and a model this engine manages: the whole model traced (Note
+[compiled models]), and blocks compiled at their boundaries (Note [compiled blocks]).
 
 Note [compiled models]
 torch.compile around a model this engine manages traces the engine's own
@@ -7,20 +8,48 @@ TorchFunctionMode (GatherOnUse, whose `id()` lookups dynamo cannot trace)
 and the saved-tensor hooks. Each is a graph break, and the state they read
 changes every call, so dynamo recompiles until its limit: GPT 3.4M on a CPU
 ran its step 4.2x slower compiled than eager, losses unchanged (2-core AMD,
-torch 2.13). Until compiled blocks meet the engine at their boundaries, the
-first traced call warns, once per engine, naming what to do instead: run
+torch 2.13). So the first traced call warns, once per engine, naming
+what to do instead: compile the blocks (engine.compile(), below), or run
 the model eager. The check is dynamo's own `is_compiling()`, true only
 while it traces, so an eager call costs one constant test.
+
+Note [compiled blocks]
+What compiles well is a block's own math on parameters already gathered, so
+`engine.compile()` (or the config's `compile.modules`) draws the line at each
+block's boundary, the way torchtitan compiles a transformer block by block:
+- Outside, eager: every gather and release. The block's forward pre-hook
+  gathers all the parameters under it and its forward hook releases them
+  (ParameterManager.gather_at_boundary); the modules inside it lose the
+  engine's hooks, so dynamo traces none of them. Prefetch, gradients taken
+  in, the update: all outside too, as in eager.
+- Inside, compiled: the block's original forward. The forward's
+  TorchFunctionMode (GatherOnUse) is popped for the call, since every
+  parameter the block reads is already gathered, and its `id()` lookups
+  would be a graph break in every op.
+- Saved tensors: the compiled function saves what its backward needs as
+  any autograd Function does, so the engine's saved-tensor hooks, active
+  outside, turn a saved parameter into a record and gather it again in
+  backward, unchanged.
+- The engine's activation checkpointing of the same blocks is refused for
+  now: the compiled forward saves AOTAutograd's tensors, the eager
+  recomputation others, and the checkpoint matches them one by one.
+The block's forward is set on the instance, and removed at engine.close().
+A parameter of the block read by another module (a tied weight) is gathered
+by that module as before.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
+
+import torch
 
 COMPILED_MODEL_WARNING = (
     "offload: torch.compile is tracing a model this engine manages: its parameter gathers and hooks "
     "break the graph and force recompiles, so the compiled step runs slower than eager (4x measured), "
-    "with the same losses. Call the model uncompiled (drop torch.compile, or pass the original module, "
-    "compiled_model._orig_mod, to the training loop).")
+    "with the same losses. Compile its blocks instead, at their boundaries: engine.compile() (or "
+    "engine.compile(modules=['DecoderLayer'])), and call the model uncompiled (drop torch.compile, or pass "
+    "compiled_model._orig_mod, the original module, to the training loop).")
 
 
 def warn_compiled_model(manager) -> None:
@@ -30,3 +59,63 @@ def warn_compiled_model(manager) -> None:
     if not manager.compile_warned:
         manager.compile_warned = True
         warnings.warn(COMPILED_MODEL_WARNING, RuntimeWarning, stacklevel=3)
+
+
+def _outside_the_mode(compiled):
+    """compiled(*args), with the engine's GatherOnUse popped when it is the innermost mode."""
+    from offload.partition.gather_on_use import GatherOnUse
+
+    def call(*args, **kwargs):
+        top = torch.overrides._get_current_function_mode()
+        popped = torch.overrides._pop_mode_temporarily() if isinstance(top, GatherOnUse) else contextlib.nullcontext()
+        with popped:
+            return compiled(*args, **kwargs)
+    return call
+
+
+def blocks_to_compile(model: torch.nn.Module, names) -> list[torch.nn.Module]:
+    """The modules of the classes `names` (None: the class of the children of the model's
+    largest nn.ModuleList, its blocks), outermost only; refused where one is checkpointed."""
+    from offload.activations.wrap import original_class
+
+    if names is None:
+        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+        if not lists:
+            raise ValueError("compile: the model has no nn.ModuleList of blocks to compile; name the block "
+                             "classes: engine.compile(modules=['DecoderLayer'])")
+        biggest = max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))
+        names = {original_class(m).__name__ for m in biggest}
+    names = {names} if isinstance(names, str) else set(names)
+    present = {original_class(m).__name__ for m in model.modules()}
+    missing = sorted(names - present)
+    if missing:
+        raise ValueError(f"compile: no module of class {', '.join(map(repr, missing))} in the model "
+                         f"(its module classes: {', '.join(sorted(present))})")
+    blocks, inside = [], set()
+    for m in model.modules():
+        if id(m) in inside or original_class(m).__name__ not in names:
+            continue
+        if original_class(m) is not type(m):
+            raise ValueError(f"compile: {original_class(m).__name__} is also in activation_checkpointing.modules; "
+                             "a compiled block under the engine's checkpointing is not supported: checkpoint "
+                             "another module class, or compile without activation_checkpointing.modules")
+        if "forward" in vars(m):
+            raise ValueError(f"compile: a {type(m).__name__} already has a forward of its own on the instance "
+                             "(compiled already, or patched): compile each block once")
+        blocks.append(m)
+        inside.update(id(sub) for sub in m.modules())
+    return blocks
+
+
+def compile_blocks(manager, blocks: list[torch.nn.Module], **compile_kwargs) -> list[torch.nn.Module]:
+    """Each block's own forward compiled, its parameters gathered at its boundary (Note
+    [compiled blocks]); returns the blocks, whose `forward` attribute uncompile_blocks removes."""
+    for block in blocks:
+        manager.gather_at_boundary(block)
+        block.forward = _outside_the_mode(torch.compile(type(block).forward.__get__(block), **compile_kwargs))
+    return blocks
+
+
+def uncompile_blocks(blocks) -> None:
+    for block in blocks:
+        vars(block).pop("forward", None)

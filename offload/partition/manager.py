@@ -70,10 +70,6 @@ from offload.tiers import Tier
 _bookkeeping = torch._C.DisableTorchFunction
 
 
-def _nothing(*args) -> None:
-    pass
-
-
 @dataclass(frozen=True)
 class _SavedParamView:
     shard: Shard
@@ -148,7 +144,7 @@ class ParameterManager:
         self._account = shards[0].ctx.account if shards else None
         if self._account is not None:
             reclaim = weakref.WeakMethod(self.reclaim_device)
-            self._account.add_reclaimer(Tier.DEVICE, lambda nbytes: (reclaim() or _nothing)(nbytes))
+            self._account.add_reclaimer(Tier.DEVICE, lambda n: reclaim() and reclaim()(n))
 
     # ---- holds -----------------------------------------------------------
     def _track(self, shard: Shard) -> None:
@@ -201,19 +197,28 @@ class ParameterManager:
 
     # ---- hooks -----------------------------------------------------------
     def _install_hooks(self) -> None:
+        self._module_handles: dict[int, list] = {}  # id(module) -> its gather and context hooks
         for mod in self.module.modules():
-            own = [self.shard_of[id(p)] for p in mod.parameters(recurse=False) if id(p) in self.shard_of]
-            if not own:
-                continue
-            self._handles.append(mod.register_forward_pre_hook(self._make_pre_hook(own)))
-            self._handles.append(mod.register_forward_hook(self._make_post_hook(own), always_call=True))
-        for mod in self.module.modules():  # Note [the model is the interface]
-            self._handles.append(mod.register_forward_pre_hook(self._enter_module, prepend=True))
-            self._handles.append(mod.register_forward_hook(self._leave_module, always_call=True))
+            self._hook_module(mod, [self.shard_of[id(p)] for p in mod.parameters(recurse=False)
+                                    if id(p) in self.shard_of])
         for shard in self.shards:
             if shard.trainable:  # Note [frozen parameters] in offload/placement.py
                 self._handles.append(
                     shard.param.register_post_accumulate_grad_hook(self._make_grad_hook(shard)))
+
+    def _hook_module(self, mod: torch.nn.Module, shards: list[Shard]) -> None:
+        """`shards` gathered around mod's forward; the forward context (Note [the model is the interface])."""
+        gather = [mod.register_forward_pre_hook(self._make_pre_hook(shards)),
+                  mod.register_forward_hook(self._make_post_hook(shards), always_call=True)] if shards else []
+        self._module_handles[id(mod)] = gather + [mod.register_forward_pre_hook(self._enter_module, prepend=True),
+                                                  mod.register_forward_hook(self._leave_module, always_call=True)]
+
+    def gather_at_boundary(self, block: torch.nn.Module) -> None:
+        """The block's hooks gather all under it; none inside (Note [compiled blocks] in compiled.py)."""
+        for mod in block.modules():
+            for h in self._module_handles.pop(id(mod), []):
+                h.remove()
+        self._hook_module(block, [self.shard_of[id(p)] for p in block.parameters() if id(p) in self.shard_of])
 
     def _make_pre_hook(self, own: list[Shard]):
         def pre_hook(module, args):
@@ -482,9 +487,10 @@ class ParameterManager:
             self.to_host.discard()
 
     def remove_hooks(self) -> None:
-        for h in self._handles:
+        for h in self._handles + [h for hs in self._module_handles.values() for h in hs]:
             h.remove()
         self._handles.clear()
+        self._module_handles.clear()
         if self.to_host is not None:
             self.to_host.close()  # its pinned buffers and their charge
         if self._account is not None:
