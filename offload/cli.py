@@ -5,6 +5,7 @@
   offload consolidate ...   one safetensors file from a checkpoint (offload/checkpoint_io/consolidation.py)
   offload bench adam ...    CPU Adam benchmark (benchmarks/offload_bench/cpu_adam.py)
   offload bench adam-reference ...  the host update against torch's AdamW (adam_reference.py)
+  offload bench compile ... engine.compile() against plain torch compiled the same way (compile_blocks.py)
   offload bench io ...      NVMe path benchmark (benchmarks/offload_bench/io.py)
   offload bench train ...   whole training steps (benchmarks/offload_bench/train.py)
   offload bench soak ...    a long NVMe run with checkpoints stays flat (benchmarks/offload_bench/soak.py)
@@ -24,6 +25,8 @@ BENCHMARKS = {
     "adam": ("offload_bench.cpu_adam", "CPU Adam: ours vs torch and DeepSpeed, fp32 and offload cases"),
     "adam-reference": ("offload_bench.adam_reference", "the host update against torch's AdamW on a device, "
                                                        "element by element"),
+    "compile": ("offload_bench.compile_blocks", "engine.compile() against plain torch compiled the same way: "
+                                                "graph breaks, losses"),
     "io": ("offload_bench.io", "NVMe path: our async I/O backends vs fio and DeepSpeed aio"),
     "train": ("offload_bench.train", "training steps: offload vs DeepSpeed ZeRO-3 vs plain torch"),
     "soak": ("offload_bench.soak", "a long NVMe run with checkpoints: RSS, fds, threads and disk stay flat"),

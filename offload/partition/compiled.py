@@ -17,9 +17,9 @@ Note [compiled blocks]
 What compiles well is a block's own math on parameters already gathered, so
 `engine.compile()` (or the config's `compile.modules`) draws the line at each
 block's boundary, the way torchtitan compiles a transformer block by block:
-- Outside, eager: every gather and release. The block's forward pre-hook
-  gathers all the parameters under it and its forward hook releases them
-  (ParameterManager.gather_at_boundary); the modules inside it lose the
+- Outside, eager: every gather and release. The block's new forward
+  gathers all the parameters under it, calls the compiled one, and releases
+  them (ParameterManager.gather_at_boundary); the modules inside it lose the
   engine's hooks, so dynamo traces none of them. Prefetch, gradients taken
   in, the update: all outside too, as in eager.
 - Inside, compiled: the block's original forward. The forward's
@@ -30,9 +30,13 @@ block's boundary, the way torchtitan compiles a transformer block by block:
   any autograd Function does, so the engine's saved-tensor hooks, active
   outside, turn a saved parameter into a record and gather it again in
   backward, unchanged.
-- The engine's activation checkpointing of the same blocks is refused for
-  now: the compiled forward saves AOTAutograd's tensors, the eager
-  recomputation others, and the checkpoint matches them one by one.
+- The engine's activation checkpointing of the same blocks goes outside
+  the gathers: the recomputation in backward calls the same function, so
+  it gathers the block's parameters again (held until their gradients are
+  final, as any recomputation's) and reruns the same compiled graph. Were
+  the gathers on the block's hooks instead, the recomputation, which calls
+  only the forward, would meet released parameters: dynamo recompiled for
+  their placeholder strides and the checkpoint caught the different saves.
 The block's forward is set on the instance, and removed at engine.close().
 A parameter of the block read by another module (a tied weight) is gathered
 by that module as before.
@@ -61,15 +65,20 @@ def warn_compiled_model(manager) -> None:
         warnings.warn(COMPILED_MODEL_WARNING, RuntimeWarning, stacklevel=3)
 
 
-def _outside_the_mode(compiled):
-    """compiled(*args), with the engine's GatherOnUse popped when it is the innermost mode."""
+def _at_the_boundary(block, compiled, gather, release):
+    """compiled(*args) between gather and release of the block's parameters, with the
+    engine's GatherOnUse popped when it is the innermost mode."""
     from offload.partition.gather_on_use import GatherOnUse
 
     def call(*args, **kwargs):
-        top = torch.overrides._get_current_function_mode()
-        popped = torch.overrides._pop_mode_temporarily() if isinstance(top, GatherOnUse) else contextlib.nullcontext()
-        with popped:
-            return compiled(*args, **kwargs)
+        gather(block, args)
+        try:
+            top = torch.overrides._get_current_function_mode()
+            with (torch.overrides._pop_mode_temporarily() if isinstance(top, GatherOnUse)
+                  else contextlib.nullcontext()):
+                return compiled(*args, **kwargs)
+        finally:
+            release(block, args, None)
     return call
 
 
@@ -95,10 +104,6 @@ def blocks_to_compile(model: torch.nn.Module, names) -> list[torch.nn.Module]:
     for m in model.modules():
         if id(m) in inside or original_class(m).__name__ not in names:
             continue
-        if original_class(m) is not type(m):
-            raise ValueError(f"compile: {original_class(m).__name__} is also in activation_checkpointing.modules; "
-                             "a compiled block under the engine's checkpointing is not supported: checkpoint "
-                             "another module class, or compile without activation_checkpointing.modules")
         if "forward" in vars(m):
             raise ValueError(f"compile: a {type(m).__name__} already has a forward of its own on the instance "
                              "(compiled already, or patched): compile each block once")
@@ -110,9 +115,17 @@ def blocks_to_compile(model: torch.nn.Module, names) -> list[torch.nn.Module]:
 def compile_blocks(manager, blocks: list[torch.nn.Module], **compile_kwargs) -> list[torch.nn.Module]:
     """Each block's own forward compiled, its parameters gathered at its boundary (Note
     [compiled blocks]); returns the blocks, whose `forward` attribute uncompile_blocks removes."""
+    from offload.activations.recompute import checkpoint
+    from offload.activations.wrap import original_class
+
     for block in blocks:
-        manager.gather_at_boundary(block)
-        block.forward = _outside_the_mode(torch.compile(type(block).forward.__get__(block), **compile_kwargs))
+        base = original_class(block)
+        call = _at_the_boundary(block, torch.compile(base.forward.__get__(block), **compile_kwargs),
+                                *manager.gather_at_boundary(block))
+        if base is type(block):
+            block.forward = call
+        else:  # checkpointed (Note [checkpointed modules]): the checkpoint outside, gathers and all
+            block.forward = lambda *args, _call=call, **kwargs: checkpoint(_call, *args, **kwargs)
     return blocks
 
 

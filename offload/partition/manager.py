@@ -213,12 +213,14 @@ class ParameterManager:
         self._module_handles[id(mod)] = gather + [mod.register_forward_pre_hook(self._enter_module, prepend=True),
                                                   mod.register_forward_hook(self._leave_module, always_call=True)]
 
-    def gather_at_boundary(self, block: torch.nn.Module) -> None:
-        """The block's hooks gather all under it; none inside (Note [compiled blocks] in compiled.py)."""
+    def gather_at_boundary(self, block: torch.nn.Module):
+        """(gather, release) of all under the block, for its caller; no hooks inside (Note [compiled blocks])."""
         for mod in block.modules():
             for h in self._module_handles.pop(id(mod), []):
                 h.remove()
-        self._hook_module(block, [self.shard_of[id(p)] for p in block.parameters() if id(p) in self.shard_of])
+        self._hook_module(block, [])
+        shards = [self.shard_of[id(p)] for p in block.parameters() if id(p) in self.shard_of]
+        return self._make_pre_hook(shards), self._make_post_hook(shards)
 
     def _make_pre_hook(self, own: list[Shard]):
         def pre_hook(module, args):
