@@ -100,7 +100,7 @@ def _torch_run(model, block_class, batches, precision, backend, hf):
             with torch.no_grad():
                 for master, p in zip(masters.parameters(), compute.parameters()):
                     p.copy_(master)
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses
 
 
@@ -122,7 +122,7 @@ def _ours_run(model, block_class, batches, precision, backend, hf, where, checkp
             loss = _loss(engine, tokens, hf)
             engine.backward(loss)
             engine.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
     return losses
 
 

@@ -199,8 +199,7 @@ class ParameterManager:
     def _install_hooks(self) -> None:
         self._module_handles: dict[int, list] = {}  # id(module) -> its gather and context hooks
         for mod in self.module.modules():
-            self._hook_module(mod, [self.shard_of[id(p)] for p in mod.parameters(recurse=False)
-                                    if id(p) in self.shard_of])
+            self._hook_module(mod, [self.shard_of[id(p)] for p in mod.parameters(recurse=False) if id(p) in self.shard_of])
         for shard in self.shards:
             if shard.trainable:  # Note [frozen parameters] in offload/placement.py
                 self._handles.append(
@@ -215,12 +214,11 @@ class ParameterManager:
 
     def gather_at_boundary(self, block: torch.nn.Module):
         """(gather, release) of all under the block, for its caller; no hooks inside (Note [compiled blocks])."""
-        for mod in block.modules():
-            for h in self._module_handles.pop(id(mod), []):
-                h.remove()
+        for h in [h for mod in block.modules() for h in self._module_handles.pop(id(mod), [])]:
+            h.remove()
         self._hook_module(block, [])
-        shards = [self.shard_of[id(p)] for p in block.parameters() if id(p) in self.shard_of]
-        return self._make_pre_hook(shards), self._make_post_hook(shards)
+        own = [self.shard_of[id(p)] for p in block.parameters() if id(p) in self.shard_of]
+        return self._make_pre_hook(own), self._make_post_hook(own)
 
     def _make_pre_hook(self, own: list[Shard]):
         def pre_hook(module, args):
