@@ -1,7 +1,6 @@
 // Kernel selection, the shared tail handling, and the threaded driver.
 #include <algorithm>
 #include <cstring>
-#include <mutex>
 #include <utility>
 #include <vector>
 #include <string>

@@ -225,12 +225,12 @@ class OverlappedUpdates:
         # Beside a separate device the gathered copy is the device's, and may be
         # released by now: the master came down with the gradient, or the host
         # worker reads it from its file.
-        charged = master is None and not inline
+        charged = False  # a gathered master's host copy is charged; one from the ring is the ring's
         if master is None and not inline:
             master = self._gathered_master(shard)
-        if master is not None and charged:
+            charged = master is not None
+        if charged:
             opt.account.charge(Tier.HOST, shard.part_numel * 4, f"master of {shard.name} from its gathered copy")
-        charged = charged and master is not None
         if inline:  # the gradient was taken in on this thread: its update follows at once
             done: Future = Future()
             try:
