@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Mapping
 
 from offload.aio.config import AioConfig
 from offload.config.activations import ActivationCheckpointingConfig
+from offload.config.compile import CompileConfig
 from offload.config.hf_autos import autos_message, trainer_autos
 from offload.tiers import Tier
 from offload.config.base import (AUTO, ConfigError, OptimizerType, Precision,
@@ -79,15 +80,13 @@ _TOP_INERT = {
     "dump_state": "use engine.memory_report() and engine.timeline()",
     "checkpoint": "checkpoints are always complete-or-absent, per rank, and resume bit-exactly",
     "autotuning": "DeepSpeed's autotuner is a launcher of its own; offload sizes buffers from the model",
-    "compile": "DeepSpeed's compile section is not applied; call engine.compile(), which compiles each block "
-               "at its boundary (Note [compiled blocks])",
 }
 # Old DeepSpeed spellings of a key we read.
 _TOP_RENAMED = {"bfloat16": "bf16"}
 
 _SECTIONS = {"bf16": BF16Config, "fp16": FP16Config, "zero_optimization": ZeroConfig,
              "aio": AioSection, "memory": MemoryConfig,
-             "activation_checkpointing": ActivationCheckpointingConfig}
+             "activation_checkpointing": ActivationCheckpointingConfig, "compile": CompileConfig}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +114,7 @@ class Config(_Section):
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     # (dotted key, why) for each key of the source dict with no effect here;
     # filled by from_dict, read through no_effect(). Not a config key.
     inert: tuple = field(default=(), compare=False, repr=False)

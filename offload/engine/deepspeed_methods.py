@@ -45,16 +45,18 @@ class DeepSpeedMethods:
         compiled with torch.compile(backend=..., **compile_kwargs), its parameters gathered
         at its boundary (Note [compiled blocks] in partition/compiled.py). modules: the
         block classes' names; by default the class of the largest nn.ModuleList's children."""
-        from offload.partition.compiled import blocks_to_compile, compile_blocks
+        from offload.partition.compiled import blocks_to_compile, compile_blocks, compile_forwards
 
         self._check_open()
         if schedule is not None:
             raise ValueError("compile(schedule=...) is DeepCompile's, DeepSpeed's own; offload compiles each "
                              "block instead: engine.compile(modules=[...])")
         if self.compiled_blocks:
-            raise RuntimeError(f"compile: this engine's {len(self.compiled_blocks)} blocks are compiled already")
+            raise RuntimeError(f"compile: this engine's {len(self.compiled_blocks)} blocks are compiled already (by "
+                               "the config's compile section, or an earlier engine.compile())")
         blocks = blocks_to_compile(self.module, modules)
-        self.compiled_blocks = tuple(compile_blocks(self.manager, blocks, backend=backend, **(compile_kwargs or {})))
+        forwards = compile_forwards(blocks, backend=backend, **(compile_kwargs or {}))
+        self.compiled_blocks = tuple(compile_blocks(self.manager, blocks, forwards))
 
     @property
     def is_compiled(self) -> bool:

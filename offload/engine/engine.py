@@ -23,7 +23,7 @@ from offload.engine.gradients import NormTerms
 from offload.engine.step_counters import StepCounters
 from offload.engine.step_phase import StepPhases
 from offload.engine.teardown import Teardown
-from offload.partition.compiled import uncompile_blocks
+from offload.partition.compiled import blocks_to_compile, compile_blocks, compile_forwards, uncompile_blocks
 from offload.engine.training_step import TrainingStep
 from offload.engine.update_policy import UpdatePolicy
 from offload.engine.loss_scaler import LossScaler
@@ -100,6 +100,10 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
 
         self.activation_checkpointing = ActivationCheckpointing(
             model, config.activation_checkpointing, self.account, self.device)
+        blocks, forwards = [], []  # Note [compiled blocks]: checked here, put in place once managed
+        if config.compile.at_initialize:
+            blocks = blocks_to_compile(model, config.compile.modules or None)
+            forwards = compile_forwards(blocks, **config.compile.compile_kwargs())
         built = build_shards(model, config, layer=self.device_layer, pg=self.pg, account=self.account,
                              timeline=self._timeline, run_dirs=self._run_dirs,
                              builder=self._builder, weights=self._weights)
@@ -150,6 +154,8 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
         # Reads outside a forward see real values, edits go through offload.gathered
         # (Note [reading a parameter outside the engine] in partition/managed.py).
         manage(self.manager, self.shards)
+        if blocks:
+            self.compiled_blocks = tuple(compile_blocks(self.manager, blocks, forwards))
         # Fingerprints of the frozen partitions (Note [checkpoints without frozen weights] in
         # checkpoint_io/frozen.py), computed at the first save or load that needs them.
         self.frozen_fingerprints: dict[str, dict] = {}

@@ -15,7 +15,7 @@ while it traces, so an eager call costs one constant test.
 
 Note [compiled blocks]
 What compiles well is a block's own math on parameters already gathered, so
-`engine.compile()` (or the config's `compile.modules`) draws the line at each
+`engine.compile()` (or the config's `compile` section, at initialize) draws the line at each
 block's boundary, the way torchtitan compiles a transformer block by block:
 - Outside, eager: every gather and release. The block's new forward
   gathers all the parameters under it, calls the compiled one, and releases
@@ -112,17 +112,28 @@ def blocks_to_compile(model: torch.nn.Module, names) -> list[torch.nn.Module]:
     return blocks
 
 
-def compile_blocks(manager, blocks: list[torch.nn.Module], **compile_kwargs) -> list[torch.nn.Module]:
-    """Each block's own forward compiled, its parameters gathered at its boundary (Note
-    [compiled blocks]); returns the blocks, whose `forward` attribute uncompile_blocks removes."""
+def compile_forwards(blocks: list[torch.nn.Module], **compile_kwargs) -> list:
+    """Each block's own forward through torch.compile, which checks its arguments here (an
+    unknown backend or mode raises), before anything of the model changes."""
+    from offload.activations.wrap import original_class
+
+    try:
+        return [torch.compile(original_class(block).forward.__get__(block), **compile_kwargs) for block in blocks]
+    except Exception as e:  # noqa: BLE001 - dynamo's own error types move between releases
+        shown = ", ".join(f"{k}={v!r}" for k, v in compile_kwargs.items())
+        raise ValueError(f"compile: torch.compile({shown}) refused: {e}") from e
+
+
+def compile_blocks(manager, blocks: list[torch.nn.Module], forwards: list) -> list[torch.nn.Module]:
+    """Each block's compiled forward (compile_forwards) called with its parameters gathered at
+    its boundary (Note [compiled blocks]); returns the blocks, whose `forward` attribute
+    uncompile_blocks removes."""
     from offload.activations.recompute import checkpoint
     from offload.activations.wrap import original_class
 
-    for block in blocks:
-        base = original_class(block)
-        call = _at_the_boundary(block, torch.compile(base.forward.__get__(block), **compile_kwargs),
-                                *manager.gather_at_boundary(block))
-        if base is type(block):
+    for block, forward in zip(blocks, forwards):
+        call = _at_the_boundary(block, forward, *manager.gather_at_boundary(block))
+        if original_class(block) is type(block):
             block.forward = call
         else:  # checkpointed (Note [checkpointed modules]): the checkpoint outside, gathers and all
             block.forward = lambda *args, _call=call, **kwargs: checkpoint(_call, *args, **kwargs)

@@ -213,6 +213,9 @@ INERT_DS_KEYS = {
     "flops_profiler": {"enabled": False},
     "checkpoint": {"tag_validation": "Warn"},
     "data_types": {"grad_accum_dtype": "fp32"},
+    "compile.deepcompile": True,
+    "compile.offload_activation": True,
+    "compile.passes": ["z3"],
 }
 
 
@@ -384,6 +387,14 @@ HF_AUTO_ONE = r"^1 config value is 'auto', which Hugging Face's Trainer fills in
     ("memory", {"host_budget": "256MiB", "pinned_budget": "512MiB"},
      r"^memory\.pinned_budget: 536870912 bytes is more than memory\.host_budget \(268435456\)"),
     ("fp16", {"enabled": True}, r"^bf16\.enabled and fp16\.enabled are both true"),
+    ("compile", {"modules": "Block"}, r"^compile\.modules: 'Block' is not a list of module class names"),
+    ("compile", {"modules": ["Block", "Block"]}, r"^compile\.modules: .* is not a list without repeated"),
+    ("compile", {"enabled": False, "modules": ["Block"]}, r"^compile: enabled is false but modules names"),
+    ("compile", {"enabled": "yes"}, r"^compile\.enabled: 'yes' is not true or false"),
+    ("compile", {"backend": ""}, r"^compile\.backend: '' is not a torch\.compile backend name"),
+    ("compile", {"mode": 3}, r"^compile\.mode: 3 is not a torch\.compile mode"),
+    ("compile", {"fullgraph": 1}, r"^compile\.fullgraph: 1 is not true or false"),
+    ("compile", {"modulse": ["Block"]}, r"compile\.modulse.*modules"),
 ])
 def test_bad_values_name_the_key(path, value, message):
     with pytest.raises(ConfigError, match=message):

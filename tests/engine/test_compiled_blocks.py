@@ -125,3 +125,47 @@ def test_checkpointed_compiled_blocks_recompute_the_same_graph(tmp_path, monkeyp
     torch.testing.assert_close(losses, ref_losses, rtol=0, atol=0)
     for name, p in ref_model.named_parameters():
         torch.testing.assert_close(weights[name], p.detach(), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("param,optim,section", [
+    ("cpu", "cpu", {"modules": ["Block"], "backend": BACKEND, "fullgraph": True}),
+    ("nvme", "nvme", {"enabled": True, "backend": BACKEND}),  # the blocks found: the largest ModuleList's
+])
+def test_the_config_compile_section_compiles_the_blocks_at_initialize(tmp_path, param, optim, section):
+    model, data = build("tiny_gpt"), batches(3, seed=14)
+    ref_model, ref_losses = _compiled_reference(model, data)
+    torch._dynamo.reset()
+    counters.clear()
+    with offload.initialize(copy.deepcopy(model), make_config(param, optim, tmp_path,
+                                                              extra={"compile": section})) as engine:
+        assert [type(b).__name__ for b in engine.compiled_blocks] == ["Block"] * len(_blocks(model))
+        losses = train_engine(engine, data)
+        weights = engine_weights(engine)
+        with pytest.raises(RuntimeError, match="compiled already.*config's compile section"):
+            engine.compile(backend=BACKEND)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch.testing.assert_close(losses, ref_losses, rtol=0, atol=0)
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("section,error", [
+    ({"modules": ["Nope"]}, r"no module of class 'Nope' in the model \(its module classes: .*Block"),
+    ({"modules": ["Block"], "backend": "no_such_backend"}, r"compile: torch\.compile\(backend='no_such_backend'.*refused"),
+    ({"enabled": True, "mode": "fastest"}, r"compile: torch\.compile\(.*mode='fastest'.*refused"),
+])
+def test_a_compile_section_initialize_cannot_apply_fails_before_the_model_moves(tmp_path, section, error):
+    model = build("tiny_gpt")
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    nvme = tmp_path / "swap"
+    with pytest.raises(ValueError, match=error):
+        offload.initialize(model, make_config("nvme", "nvme", nvme, extra={"compile": section}))
+    for n, p in model.named_parameters():
+        assert p.data_ptr() == before[n][0], f"{n} moved"
+        torch.testing.assert_close(p.detach(), before[n][1], rtol=0, atol=0)
+    assert all("forward" not in vars(m) for m in model.modules())
+    assert not nvme.exists() or not [f for f in nvme.rglob("*") if f.is_file()], "files left behind"
+    with offload.initialize(model, make_config("cpu", "cpu", tmp_path / "again")) as engine:  # and it can try again
+        assert not engine.is_compiled
+        train_engine(engine, batches(1, seed=15))
