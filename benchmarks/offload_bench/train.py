@@ -437,13 +437,20 @@ def _refuse_device(args, names: list[str]) -> str | None:
     return None
 
 
-def run(args) -> int:
-    from offload_bench.common import log, machine_info, write_json
-
+def contender_names(args) -> list[str]:
+    """The contenders in run order, each once: --compile adds NAME-compiled after each
+    compilable NAME, unless --contenders named it already."""
     contenders = args.contenders if args.contenders is not None else ",".join(DEVICE_CONTENDERS[args.device])
     names = [n.strip() for n in contenders.split(",") if n.strip()]
     if args.compile:
         names = [m for n in names for m in ((n, f"{n}-compiled") if n in COMPILABLE else (n,))]
+    return list(dict.fromkeys(names))
+
+
+def run(args) -> int:
+    from offload_bench.common import log, machine_info, write_json
+
+    names = contender_names(args)
     bad = [n for n in names if n not in CONTENDERS]
     if bad:
         log(f"unknown contender(s) {bad}; choose from {', '.join(CONTENDERS)}")

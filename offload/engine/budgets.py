@@ -38,10 +38,19 @@ def largest_module_group(model: torch.nn.Module, named, planned: list, separate_
     return largest
 
 
+def gathered_by_blocks(blocks, named, planned: list, separate_memory: bool, world_size: int) -> int:
+    """Elements of the largest set of parameters a compiled block gathers at once: all
+    under it (Note [compiled blocks]); 0 without blocks."""
+    by_id = {id(p): pl for (_, p), pl in zip(named, planned)}
+    return max((sum(by_id[id(p)].padded_numel for p in block.parameters() if id(p) in by_id
+                    and gathers_to_a_buffer(by_id[id(p)], separate_memory, world_size)) for block in blocks),
+               default=0)
+
+
 def tier_needs(planned: list, config: Config, dtype: torch.dtype,
                staging_bytes: int = 0, *, separate_memory: bool = False,
                world_size: int = 1, on_demand: int = 0, param_staging_bytes: int = 0,
-               grad_backlog_elems: int | None = None) -> dict[Tier, dict]:
+               grad_backlog_elems: int | None = None, unit: int = 0) -> dict[Tier, dict]:
     """Per budgeted tier, {what: bytes} the engine will hold at once. Each of `planned`
     has its home and its optimizer state's tier (`state`). grad_backlog_elems: the
     most gradient elements held at once where gradients live only until their
@@ -50,7 +59,9 @@ def tier_needs(planned: list, config: Config, dtype: torch.dtype,
     Device tier: the parameters homed there, and the offloaded ones gathered at
     once: what one module gathers together (on_demand, elements) or the
     prefetcher's live limit if larger, plus its one read ahead
-    (`working_set_elems`, Note [prefetch within the device budget]). Host tier:
+    (`working_set_elems`, Note [prefetch within the device budget]); with
+    compiled blocks, each block's whole set (unit, Note [blocks as the unit of
+    prefetch]). Host tier:
     homes, fp32 gradients, optimizer state, the swap stores' staging buffers
     (staging_bytes), idle gathered buffers kept for reuse (on a CPU device: the
     BufferCache build.py makes, 3 x the largest parameter gathered into a
@@ -90,7 +101,7 @@ def tier_needs(planned: list, config: Config, dtype: torch.dtype,
         largest = max(gathered)
         # Prefetching is on where a transfer is read ahead (Shard.reads_ahead).
         reads_ahead = any(s.home is Tier.NVME or (separate_memory and s.home is Tier.HOST) for s in planned)
-        working = working_set_elems(zero, gathered, reads_ahead, max(on_demand, largest))
+        working = working_set_elems(zero, gathered, reads_ahead, max(on_demand, largest, unit), unit)
         add(Tier.DEVICE, "offloaded parameters gathered at once (working set)", working * dtype.itemsize)
     if gathered and not separate_memory:  # only gathers into a buffer use them (Note [zero-copy gather])
         add(Tier.HOST, "idle gathered buffers kept for reuse", 3 * max(gathered) * dtype.itemsize)

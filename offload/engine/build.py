@@ -260,13 +260,14 @@ def _owners(model: torch.nn.Module, attr: str) -> dict[int, list[tuple[torch.nn.
 
 def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, pg: ProcessGroupInfo,
                  account: MemoryAccount, timeline, run_dirs: RunDirectories, builder=None,
-                 weights=None) -> Built:
+                 weights=None, compiled=()) -> Built:
     """Every parameter's shard, its home decided and nothing moved yet (`Built.place` moves them).
 
     timeline: an offload.timeline.Timeline the parameter reads are recorded on;
     builder: an offload.init ModelBuilder whose homed shards are adopted;
     weights: anything offload.engine.weights.open_weights takes;
-    layer: the engine's device layer; its device is where compute runs.
+    layer: the engine's device layer; its device is where compute runs;
+    compiled: the blocks the config compiles, each gathered whole (Note [compiled blocks]).
     In stages, each named: check what was given, list the parameters, plan them
     within the budgets, take the model over, open what the shards share, make them."""
     plan = None
@@ -278,7 +279,8 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
     named = list(model.named_parameters(remove_duplicate=True))
     _check_given(model, named, plan, adopted)
     planned, sources, replacements = _list_parameters(named, config, layer, pg, plan, adopted, builder)
-    placement, configs, staging, notes = _plan_within_budgets(model, named, planned, config, layer, pg, builder)
+    placement, configs, staging, notes = _plan_within_budgets(model, named, planned, config, layer, pg, builder,
+                                                              compiled)
     for pl in planned:
         # A build-time shard is kept as it is where it already sits at its planned
         # home in the compute dtype, and no weights replace it.
@@ -345,7 +347,7 @@ def _list_parameters(named, config: Config, layer: DeviceLayer, pg: ProcessGroup
 
 
 def _plan_within_budgets(model, named, planned: list[_Planned], config: Config, layer: DeviceLayer,
-                         pg: ProcessGroupInfo, builder) -> tuple[Placement, dict, tuple | None, dict]:
+                         pg: ProcessGroupInfo, builder, compiled) -> tuple[Placement, dict, tuple | None, dict]:
     """Every home and state tier planned (Note [automatic placement]); with what the engine
     holds beside them, checked against the budgets: (placement, store configs, staging
     plan, the budgets' notes). An auto plan that left too little room is made again."""
@@ -358,13 +360,13 @@ def _plan_within_budgets(model, named, planned: list[_Planned], config: Config, 
     def stores_and_needs():
         configs = store_configs(planned, config, pg, have_param_store)
         staging = staging_plan(planned, config, dtype, layer, pg.world_size)
+        apart, ranks = layer.separate_memory, pg.world_size
         need = budgets.tier_needs(planned, config, dtype, sum(c.buffer_bytes for c in configs.values()),
-                                  separate_memory=layer.separate_memory, world_size=pg.world_size,
+                                  separate_memory=apart, world_size=ranks,
                                   param_staging_bytes=staging[0] * staging[1] if staging else 0,
-                                  on_demand=budgets.largest_module_group(model, named, planned,
-                                                                         layer.separate_memory, pg.world_size),
-                                  grad_backlog_elems=budgets.grad_backlog(config, planned,
-                                                                             separate_memory=layer.separate_memory))
+                                  on_demand=budgets.largest_module_group(model, named, planned, apart, ranks),
+                                  grad_backlog_elems=budgets.grad_backlog(config, planned, separate_memory=apart),
+                                  unit=budgets.gathered_by_blocks(compiled, named, planned, apart, ranks))
         return configs, staging, need
 
     configs, staging, need = stores_and_needs()

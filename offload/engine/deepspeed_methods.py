@@ -45,7 +45,8 @@ class DeepSpeedMethods:
         compiled with torch.compile(backend=..., **compile_kwargs), its parameters gathered
         at its boundary (Note [compiled blocks] in partition/compiled.py). modules: the
         block classes' names; by default the class of the largest nn.ModuleList's children."""
-        from offload.partition.compiled import blocks_to_compile, compile_blocks, compile_forwards
+        from offload.partition.compiled import (blocks_to_compile, compile_blocks, compile_forwards,
+                                                gathered_at_once)
 
         self._check_open()
         if schedule is not None:
@@ -56,7 +57,30 @@ class DeepSpeedMethods:
                                "the config's compile section, or an earlier engine.compile())")
         blocks = blocks_to_compile(self.module, modules)
         forwards = compile_forwards(blocks, backend=backend, **(compile_kwargs or {}))
+        self._prefetch_by_blocks(gathered_at_once(blocks, self.shards))
         self.compiled_blocks = tuple(compile_blocks(self.manager, blocks, forwards))
+
+    def _prefetch_by_blocks(self, unit: int) -> None:
+        """Note [blocks as the unit of prefetch], for blocks compiled after initialize:
+        refused where the device budget has no room for a block gathered whole."""
+        from offload.partition.prefetch import prefetch_limits, working_set_elems
+        from offload.tiers import Tier
+
+        zero = self.config.zero_optimization
+        gathered = [s.padded_numel for s in self.shards if s.gathers_to_a_buffer]
+        if unit <= max(gathered, default=0):
+            return  # no block gathers more than its largest parameter: nothing changes
+        device = self.account.usage(Tier.DEVICE)
+        need = working_set_elems(zero, gathered, any(s.reads_ahead for s in self.shards), unit, unit)
+        need *= self.compute_dtype.itemsize
+        if device.budget is not None and device.now + need > device.budget:
+            raise MemoryError(  # as initialize's own check of the budgets (engine/budgets.py)
+                f"compile: a block gathers {unit * self.compute_dtype.itemsize / 2**20:.1f} MiB of parameters at "
+                f"once, so the step needs {need / 2**20:.1f} MiB of them gathered beside the "
+                f"{device.now / 2**20:.1f} MiB the device tier holds now, past memory.device_budget "
+                f"({device.budget / 2**20:.1f} MiB). Name the blocks in the config's compile section, so that "
+                "initialize plans for them, or compile smaller modules (modules=[...])")
+        self.manager.prefetch.resize(prefetch_limits(zero, unit))
 
     @property
     def is_compiled(self) -> bool:

@@ -23,7 +23,8 @@ from offload.engine.gradients import NormTerms
 from offload.engine.step_counters import StepCounters
 from offload.engine.step_phase import StepPhases
 from offload.engine.teardown import Teardown
-from offload.partition.compiled import blocks_to_compile, compile_blocks, compile_forwards, uncompile_blocks
+from offload.partition.compiled import (blocks_to_compile, compile_blocks, compile_forwards, gathered_at_once,
+                                        uncompile_blocks)
 from offload.engine.training_step import TrainingStep
 from offload.engine.update_policy import UpdatePolicy
 from offload.engine.loss_scaler import LossScaler
@@ -106,7 +107,7 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
             forwards = compile_forwards(blocks, **config.compile.compile_kwargs())
         built = build_shards(model, config, layer=self.device_layer, pg=self.pg, account=self.account,
                              timeline=self._timeline, run_dirs=self._run_dirs,
-                             builder=self._builder, weights=self._weights)
+                             builder=self._builder, weights=self._weights, compiled=blocks)
         self._builder = self._weights = None
         self.shard_context = built.ctx
         self.shards = built.shards
@@ -120,7 +121,8 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
         self.manager = ParameterManager(model, self.shards, on_grad=weak_callback(self._take_grad),
                                         host_worker=self._host_worker,
                                         prefetch=prefetch_scheduler(config.zero_optimization, self.shards,
-                                                                            device_budget=config.memory.device_budget),
+                                                                    device_budget=config.memory.device_budget,
+                                                                    unit=gathered_at_once(blocks, self.shards)),
                                         timeline=self._timeline,
                                         reduce_bucket_elems=config.zero_optimization.reduce_bucket_size,
                                         on_forward=weak_callback(self._before_forward),  # model(x) too

@@ -118,7 +118,8 @@ class PrefetchScheduler:
         self._unused: dict[Shard, int] = {}    # read ahead, not yet taken into use
         self._retained: set[Shard] = set()     # kept for reuse: the scheduler holds one ref
         self._live: dict[Shard, int] = {}      # offloaded shards not RELEASED -> elements
-        self.stats = {"prefetched": 0, "hits": 0, "diverged_passes": 0, "retained": 0,
+        # missed: taken into use while released, neither read ahead nor kept: read on demand
+        self.stats = {"prefetched": 0, "hits": 0, "missed": 0, "diverged_passes": 0, "retained": 0,
                       "deferred_for_budget": 0}
 
     # ---- pass boundaries -------------------------------------------------
@@ -146,6 +147,11 @@ class PrefetchScheduler:
         self._unused.clear()
         return leftovers
 
+    def resize(self, limits: tuple[int, int, int]) -> None:
+        """New (bucket, max live, reuse distance), from the next use on (blocks compiled
+        after initialize: Note [blocks as the unit of prefetch])."""
+        self.bucket_elems, self.max_live_elems, self.reuse_distance = limits
+
     def is_retained(self, shard: Shard) -> bool:
         return shard in self._retained
 
@@ -166,9 +172,11 @@ class PrefetchScheduler:
         if self._key is None:
             return False
         self._seen.append(shard)
+        was_retained = shard in self._retained
         if self._unused.pop(shard, None) is not None:
             self.stats["hits"] += 1
-        was_retained = shard in self._retained
+        elif not was_retained and shard.reads_ahead and shard not in self._live:
+            self.stats["missed"] += 1
         self._retained.discard(shard)
         if shard.home is not Tier.DEVICE:
             self._live[shard] = shard.padded_numel
@@ -257,7 +265,9 @@ class PrefetchScheduler:
 
 def prefetch_limits(zero, largest: int) -> tuple[int, int, int]:
     """(bucket, max live, reuse distance) in elements for a zero_optimization
-    config, `largest` being the largest offloaded parameter's padded elements.
+    config, `largest` being the largest offloaded parameter's padded elements, or
+    the largest compiled block's where blocks are compiled (Note [blocks as the
+    unit of prefetch]).
     Keys left unset are sized from the model, not DeepSpeed's defaults (50M
     elements ahead, 1G live, 1G reuse distance: on a model under a billion
     parameters those keep all of it gathered, which is what offloading is
@@ -275,24 +285,27 @@ def prefetch_limits(zero, largest: int) -> tuple[int, int, int]:
             pick(zero.stage3_max_reuse_distance, largest))
 
 
-def working_set_elems(zero, padded_numels: list[int], any_nvme: bool, on_demand: int) -> int:
+def working_set_elems(zero, padded_numels: list[int], any_nvme: bool, on_demand: int, unit: int = 0) -> int:
     """Elements of offloaded parameters gathered at once, at most: `on_demand`
     (what the step itself holds: the largest set of parameters one module
     gathers together) or, with prefetching on, the scheduler's live limit if
     larger, plus the one read always allowed ahead; never more than all of
-    them (Note [prefetch within the device budget])."""
+    them (Note [prefetch within the device budget]). unit: the elements the largest
+    compiled block gathers at once (Note [blocks as the unit of prefetch])."""
     largest = max(padded_numels, default=0)
-    bucket, max_live, _ = prefetch_limits(zero, largest)
+    bucket, max_live, _ = prefetch_limits(zero, max(largest, unit))
     if not (bucket > 0 and any_nvme):
         return min(sum(padded_numels), on_demand)
     return min(sum(padded_numels), max(on_demand, max_live) + largest)
 
 
-def prefetch_scheduler(zero, shards: list[Shard], *, device_budget: int | None = None) -> PrefetchScheduler:
+def prefetch_scheduler(zero, shards: list[Shard], *, device_budget: int | None = None,
+                       unit: int = 0) -> PrefetchScheduler:
     """The scheduler for a zero_optimization config (limits: `prefetch_limits`);
-    device_budget: memory.device_budget (all-gathers ahead only without one)."""
+    device_budget: memory.device_budget (all-gathers ahead only without one); unit:
+    the elements the largest compiled block gathers at once (Note [blocks as the unit of prefetch])."""
     largest = max((s.padded_numel for s in shards if s.home is not Tier.DEVICE), default=0)
-    bucket, max_live, reuse = prefetch_limits(zero, largest)
+    bucket, max_live, reuse = prefetch_limits(zero, max(largest, unit))
     ctx = shards[0].ctx if shards else None
     return PrefetchScheduler(
         bucket_elems=bucket, max_live_elems=max_live, reuse_distance=reuse,

@@ -334,3 +334,11 @@ def test_rounds_merge_every_rounds_timed_steps_and_their_median_critical_path():
     assert [s["wall_s"] for s in merged["timeline_per_step"]] == [3.0, 5.0, 4.0]
     assert merged["critical_path_median"] == {"wall_s": 4.0, "compute_s": 3.0, "wait_s": 0.0, "optimizer_s": 0.5,
                                               "other_s": 0.5}
+
+
+def test_compile_adds_each_compiled_twin_once():
+    _, args = _args("--contenders", "torch,offload-nvme,offload-nvme-compiled,deepspeed-cpu", "--compile")
+    assert train.contender_names(args) == ["torch", "torch-compiled", "offload-nvme", "offload-nvme-compiled",
+                                           "deepspeed-cpu"]
+    _, args = _args("--contenders", "offload-cpu,offload-cpu")
+    assert train.contender_names(args) == ["offload-cpu"]

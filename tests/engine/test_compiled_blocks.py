@@ -169,3 +169,65 @@ def test_a_compile_section_initialize_cannot_apply_fails_before_the_model_moves(
     with offload.initialize(model, make_config("cpu", "cpu", tmp_path / "again")) as engine:  # and it can try again
         assert not engine.is_compiled
         train_engine(engine, batches(1, seed=15))
+
+
+@pytest.mark.parametrize("how", ["config", "engine.compile"])
+def test_a_compiled_blocks_parameters_are_all_read_before_the_block_starts(tmp_path, monkeypatch, how):
+    """Note [blocks as the unit of prefetch]: a compiled block takes every parameter
+    under it at once, so with parameters on NVMe the prefetcher reads the next block
+    whole, from the previous one's start; sized by the largest parameter, as in eager,
+    the last of a block's reads would only start when the block itself did."""
+    from offload.partition.shard import Residency, Shard
+
+    events = []
+    prefetch = Shard.prefetch
+
+    def recorded(shard):
+        if shard.residency is Residency.RELEASED and shard.reads_ahead:
+            events.append(("read", shard.name))
+        prefetch(shard)
+
+    monkeypatch.setattr(Shard, "prefetch", recorded)
+    extra = {"compile": {"modules": ["Block"], "backend": BACKEND}} if how == "config" else None
+    model, data = build("tiny_gpt"), batches(3, seed=16)
+    with offload.initialize(copy.deepcopy(model), make_config("nvme", "nvme", tmp_path, extra=extra)) as engine:
+        if how == "engine.compile":
+            engine.compile(backend=BACKEND)
+        block_of = {id(b): i for i, b in enumerate(engine.compiled_blocks)}
+        for b in engine.compiled_blocks:
+            b.register_forward_pre_hook(lambda m, args: events.append(("block", block_of[id(m)])))
+        unit = sum(p.numel() for p in engine.compiled_blocks[0].parameters())
+        assert engine.manager.prefetch.bucket_elems >= unit  # sized by the block
+        for i, per_rank in enumerate(data):
+            if i == len(data) - 1:
+                events.clear()  # the last step: its order learned from the ones before
+            x, y = per_rank[0]
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+    starts = {n: i for i, (kind, n) in enumerate(events) if kind == "block"}
+    assert sorted(starts) == list(range(len(_blocks(model))))
+    for k, at in starts.items():
+        names = [f"blocks.{k}.{n}" for n, p in model.blocks[k].named_parameters() if p.numel() > 1]
+        first_reads = {}
+        for i, (kind, n) in enumerate(events):
+            if kind == "read" and n in names:
+                first_reads.setdefault(n, i)
+        late = [n for n in names if first_reads.get(n, -1) > at]
+        assert not late, f"block {k}: {late} read only once the block had started"
+
+
+def test_blocks_gathered_whole_are_checked_against_the_device_budget(tmp_path):
+    """A device budget with room for eager's working set but not for a block gathered
+    whole: the config's compile section is refused at initialize, engine.compile()
+    before any block changes; both name the budget."""
+    model = build("tiny_gpt")
+    budget = {"memory": {"device_budget": 50_000}}  # eager reserves 38,016 bytes; whole blocks 63,000
+    section = {"compile": {"modules": ["Block"], "backend": BACKEND}}
+    with pytest.raises(MemoryError, match=r"working set.*memory\.device_budget is 50000"):
+        offload.initialize(copy.deepcopy(model), make_config("nvme", "nvme", tmp_path / "a", extra={**budget, **section}))
+    with offload.initialize(copy.deepcopy(model), make_config("nvme", "nvme", tmp_path / "b", extra=budget)) as engine:
+        with pytest.raises(MemoryError, match=r"compile: a block gathers .* past memory\.device_budget"):
+            engine.compile(backend=BACKEND)
+        assert not engine.is_compiled and all("forward" not in vars(m) for m in engine.module.modules())
+        engine.compile(backend=BACKEND, modules=["Linear"])  # smaller modules fit: nothing to resize
+        assert len(engine.compiled_blocks) == 8
