@@ -70,9 +70,12 @@ def print_breakdown(results: dict, roof_report: dict | None = None) -> None:
             f"'wait' is what compute waited)")
         path = r.get("critical_path_median")
         if path:
-            parts = ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in path.items() if k != "wall_s")
+            parts = ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in path.items()
+                              if k not in ("wall_s", "waits"))
+            waits = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.3f}"
+                              for k, v in path.get("waits", {}).items())
             log(f"   {name} critical path, median of {len(r['timeline_per_step'])} timed steps: "
-                f"{path['wall_s']:.3f} s = {parts}")
+                f"{path['wall_s']:.3f} s = {parts}" + (f" (waits: {waits})" if waits else ""))
         roof = (roof_report or {}).get("contenders", {}).get(name)
         if roof:
             log(f"   {name}: {r['bytes_read_per_step'] / 1e9:.3f} GB read + {r['bytes_written_per_step'] / 1e9:.3f} "

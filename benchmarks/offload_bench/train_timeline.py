@@ -48,6 +48,10 @@ TIMELINE_PER_STEP_DOC = {
     "optimizer_gparams_per_s": "trainable parameters / optimizer_s: the optimizer's rate inside the step",
     "modeled_compute_s": "--device sim with OFFLOAD_SIM_TFLOPS: the device compute's modeled time "
                          "in the step (Note [sim modeled compute] in offload/device/sim_compute.py)",
+    "waits": "wait_s by where the compute thread waited: forward_reads_s and backward_reads_s (a "
+             "parameter's read prefetch did not hide), backlog_s (a gradient hook held until the "
+             "overlapped updates caught up), after_backward_s (step() waiting for the updates still "
+             "running)",
     "critical_path": "the compute thread's wall_s split into parts that do not overlap: compute_s, "
                       "wait_s, optimizer_s (on the compute thread) and other_s (the rest: Python "
                       "between spans, the loss); inner spans win (Note [critical path])",
@@ -89,7 +93,25 @@ def critical_path(tl: dict, step_s: float | None = None, sim: dict | None = None
         copies = sim["host_device"]
         out.update(copies=copies["copies"], copies_busy_s=copies["busy_s"], copies_exposed_s=copies["exposed_s"])
     out["critical_path"] = path
+    out["waits"] = _waits_by_place(on_compute)
     return _rounded(out)
+
+
+def _waits_by_place(on_compute: list[dict]) -> dict:
+    """The compute thread's wait spans summed by where each started (TIMELINE_PER_STEP_DOC["waits"])."""
+    phases = [(s["kind"], s["start_s"], s["start_s"] + s["seconds"]) for s in on_compute
+              if s["kind"] in ("forward", "backward")]
+    out = {"forward_reads_s": 0.0, "backward_reads_s": 0.0, "backlog_s": 0.0, "after_backward_s": 0.0}
+    for w in (s for s in on_compute if s["kind"] == "wait"):
+        phase = next((kind for kind, a, b in phases if a <= w["start_s"] < b), None)
+        if w["name"] == "optimizer backlog":
+            key = "backlog_s"
+        elif phase is None or w["name"].startswith("optimizer"):
+            key = "after_backward_s"
+        else:
+            key = f"{phase}_reads_s"
+        out[key] += w["seconds"]
+    return out
 
 
 def median_path(steps: list[dict]) -> dict | None:
@@ -100,6 +122,8 @@ def median_path(steps: list[dict]) -> dict | None:
     out = {"wall_s": statistics.median(s["wall_s"] for s in steps)}
     for key in steps[0]["critical_path"]:
         out[key] = statistics.median(s["critical_path"][key] for s in steps)
+    if all("waits" in s for s in steps):
+        out["waits"] = {key: statistics.median(s["waits"][key] for s in steps) for key in steps[0]["waits"]}
     return _rounded(out)
 
 

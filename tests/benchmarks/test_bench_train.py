@@ -307,8 +307,8 @@ def test_torchao_cpu_where_torchao_does_not_import_is_skipped_in_its_process(mon
     assert "median_s" not in r and "error" not in r
 
 
-def _span(kind, start, end, thread="compute"):
-    return {"kind": kind, "name": "", "start_s": start, "seconds": end - start, "thread": thread}
+def _span(kind, start, end, thread="compute", name=""):
+    return {"kind": kind, "name": name, "start_s": start, "seconds": end - start, "thread": thread}
 
 
 def test_the_critical_path_splits_the_compute_threads_wall_time_inner_spans_first():
@@ -322,6 +322,19 @@ def test_the_critical_path_splits_the_compute_threads_wall_time_inner_spans_firs
     assert step["critical_path"] == {"compute_s": 7.0, "wait_s": 1.5, "optimizer_s": 0.5, "other_s": 1.0}
     assert (step["compute_s"], step["wait_s"], step["optimizer_s"], step["optimizer_on_compute_s"]) == (8, 1.5, 3, 1)
     assert (step["read_s"], step["reads"], step["write_s"], step["writes"], step["step_s"]) == (2.5, 1, 3, 1, 10.5)
+
+
+def test_the_waits_are_told_apart_by_where_the_compute_thread_waited():
+    spans = [_span("forward", 0, 4), _span("wait", 1, 1.5, name="blocks.0.fc.weight"),
+             _span("backward", 4, 8), _span("wait", 5, 5.25, name="blocks.0.fc.weight"),
+             _span("wait", 6, 7, name="optimizer backlog"), _span("wait", 3, 3.5, "offload-host", "optimizer state x"),
+             _span("wait", 8, 10, name="optimizer")]
+    seconds = {k: sum(s["seconds"] for s in spans if s["kind"] == k)
+               for k in ("forward", "backward", "read", "write", "optimizer", "wait")}
+    step = train_timeline.critical_path({"wall_s": 10.0, "seconds": seconds, "spans": spans})
+    assert step["waits"] == {"forward_reads_s": 0.5, "backward_reads_s": 0.25, "backlog_s": 1.0,
+                             "after_backward_s": 2.0}
+    assert sum(step["waits"].values()) == step["critical_path"]["wait_s"]
 
 
 def test_rounds_merge_every_rounds_timed_steps_and_their_median_critical_path():

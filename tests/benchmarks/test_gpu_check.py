@@ -90,6 +90,7 @@ def test_each_check_stage_keeps_the_least_of_the_selected_stages_after_it():
 def test_each_step_part_keeps_the_least_of_the_parts_named_after_it():
     parts = ["setup", "67m", "1b_bf16", "tests"]
     assert [budget.step_keep(parts, p) for p in parts] == [100 + 110 + 45, 110 + 45, 45, 0]
+    assert budget.step_keep(["project", "1b_compile", "tests"], "project") == 200 + 45
     assert budget.step_keep(["tests", "1b_fp32"], "tests") == 130
 
 

@@ -2,7 +2,7 @@
 (`bash benchmarks/gpu/step_check.sh`), what matters first.
 
 Parts (benchmarks/gpu/README.md has the table): setup or project first, then
-1b_fp32, 1b_bf16, 67m and tests in the order STEP_CHECK_PARTS names them,
+1b_fp32, 1b_bf16, 1b_compile, 67m, adam_ref and tests in the order STEP_CHECK_PARTS names them,
 each keeping back the least the parts named after it need. Each part writes
 its files to $OUT as it ends, so a call cut short still returns what it had.
 Exit status: 0 every part ran and passed, 1 one did not, 2 refused to start.
@@ -22,8 +22,8 @@ from gpucheck.budget import Budget
 from gpucheck.check import PACKAGE_DIR, ROOT, Refused, knob, nproc, probe, seconds, tmp_folder
 from gpucheck.summary import last_lines, read
 
-PARTS = ("setup", "project", "1b_fp32", "1b_bf16", "67m", "adam_ref", "tests")
-JSONS = ("train_1b_fp32.json", "train_1b_bf16.json", "train_67m.json")
+PARTS = ("setup", "project", "1b_fp32", "1b_bf16", "1b_compile", "67m", "adam_ref", "tests")
+JSONS = ("train_1b_fp32.json", "train_1b_bf16.json", "train_1b_compile.json", "train_67m.json")
 
 
 def with_24gb(precision: str, value: str) -> bool:
@@ -286,6 +286,12 @@ class Step:
                                               "torch,offload-cpu,offload-auto,deepspeed-cpu"))
             elif part == "1b_bf16":  # DeepSpeed's bf16 step is not a target
                 self.one_b("bf16", keep, knob(self.knobs, "STEP_CHECK_1B_BF16", "torch,offload-cpu,offload-auto"))
+            elif part == "1b_compile":  # blocks compiled (inductor) beside eager, bf16 (Note [compiled blocks])
+                self.bench("1b_compile", keep, [*self.one_b_shape, "--precision", "bf16", "--timeout", "240",
+                                                 "--compile", "--contenders",
+                                                 knob(self.knobs, "STEP_CHECK_1B_COMPILE", "torch,offload-auto")])
+                if (self.work / "1b_compile" / "train.json").exists():
+                    shutil.copyfile(self.work / "1b_compile" / "train.json", self.out / "train_1b_compile.json")
             elif part == "67m":
                 self.bench("67m", keep, [*self.small, "--timeout", "80", "--contenders", self.ds(knob(
                     self.knobs, "STEP_CHECK_67M", "torch,offload-cpu,offload-nvme,deepspeed-cpu,deepspeed-nvme"))])
