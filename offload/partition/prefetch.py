@@ -51,7 +51,9 @@ again as backward began (GPT 67M on NVMe, compiled blocks: 0.07 s a step, a
 whole block; eager, its first parameter). So a released parameter whose
 next use the reads ahead have passed is kept to that use, within the live
 limit: the memory a read ahead would have taken for it anyway, from the
-same point on, and no read.
+same point on, and no read. Where it is not kept (keeping turned off,
+stage3_max_reuse_distance <= 0, or the live limit reached) the reads ahead
+go back to that use, so it is read again ahead of it, not on demand.
 
 Note [all-gathers ahead]
 With several ranks on a device with memory of its own (ShardContext.streams),
@@ -242,9 +244,13 @@ class PrefetchScheduler:
         if nxt is None:
             return False
         between = self._order.prefix[nxt] - self._order.prefix[self._pos]
-        # Note [reads ahead passed a gathered parameter]: kept too where the reads ahead went past its next use.
+        # Note [reads ahead passed a gathered parameter]: kept too where the reads ahead went
+        # past its next use, else read ahead again from there.
         passed = nxt < self._issued
-        if (between > self.reuse_distance and not passed) or self._live_elems() > self.max_live_elems:
+        keep = between <= self.reuse_distance or (passed and self.reuse_distance > 0)
+        if not keep or self._live_elems() > self.max_live_elems:
+            if passed:
+                self._issued = nxt
             return False
         self._retained.add(shard)
         self.stats["retained"] += 1

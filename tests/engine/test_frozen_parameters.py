@@ -3,6 +3,7 @@ model whose base is frozen trains like plain PyTorch while each frozen weight co
 its home alone, on every tier, to the byte; a requires_grad changed after initialize
 is refused by name; a checkpoint without the frozen weights resumes bit for bit on
 the same base and is refused on another (Note [checkpoints without frozen weights])."""
+import collections
 import copy
 import json
 
@@ -12,6 +13,7 @@ from safetensors import safe_open
 
 import offload
 from offload.checkpoint_io import CheckpointError
+from offload.partition.shard import Residency, Shard
 from offload.placement import Budgets, ParamSpec, plan_placement
 from offload.tiers import Tier
 from tests.engine.harness import (batches, engine_weights, make_config, run_reference, run_reference_mixed,
@@ -141,10 +143,20 @@ def test_the_sim_carries_the_frozen_base_up_in_its_compute_dtype_only(tmp_path, 
     device_budget = 2 * (sum(trainable.values()) * (2 + 16) + sum(frozen.values()) * 2 // 2)
     cfg = config("auto", "auto", tmp_path, precision="bf16")
     cfg["memory"] = {"device_budget": device_budget}
+    reads = collections.Counter()  # each shard's copies up, in the timed steps
+    prefetch = Shard.prefetch
+
+    def counted(shard):
+        if shard.residency is Residency.RELEASED and shard.reads_ahead:
+            reads[shard.name] += 1
+        prefetch(shard)
+
+    monkeypatch.setattr(Shard, "prefetch", counted)
     with offload.initialize(copy.deepcopy(model), cfg) as engine:
         losses = [train_engine(engine, data[:2])]
         plan, counters = engine.placement(), engine.device_layer.counters
         before = counters.bytes_copied
+        reads.clear()
         losses.append(train_engine(engine, data[2:]))
         measured = (counters.bytes_copied - before) / STEPS
         weights = engine_weights(engine)
@@ -156,11 +168,14 @@ def test_the_sim_carries_the_frozen_base_up_in_its_compute_dtype_only(tmp_path, 
     assert plan.moved_per_step()["bus"] == sum(shards[n].part_numel for n in off) * 2 * 2
     # What went up: each off-device frozen home once for forward, and again for backward
     # where backward reads its value (plain PyTorch saves it for backward: a weight whose
-    # input needs a gradient; not a bias, nor block 0's qkv, whose input needs none). The
-    # plan counts two reads of each, a bound.
+    # input needs a gradient; not a bias, nor block 0's qkv, whose input needs none) unless
+    # it was kept from forward (Note [reads ahead passed a gathered parameter]). The plan
+    # counts two reads of each, a bound. Nothing else crossed the bus, either way.
     read_twice = [n for n in off if n in saved_for_backward(model, data[0][0][0])]
     assert set(off) - set(read_twice)  # the bound is not trivially the figure
-    assert measured == 2 * (sum(shards[n].part_numel for n in off) + sum(shards[n].part_numel for n in read_twice))
+    assert set(reads) == set(off), sorted(set(reads) ^ set(off))
+    assert all(STEPS <= reads[n] <= STEPS * (1 + (n in read_twice)) for n in off), reads
+    assert measured == 2 * sum(shards[n].part_numel * reads[n] for n in off) / STEPS
     assert measured <= plan.moved_per_step()["bus"]
     torch.testing.assert_close(torch.cat(losses), ref_losses[:, 0], rtol=0, atol=0)
     for name, p in ref_model.named_parameters():

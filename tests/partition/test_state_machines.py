@@ -384,3 +384,52 @@ def test_a_disabled_scheduler_never_reads_ahead():
     for _ in range(3):
         assert run_pass(sched, shards) == [[], [], []]
     assert sched.stats["prefetched"] == 0
+
+
+def _nested_pass(sched, a, b, c, e, d):
+    """a; b held while c is used (a module gathering b around a submodule using c); b
+    dropped; e; b again; d. Returns (reads started in the pass, b kept from its drop)."""
+    def use(s):  # as run_pass: the reference kept for reuse passes to this hold
+        handed_over = False
+        if s.refs == 0 or sched.is_retained(s):
+            s.prefetch()
+            handed_over = sched.on_use(s)
+        s.gather()
+        if handed_over:
+            s.release()
+
+    def drop(s):
+        if s.refs == 1 and sched.should_retain(s):
+            return True
+        s.release()
+        if not s.held:
+            sched.on_released(s)
+        return False
+
+    before = len(a.ctx.param_store.reads)
+    sched.begin_pass(("train",))
+    use(a), drop(a), use(b), use(c), drop(c)
+    kept = drop(b)
+    use(e), drop(e), use(b), drop(b), use(d), drop(d)
+    for s in sched.end_pass():
+        s.force_release()
+        sched.on_released(s)
+    return len(a.ctx.param_store.reads) - before, kept
+
+
+@pytest.mark.parametrize("reuse", [5, -1], ids=["keeping", "keeping off"])
+def test_a_parameter_the_reads_ahead_passed_while_it_was_held_is_kept_or_read_ahead_again(reuse):
+    """Note [reads ahead passed a gathered parameter]: b's second use is 20 elements
+    after its drop, past the reuse distance, but the reads ahead went past it while b
+    was held. Kept to that use (no read) where keeping is on; with it off, read ahead
+    again from its drop, not on demand."""
+    a, b, c, e, d = nvme_shards(5)
+    sched = scheduler(bucket=40, live=1000, reuse=reuse)
+    _nested_pass(sched, a, b, c, e, d)  # learns the order
+    missed = sched.stats["missed"]
+    reads, kept = _nested_pass(sched, a, b, c, e, d)
+    assert kept is (reuse > 0)
+    assert reads == (5 if kept else 6)  # each shard once, and b twice where it was not kept
+    assert sched.stats["missed"] - missed == 1  # a, the pass's first: nothing read on demand after it
+    assert all(s.residency is Residency.RELEASED and s.refs == 0 for s in (a, b, c, e, d))
+    assert device_bytes(a.ctx) == 0
