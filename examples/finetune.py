@@ -102,6 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where parameters and optimizer state live between uses")
     o.add_argument("--nvme-path", default=os.path.join("runs", "nvme"),
                    help="swap directory for --offload nvme or auto (removed at the end if created by this run)")
+    o.add_argument("--compile", metavar="BACKEND", default=None,
+                   help="compile each transformer block with torch.compile's BACKEND (inductor, aot_eager), its "
+                        "parameters gathered at the block's boundary: the config's compile section")
     c = p.add_argument_group("checkpoints and output")
     c.add_argument("--ckpt-dir", default=os.path.join("runs", "finetune", "checkpoints"),
                    help="engine checkpoints: <dir>/global_step{N}/ and <dir>/latest")
@@ -193,6 +196,8 @@ def engine_config(args, schedule_steps: int, warmup: int) -> dict:
     }
     if args.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if args.compile:
+        cfg["compile"] = {"enabled": True, "backend": args.compile}
     return cfg
 
 
@@ -431,7 +436,7 @@ def summarize(args, state: dict, model: nn.Module, run_steps: int, run_seconds: 
     summary = {
         "model": args.model, "model_config": model_config(model),
         "params": sum(p.numel() for p in model.parameters()),
-        "offload": args.offload, "precision": args.precision,
+        "offload": args.offload, "precision": args.precision, "compile": args.compile,
         "steps": state["step"], "steps_this_run": run_steps, "resumed_from": resumed_from,
         "lr_schedule_steps": state["schedule"]["steps"],
         "tokens": state["step"] * tokens_per_step, "tokens_this_run": run_steps * tokens_per_step,
@@ -500,6 +505,8 @@ def main(argv=None) -> int:
     try:
         # The schedule given here is a new run's; resuming replaces it with the checkpoint's.
         engine = offload.initialize(model, engine_config(args, args.steps, planned_warmup(args)))
+        if engine.is_compiled:
+            print(f"compiled {len(engine.compiled_blocks)} blocks ({args.compile})", file=sys.stderr)
         sampler = BatchSampler(train_data, args.batch_size, args.seq_len, seed=args.seed)
         try:
             state, resumed_from = start_or_resume(engine, args, sampler)

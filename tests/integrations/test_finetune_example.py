@@ -325,3 +325,19 @@ def test_finetune_ctrl_c_removes_swap_files(tmp_path):
     assert not (tmp_path / "swap").exists()
     tag = latest.read_text().strip()
     assert tag.startswith("global_step") and (tmp_path / "ckpt" / tag / "manifest.json").is_file()
+
+
+def test_finetune_with_compiled_blocks_trains_as_it_does_eager(tmp_path):
+    """--compile: the config's compile section from the example's own flag; with aot_eager
+    (AOTAutograd's graphs, the same kernels) the losses are eager's, bit for bit."""
+    runs = {}
+    for backend in (None, "aot_eager"):
+        d = tmp_path / str(backend)
+        d.mkdir()
+        proc = run_example(*TINY, *places(d), "--offload", "cpu", *(["--compile", backend] if backend else []),
+                           cwd=d, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert ("compiled 1 blocks (aot_eager)" in proc.stderr) is (backend is not None), proc.stderr[-2000:]
+        runs[backend] = json.loads((d / "out" / "summary.json").read_text())
+    assert runs["aot_eager"]["compile"] == "aot_eager" and runs[None]["compile"] is None
+    assert runs["aot_eager"]["train_losses"] == runs[None]["train_losses"]
