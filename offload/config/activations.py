@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from offload.config.base import ConfigError, _bool, _fail, _int, _Section
+from offload.config.base import ConfigError, _bool, _class_names, _int, _Section
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,13 +39,7 @@ class ActivationCheckpointingConfig(_Section):
 
     def __post_init__(self):
         k = self._key
-        names = self.modules
-        if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(
-                isinstance(n, str) and n for n in names):
-            raise _fail(k("modules"), names, 'a list of module class names (e.g. ["Block"])')
-        if len(set(names)) != len(names):
-            raise _fail(k("modules"), names, "a list without repeated class names")
-        self._set("modules", tuple(names))
+        self._set("modules", _class_names(k("modules"), self.modules, "Block"))
         for name in ("cpu_checkpointing", "synchronize_checkpoint_boundary", "profile"):
             _bool(k(name), getattr(self, name))
         if _bool(k("partition_activations"), self.partition_activations):

@@ -172,6 +172,16 @@ def _bool(key: str, value: Any, *, hf_auto: bool = False) -> bool:
     return value
 
 
+def _class_names(key: str, value: Any, example: str) -> tuple[str, ...]:
+    """A list of module class names, each once (`example`: one, for the message)."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(
+            isinstance(n, str) and n for n in value):
+        raise _fail(key, value, f'a list of module class names (e.g. ["{example}"])')
+    if len(set(value)) != len(value):
+        raise _fail(key, value, "a list without repeated class names")
+    return tuple(value)
+
+
 def _tier(key: str, value: Any) -> Tier:
     """A Tier, from itself or DeepSpeed's offload `device` spelling ("none", "cpu", "nvme")."""
     if isinstance(value, Tier):

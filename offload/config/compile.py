@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from offload.config.base import ConfigError, _bool, _fail, _Section
+from offload.config.base import ConfigError, _bool, _class_names, _fail, _Section
 
 _DEEPCOMPILE = ("DeepCompile's, DeepSpeed's whole-graph compiler; offload compiles block by block "
                 "(compile.modules, or engine.compile())")
@@ -57,13 +57,8 @@ class CompileConfig(_Section):
 
     def __post_init__(self):
         k = self._key
-        names = self.modules
-        if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(
-                isinstance(n, str) and n for n in names):
-            raise _fail(k("modules"), names, 'a list of module class names (e.g. ["DecoderLayer"])')
-        if len(set(names)) != len(names):
-            raise _fail(k("modules"), names, "a list without repeated class names")
-        self._set("modules", tuple(names))
+        names = _class_names(k("modules"), self.modules, "DecoderLayer")
+        self._set("modules", names)
         if self.enabled is not None:
             _bool(k("enabled"), self.enabled)
             if not self.enabled and names:
