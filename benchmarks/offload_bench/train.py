@@ -171,6 +171,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="clip gradients by their global 2-norm (0: off, the default): ours and DeepSpeed "
                         "through the config's gradient_clipping, torch, torchao and FSDP2 with "
                         "torch.nn.utils.clip_grad_norm_ (Hugging Face Trainer clips at 1.0 by default)")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="checkpoint every block's activations: ours through the config's activation_checkpointing "
+                   "(modules [\"Block\"]), every other contender through torch.utils.checkpoint around each "
+                   "block (use_reentrant=False); the same arithmetic, activations recomputed in backward")
     p.add_argument("--compile", action="store_true",
                    help="after each of torch, offload-cpu, offload-nvme and offload-auto named, the same with its "
                    "blocks compiled (NAME-compiled): torch's block forwards torch.compile'd, ours through "
@@ -254,6 +258,7 @@ def _settings(args) -> dict:
         "precision": args.precision,
         "grad_clip": args.grad_clip,
         "device_budget": args.device_budget,
+        "checkpoint": args.checkpoint,
         "warmup": args.warmup if args.warmup is not None else (1 if quick else 2),
         "steps": args.steps if args.steps is not None else (3 if quick else 10),
         "batch": args.batch if args.batch is not None else (2 if quick else 4),
@@ -484,10 +489,11 @@ def run(args) -> int:
                                buffer_size=args.buffer_size, precision=settings["precision"],
                                grad_clip=settings["grad_clip"])
                for mode in ("cpu", "nvme", "auto")}
+    ours = configs
     if settings["device_budget"] is not None:  # ours only: DeepSpeed has no such key
-        ours = {mode: {**cfg, "memory": {"device_budget": settings["device_budget"]}} for mode, cfg in configs.items()}
-    else:
-        ours = configs
+        ours = {mode: {**cfg, "memory": {"device_budget": settings["device_budget"]}} for mode, cfg in ours.items()}
+    if settings["checkpoint"]:  # ours only: `modules` is our key; the others wrap each block themselves
+        ours = {mode: {**cfg, "activation_checkpointing": {"modules": ["Block"]}} for mode, cfg in ours.items()}
     report = {
         "benchmark": "train",
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),

@@ -92,6 +92,17 @@ def _torch_step(model, opt, lm_loss, autocast=None, grad_clip: float = 0.0):
     return step
 
 
+def _checkpoint_blocks(model) -> None:
+    """Each block's forward under torch.utils.checkpoint (non-reentrant): its activations
+    recomputed in backward, as the engine's activation_checkpointing does for ours."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.blocks:
+        block.forward = functools.partial(checkpoint, type(block).forward.__get__(block), use_reentrant=False)
+
+
 def _setup(name: str, model, spec: dict, device, res: dict):
     """(step function, engine or None, where the batches go) for one contender;
     writes how it applies the precision to res["precision_how"]."""
@@ -109,6 +120,11 @@ def _setup(name: str, model, spec: dict, device, res: dict):
         res["precision_how"] = f"fp32 parameters and AdamW; forward and loss under torch.autocast({autocast!r}, bf16)"
     compiled = spec.get("compile", False)
     name = name.removesuffix("-compiled")
+    if s.get("checkpoint") and not name.startswith("offload-"):
+        _checkpoint_blocks(model)
+        res["checkpoint_how"] = "torch.utils.checkpoint(use_reentrant=False) around each block"
+    elif s.get("checkpoint"):
+        res["checkpoint_how"] = 'the config\'s activation_checkpointing {"modules": ["Block"]}'
     if name == "torch":
         model.to(device)
         if compiled:  # as engine.compile() does: each block's own forward (Note [compiled blocks])

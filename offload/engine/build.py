@@ -435,7 +435,8 @@ def _open_shared(planned: list[_Planned], placement: Placement, configs: dict, s
                               charge=lambda n: account.charge(Tier.HOST, n, "idle gathered buffers"),
                               credit=lambda n: account.credit(Tier.HOST, n))
     ctx = shard_context(config, layer, pg, account, param_store=param_store, gathered_buffers=gathered_buffers,
-                        lazy_grads=Tier.NVME in placement.state_tiers)
+                        lazy_grads=budgets.lazy_gradients(config, placement.state_tiers,
+                                                          separate_memory=layer.separate_memory))
     device_homes = [pl.padded_numel * dtype.itemsize for pl in planned if pl.home is Tier.DEVICE]
     if ctx.streams is not None and device_homes and pin:
         # Device homes' new values go up through pinned buffers (Note [copy streams]).

@@ -404,7 +404,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
                 buf = stream.take(shard, master_value)  # the caller credits a charged master_value
                 grad_sq = self._update(shard, *stream.layout(shard).views(buf), group)
                 stream.put(shard, buf)
-            shard.clear_grad()
+            shard.clear_grad(applied=True)
             self.grad_sq += grad_sq
 
     def _update(self, shard: Shard, master, m, v, group: dict) -> float:

@@ -3,10 +3,15 @@
 Note [gradient partitions]
 With optimizer state on the host or device, each shard keeps an fp32
 gradient partition for the whole run (allocated at initialize; the first
-gradient of each accumulation window replaces it). With optimizer state on NVMe (lazy_grads) host
-memory is what offload is short of: a partition exists only from the
-shard's first gradient of an accumulation window until its update, and
-with one rank an fp32 gradient is taken over from autograd, not copied.
+gradient of each accumulation window replaces it). Where partitions are lazy
+(lazy_grads, decided by engine/budgets.py `lazy_gradients`) a partition exists
+only from the shard's first gradient of an accumulation window until its
+update, and with one rank an fp32 gradient is taken over from autograd, not
+copied. They are lazy with optimizer state on NVMe, where host memory is what
+offload is short of, and beside a device with memory of its own whose updates
+end their gradients' lives in backward: there an update reads its gradient
+from the pinned staging buffer, and a partition kept for the run would never
+be read.
 """
 from __future__ import annotations
 
@@ -61,9 +66,13 @@ class ShardGradient:
                 self.grad_part = mine.to(self.grad_device, torch.float32, copy=True)
         self.has_grad = True
 
-    def clear_grad(self) -> None:
-        """After the shard's update (or a skipped step): zero or free the partition."""
-        if self.grad_part is not None and self.ctx.lazy_grads:
+    def clear_grad(self, *, applied: bool = False) -> None:
+        """After the shard's update (applied: called by the update itself) or a skipped
+        step: the next gradient replaces the partition; a lazy one is freed. Not while an
+        update is still to read it (one step() left queued under the next forward, Note
+        [updates under the next forward]): that update frees it as it ends."""
+        pending = self.in_flight.update is not None and not applied
+        if self.grad_part is not None and self.ctx.lazy_grads and not pending:
             if self._grad_charged:
                 self.ctx.account.credit(self.grad_tier, self.part_numel * 4)
                 self._grad_charged = False

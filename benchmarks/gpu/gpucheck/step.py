@@ -22,8 +22,8 @@ from gpucheck.budget import Budget
 from gpucheck.check import PACKAGE_DIR, ROOT, Refused, knob, nproc, probe, seconds, tmp_folder
 from gpucheck.summary import last_lines, read
 
-PARTS = ("setup", "project", "1b_fp32", "1b_bf16", "1b_compile", "67m", "adam_ref", "tests")
-JSONS = ("train_1b_fp32.json", "train_1b_bf16.json", "train_1b_compile.json", "train_67m.json")
+PARTS = ("setup", "project", "1b_fp32", "1b_bf16", "1b_compile", "7b", "67m", "adam_ref", "tests")
+JSONS = ("train_1b_fp32.json", "train_1b_bf16.json", "train_1b_compile.json", "train_7b.json", "train_67m.json")
 
 
 def with_24gb(precision: str, value: str) -> bool:
@@ -114,9 +114,14 @@ class Step:
             self.env["GPU_CHECK_ALLOW_CPU"] = "1"
             self.dev, self.one_b_shape, self.small = (["--device", "cpu"], ["--quick", "--batch", "2", "--seq", "32",
                                                       "--warmup", "1", "--steps", "2"], ["--quick"])
+            self.seven_b_shape = ["--quick", "--batch", "2", "--seq", "32", "--warmup", "1", "--steps", "2"]
         else:
             self.dev, self.one_b_shape, self.small = (["--device", "cuda"], ["--model", "1b", "--batch", "8", "--seq",
                                                       "1024", "--warmup", "1", "--steps", "3"], ["--steps", "6"])
+            # Llama-2 7B's width at 42 of this GPT's layers: 6.89B parameters, 110 GB of fp32
+            # state, which the H200 holds for torch beside 4096 tokens' checkpointed activations.
+            self.seven_b_shape = ["--model", "7b", "--layers", "42", "--batch", "4", "--seq", "1024",
+                                  "--warmup", "1", "--steps", "2"]
         self.notes: list[str] = []
         self.failed: list[str] = []
         self._have_ds = None
@@ -292,6 +297,12 @@ class Step:
                                                  knob(self.knobs, "STEP_CHECK_1B_COMPILE", "torch,offload-auto")])
                 if (self.work / "1b_compile" / "train.json").exists():
                     shutil.copyfile(self.work / "1b_compile" / "train.json", self.out / "train_1b_compile.json")
+            elif part == "7b":  # a full fine-tune: ours within a 24 GB card's budget, torch with the card's all
+                self.bench("7b", keep, [*self.seven_b_shape, "--precision", "fp32", "--checkpoint", "--timeout", "300",
+                                        "--device-budget", knob(self.knobs, "STEP_CHECK_7B_BUDGET", "24GB"),
+                                        "--contenders", knob(self.knobs, "STEP_CHECK_7B", "torch,offload-auto")])
+                if (self.work / "7b" / "train.json").exists():
+                    shutil.copyfile(self.work / "7b" / "train.json", self.out / "train_7b.json")
             elif part == "67m":
                 self.bench("67m", keep, [*self.small, "--timeout", "80", "--contenders", self.ds(knob(
                     self.knobs, "STEP_CHECK_67M", "torch,offload-cpu,offload-nvme,deepspeed-cpu,deepspeed-nvme"))])
