@@ -371,7 +371,7 @@ def test_a_run_cut_short_still_counts_what_finished(tmp_path):
 def test_an_unknown_stage_or_part_is_refused_through_the_wrappers_and_nothing_runs(tmp_path):
     for script, knobs, said in [
             ("check.sh", {"GPU_CHECK_STAGES": "setup bench_2b"}, "gpu-check: refused: GPU_CHECK_STAGES has 'bench_2b'"),
-            ("step_check.sh", {"STEP_CHECK_PARTS": "67m 7b"}, "step-check: refused: STEP_CHECK_PARTS has '7b'")]:
+            ("step_check.sh", {"STEP_CHECK_PARTS": "67m 70b"}, "step-check: refused: STEP_CHECK_PARTS has '70b'")]:
         knobs.update(OUT=str(tmp_path / "out"), GPU_CHECK_WORK=str(tmp_path / "work"),
                      STEP_CHECK_WORK=str(tmp_path / "work"), GPU_CHECK_ALLOW_CPU="1", STEP_CHECK_ALLOW_CPU="1")
         r = subprocess.run(["bash", str(GPU / script)], env=clean_env(**knobs), capture_output=True, text=True,

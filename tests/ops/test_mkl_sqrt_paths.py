@@ -32,16 +32,28 @@ print(json.dumps({l: {"mismatches": {s: adam.probe_mismatches(s, l) for s in ada
 
 @needs_native
 @pytest.mark.skipif("avx2" not in simd.available_levels(), reason="the MKL sequences need the avx2 kernel")
-@pytest.mark.parametrize("mkl_path,source", [("AVX2", "mkl-avx2"), ("SSE4_2", "mkl-sse")])
-def test_each_mkl_path_is_a_kernel_square_root_and_the_probe_picks_it(mkl_path, source):
+@pytest.mark.parametrize("mkl_path", ["AVX2", "SSE4_2"])
+def test_each_mkl_path_is_a_kernel_square_root_and_the_probe_picks_it(mkl_path):
     env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": mkl_path}
     env.pop(adam.SQRT_ENV_VAR, None)
     out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     for level, seen in json.loads(out.stdout.strip().splitlines()[-1]).items():
-        assert seen["mismatches"][source] == 0, (level, seen)
+        # torch's root is one of the kernel's: the path's own, or (where MKL declines the
+        # path on this CPU: AVX2 on an AMD EPYC runs MKL's SSE4.2 sequence) another of MKL's.
+        # (mkl-vml, MKL's own vsSqrt per block, computes the same roots and may match too.)
+        matching = [s for s, count in seen["mismatches"].items() if count == 0]
+        assert seen["chosen"] in matching and seen["chosen"] in mkl_sources(mkl_path), (level, seen)
         assert seen["mismatches"]["ieee"] > 0, (level, seen)  # the probe can tell them apart
-        assert seen["chosen"] == source, (level, seen)
+
+
+def mkl_sources(mkl_path: str) -> tuple[str, ...]:
+    """The kernel square roots torch.sqrt may equal under MKL_ENABLE_INSTRUCTIONS=mkl_path:
+    the path's own, and below AVX2 only SSE4.2's. MKL picks its path from the CPU as well as
+    the variable: on an AMD EPYC (AVX2, no AVX-512 in its VM) it ran the SSE4.2 sequence
+    under AVX2 (694,736 probe inputs differed from the AVX2 sequence, none from SSE4.2's),
+    so which one a CPU gets is asked of MKL (the probe), never assumed from the vendor."""
+    return ("mkl-avx2", "mkl-sse") if mkl_path == "AVX2" else ("mkl-sse",)
 
 
 def _sse_sequence(x: np.ndarray, seed: np.ndarray) -> np.ndarray:
@@ -68,8 +80,10 @@ def _amd_seed(x: np.ndarray) -> np.ndarray:
     return (entry - k * (1 << 23)).astype(np.uint32).view(np.float32)
 
 
+@pytest.mark.skipif(not AMD_DATA.exists(), reason=f"{AMD_DATA.name}, torch.sqrt measured on an AMD EPYC (Zen 5), "
+                    "is shared data beside the checkout (../shared/data), not part of a clone; its seed table "
+                    "is Zen 5's, so another CPU's torch.sqrt cannot stand in for it")
 def test_an_amd_epycs_torch_sqrt_is_the_sse_sequence_with_its_seed():
-    assert AMD_DATA.exists(), f"{AMD_DATA} (the shared data beside the checkout) is missing"
     data = np.load(AMD_DATA)
     x = data["inputs"].view(np.float32)
     correct = np.sqrt(x.astype(np.float64)).astype(np.float32)  # correctly rounded for float32 inputs
@@ -104,8 +118,8 @@ print(json.dumps(results))
 
 @needs_native
 @pytest.mark.skipif("avx2" not in simd.available_levels(), reason="the MKL sequences need the avx2 kernel")
-@pytest.mark.parametrize("mkl_path,source", [("AVX2", "mkl-avx2"), ("SSE4_2", "mkl-sse")])
-def test_the_whole_update_equals_torchs_adamw_under_each_mkl_path(mkl_path, source):
+@pytest.mark.parametrize("mkl_path", ["AVX2", "SSE4_2"])
+def test_the_whole_update_equals_torchs_adamw_under_each_mkl_path(mkl_path):
     """Every SIMD level that can compute the path's root, one thread and two: bit for bit."""
     env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": mkl_path}
     env.pop(adam.SQRT_ENV_VAR, None)
@@ -114,4 +128,5 @@ def test_the_whole_update_equals_torchs_adamw_under_each_mkl_path(mkl_path, sour
                          cwd=root)
     assert out.returncode == 0, out.stderr[-2000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert results and all(chosen == source and differ == 0 for chosen, differ in results.values()), results
+    assert results and all(chosen in mkl_sources(mkl_path) and differ == 0
+                           for chosen, differ in results.values()), results

@@ -315,4 +315,6 @@ def test_every_level_equals_torch_under_another_mkl_path(instructions):
             assert got["mismatches"]["ieee"] > 0, (level, got)
             assert got["source"] == ("mkl-vml" if level == "scalar" else "mkl-sse"), (level, got)
         if instructions == "AVX2" and mkl_in_torch() and level != "scalar":
-            assert got["source"] == "mkl-avx2" and got["mismatches"]["ieee"] > 0, (level, got)
+            # MKL's AVX2 sequence, or its SSE4.2 one where MKL declines AVX2 on this CPU (an AMD
+            # EPYC did): asked of MKL through the probe above, never assumed from the vendor.
+            assert got["source"] in ("mkl-avx2", "mkl-sse") and got["mismatches"]["ieee"] > 0, (level, got)
