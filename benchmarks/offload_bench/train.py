@@ -171,6 +171,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="clip gradients by their global 2-norm (0: off, the default): ours and DeepSpeed "
                         "through the config's gradient_clipping, torch, torchao and FSDP2 with "
                         "torch.nn.utils.clip_grad_norm_ (Hugging Face Trainer clips at 1.0 by default)")
+    p.add_argument("--init-device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the weights are drawn (default cpu): cuda draws them on the GPU from its seeded "
+                   "generator, the same values for every contender, then moves them where each contender builds "
+                   "(the host for all but torch). For large models: torch's host normal_ spent ~80 s on 6.9B "
+                   "parameters. Needs --device cuda")
     p.add_argument("--checkpoint", action="store_true",
                    help="checkpoint every block's activations: ours through the config's activation_checkpointing "
                    "(modules [\"Block\"]), every other contender through torch.utils.checkpoint around each "
@@ -259,6 +264,7 @@ def _settings(args) -> dict:
         "grad_clip": args.grad_clip,
         "device_budget": args.device_budget,
         "checkpoint": args.checkpoint,
+        "init_device": args.init_device,
         "warmup": args.warmup if args.warmup is not None else (1 if quick else 2),
         "steps": args.steps if args.steps is not None else (3 if quick else 10),
         "batch": args.batch if args.batch is not None else (2 if quick else 4),
@@ -469,6 +475,9 @@ def run(args) -> int:
         return 2
     if args.deadline is not None and not args.deadline > 0:
         log(f"--deadline must be a number of seconds > 0, got {args.deadline:g}")
+        return 2
+    if args.init_device == "cuda" and args.device != "cuda":
+        log(f"--init-device cuda draws the weights on the GPU: it needs --device cuda (got --device {args.device})")
         return 2
     if args.layers is not None and args.layers < 1:
         log(f"--layers must be at least 1, got {args.layers}")

@@ -283,8 +283,14 @@ def run_contender(name: str, spec: dict) -> dict:
         missing = _torchao_missing()
         if missing:  # recorded as skipped with its reason, not as a failure
             return {**res, "skipped": True, "reason": missing}
-    torch.manual_seed(s["seed"])
-    model = GPT(GPTConfig(**s["model"]))
+    torch.manual_seed(s["seed"])  # every generator: the GPU's too, for --init-device cuda
+    init_device = s.get("init_device", "cpu")
+    with torch.device(init_device):
+        model = GPT(GPTConfig(**s["model"]))
+    if init_device != "cpu" and name.removesuffix("-compiled") != "torch":
+        model.to("cpu")  # where every other contender takes its model from
+        torch.cuda.empty_cache()
+    res["init_device"] = init_device
     res["params"] = sum(p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(s["seed"] + 1)
     n_batches = s["warmup"] + s["steps"] + 1

@@ -33,9 +33,10 @@ def with_24gb(precision: str, value: str) -> bool:
 
 
 def merge_24gb(first: Path, second: Path) -> None:
-    """offload-auto at 24 GB joins the first run's JSON as offload-auto-24GB (the same machine, minutes apart)."""
+    """Each contender run at 24 GB joins the first run's JSON as NAME-24GB (the same machine, minutes apart)."""
     r = json.loads(first.read_text()) if first.exists() else {"results": {}}
-    r["results"]["offload-auto-24GB"] = json.loads(second.read_text())["results"]["offload-auto"]
+    for name, res in json.loads(second.read_text())["results"].items():
+        r["results"][f"{name}-24GB"] = res
     first.write_text(json.dumps(r, indent=1))
 
 
@@ -121,7 +122,7 @@ class Step:
             # Llama-2 7B's width at 42 of this GPT's layers: 6.89B parameters, 110 GB of fp32
             # state, which the H200 holds for torch beside 4096 tokens' checkpointed activations.
             self.seven_b_shape = ["--model", "7b", "--layers", "42", "--batch", "4", "--seq", "1024",
-                                  "--warmup", "1", "--steps", "2"]
+                                  "--warmup", "1", "--steps", "2", "--init-device", "cuda"]
         self.notes: list[str] = []
         self.failed: list[str] = []
         self._have_ds = None
@@ -227,7 +228,9 @@ class Step:
         if not with24:
             return
         if self.bench(f"1b_{p}_24gb", keep, [*self.one_b_shape, "--precision", p, "--timeout", "120",
-                                              "--contenders", "offload-auto", "--device-budget", "24GB"]) is None:
+                                              "--contenders", knob(self.knobs, "STEP_CHECK_24GB_CONTENDERS",
+                                                                   "offload-auto"),
+                                              "--device-budget", "24GB"]) is None:
             return
         try:
             merge_24gb(first, self.work / f"1b_{p}_24gb" / "train.json")
@@ -300,7 +303,7 @@ class Step:
             elif part == "7b":  # a full fine-tune: ours within a 24 GB card's budget, torch with the card's all
                 self.bench("7b", keep, [*self.seven_b_shape, "--precision", "fp32", "--checkpoint", "--timeout", "300",
                                         "--device-budget", knob(self.knobs, "STEP_CHECK_7B_BUDGET", "24GB"),
-                                        "--contenders", knob(self.knobs, "STEP_CHECK_7B", "torch,offload-auto")])
+                                        "--contenders", knob(self.knobs, "STEP_CHECK_7B", "torch,offload-cpu")])
                 if (self.work / "7b" / "train.json").exists():
                     shutil.copyfile(self.work / "7b" / "train.json", self.out / "train_7b.json")
             elif part == "67m":
