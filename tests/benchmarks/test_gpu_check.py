@@ -168,8 +168,8 @@ def test_bad_knobs_are_refused_before_anything_is_written():
 
 
 def test_step_refuses_an_unknown_part_and_reads_its_defaults():
-    with pytest.raises(check.Refused, match="STEP_CHECK_PARTS has '7b'"):
-        step.Step({"STEP_CHECK_PARTS": "67m 7b"}, 0)
+    with pytest.raises(check.Refused, match="STEP_CHECK_PARTS has '70b'"):
+        step.Step({"STEP_CHECK_PARTS": "67m 70b"}, 0)
     with pytest.raises(check.Refused, match="STEP_CHECK_TOTAL_S must be a number of seconds"):
         step.Step({"STEP_CHECK_TOTAL_S": "10m"}, 0)
     with pytest.raises(check.Refused, match="STEP_CHECK_WORK must be a folder under /tmp"):
