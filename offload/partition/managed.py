@@ -26,6 +26,23 @@ each call given a released one outside a forward:
   A known gap: a read returns a copy, so `p[0].zero_()` (in-place on a
   slice) changes the copy only; write the parameter itself (`p[0] = 0`) or
   edit inside offload.gathered.
+Note [writes to device homes]
+A parameter homed on the device (offload_param none, one under
+stage3_param_persistence_threshold such as a norm or a bias, or one the auto
+plan put there) is never released: its `.data` is the home itself, so reads
+need nothing. Its writes do: the optimizer steps an fp32 master kept apart
+from the home, and its next update would publish the old master over the
+edit. So a write to the parameter itself outside a forward (an in-place op,
+`out=`, load_state_dict's copy_, `param.data = value` of the same shape and
+dtype) waits for any update still writing the home, is applied, and is
+taken into the master, as an offloaded parameter's is. A read outside a
+forward waits for such an update too: after step() the updates may go on
+beside the next forward (Note [updates under the next forward]), and a
+read before the forward must see what the step wrote, as in plain PyTorch. `param.data = value`
+copies into the home rather than replacing it (the engine's copies and
+updates write the home's storage). Known gap: a write through an alias
+taken earlier (`param.data.fill_(x)`, a view) is not seen; write the
+parameter itself or edit inside offload.gathered.
 Note [gradients users read]
 After backward each gradient lives in its shard's fp32 partition, not in
 `param.grad`. Trainer and Accelerate clip with
@@ -81,9 +98,12 @@ def _is_write(name: str, kwargs: dict) -> bool:
 
 def _refuse(param, what: str) -> RuntimeError:
     shard = param._offload_shard
+    where = ("is homed on the device, where the engine's copies and updates write its storage"
+             if shard.home.value == "device" else
+             f"lives offloaded ({shard.home.value}) between uses: outside the engine's forward its storage is a "
+             "placeholder")
     return RuntimeError(
-        f"{what} of parameter {shard.name}, which lives offloaded ({shard.home.value}) between uses: "
-        "outside the engine's forward its storage is a placeholder. To edit it (or keep an alias), "
+        f"{what} of parameter {shard.name}, which {where}. To edit it (or keep an alias), "
         "use `with offload.gathered(params, modifier_rank=0):` (edits are written home and into the "
         "optimizer's fp32 master); reads (state_dict(), detach(), clone(), any function of it) "
         "return its real values")
@@ -116,6 +136,9 @@ class ManagedParameter(torch.nn.Parameter):
                 return func(*args, **kwargs)
         released = _released_outside_forward(args, kwargs)
         if not released:
+            written = _device_home_written(kind, name, args, kwargs)
+            if written is not None:
+                return _write_device_home(written, kind, func, args, kwargs)
             with engine_access():
                 return func(*args, **kwargs)
         first = released[0]
@@ -175,7 +198,12 @@ def _released_outside_forward(args, kwargs) -> list:
     with engine_access():
         for t in tensor_leaves((args, kwargs)):
             shard = getattr(t, "_offload_shard", None)
-            if shard is None or shard.residency is Residency.GATHERED:
+            if shard is None:
+                continue
+            if shard.residency is Residency.GATHERED:
+                if shard.home.value == "device" and (shard.in_flight.update is not None
+                                                     or shard.in_flight.copy_in is not None):
+                    _settle_device_home(t)
                 continue
             manager = t._offload_manager
             if manager.closed:
@@ -189,6 +217,52 @@ def _released_outside_forward(args, kwargs) -> list:
                 continue
             found.append(t)
     return found
+
+
+def _settle_device_home(param) -> None:
+    """A device home's new value may still be on its way (an update step() left running
+    beside the next forward, its upload): a read or a write outside the engine waits for it,
+    as the forward would (Note [writes to device homes])."""
+    manager = param._offload_manager
+    if manager.closed or manager._internal or manager.in_forward:
+        return
+    manager.hold(param._offload_shard)  # waits for the update and its copy-in (Shard.gather)
+    manager.drop(param._offload_shard)
+
+
+def _device_home_written(kind: str, name: str, args, kwargs):
+    """The parameter a call writes, where it is homed on the device and the call comes
+    from outside the engine's forward (Note [writes to device homes]); else None."""
+    if kind == "set" and name == "data":
+        target = args[0]
+    elif kind == "call" and _is_write(name, kwargs):
+        target = kwargs.get("out") if kwargs.get("out") is not None else (args[0] if args else None)
+    else:
+        return None
+    with engine_access():
+        shard = getattr(target, "_offload_shard", None)
+        if shard is None or shard.home.value != "device":
+            return None
+        manager = target._offload_manager
+        if manager.closed or manager._internal or manager.in_forward:
+            return None
+    return target
+
+
+def _write_device_home(param, kind: str, func, args, kwargs):
+    """Note [writes to device homes]: the write is applied to the home after any update
+    still writing it, then taken into the optimizer's fp32 master."""
+    if kind == "set":
+        value = args[1] if len(args) > 1 else None
+        if value is param:
+            return None
+        if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dtype == param.dtype:
+            with torch.no_grad():  # `.data =` is invisible to autograd
+                _write([param], param, torch.Tensor.copy_, (param, value), {})
+            return None
+        raise _refuse(param, "`param.data = value` with another shape or dtype")
+    _write([param], param, func, args, kwargs)
+    return kwargs.get("out") if kwargs.get("out") is not None else param
 
 
 def _converts_to_itself(func, args, kwargs) -> bool:

@@ -80,7 +80,8 @@ def run_reference(model, data, *, gas, clip, lr, weight_decay, world=1, schedule
     return model.cpu(), torch.stack(losses).cpu()
 
 
-def run_reference_mixed(model, data, *, dtype, gas, lr, weight_decay, world=1, state_on_device=False):
+def run_reference_mixed(model, data, *, dtype, gas, lr, weight_decay, world=1, state_on_device=False,
+                        before_step=None):
     """Plain PyTorch mixed precision: a `dtype` copy computes, fp32 masters step,
     gradients accumulate in fp32, the copy is refreshed after each step.
 
@@ -93,7 +94,9 @@ def run_reference_mixed(model, data, *, dtype, gas, lr, weight_decay, world=1, s
     plan with room), torch's fused AdamW there, as the engine updates it:
     True for every parameter, or the set of names whose state the engine's
     plan put on the device. On the cpu layer and the sim the engine's device
-    state steps with the host kernel, so state_on_device changes nothing there."""
+    state steps with the host kernel, so state_on_device changes nothing there.
+    before_step(compute, i): a user's edit of the `dtype` model before micro-step i; each
+    parameter it changed is taken into its master, as the engine takes a write."""
     from offload.optim import CPUAdam
 
     master = copy.deepcopy(model)
@@ -114,6 +117,13 @@ def run_reference_mixed(model, data, *, dtype, gas, lr, weight_decay, world=1, s
     pairs = list(zip(master.parameters(), compute.parameters()))
     losses = []
     for i, per_rank in enumerate(data):
+        if before_step is not None:
+            before = [p16.detach().clone() for _, p16 in pairs]
+            before_step(compute, i)
+            with torch.no_grad():
+                for (p32, p16), old in zip(pairs, before):
+                    if not torch.equal(p16, old):
+                        p32.copy_(p16)
         step_losses, rank_grads = [], []
         for x, y in per_rank:  # each rank's micro-batch; gradients averaged in fp32
             x, y = on_test_device(x, y)
