@@ -82,9 +82,11 @@ and its state the higher tiers first (for a LoRA they are under 1% of the
 bytes): on the device, trainable homes, then their state, then frozen
 homes, tail first; on the host, at equal saving per byte, trainable moves
 before frozen ones. The frozen base fills what is left; only its overflow
-goes to NVMe, read ahead like any home. Which parameters train is fixed at
-initialize: a requires_grad changed later is refused at the next step
-(Engine._check_trainable), never silently not trained.
+goes to NVMe, read ahead like any home. A parameter trainable at initialize
+may stop and start training freely (requires_grad False: no gradient, no
+update, as in plain PyTorch); one frozen at initialize and set trainable
+later is refused at the next step (Engine._check_trainable), never silently
+not trained.
 """
 from __future__ import annotations
 

@@ -301,26 +301,20 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
         self.optimizer.set_master(shard, master)
 
     def _check_trainable(self) -> None:
-        """Which parameters train is fixed when the engine is built (Note [frozen parameters]
-        in offload/placement.py): a requires_grad changed since is refused, by name, before
-        a forward, a backward or a step can leave it silently trained or not."""
-        changed = [s for s in self.shards if s.param.requires_grad is not s.trainable]
-        if not changed:
+        """A parameter frozen when the engine was built (Note [frozen parameters] in
+        offload/placement.py) and set trainable since is refused, by name, before a forward,
+        a backward or a step can leave it silently untrained. One trainable when built may
+        stop and start training freely: while requires_grad is False it gets no gradient,
+        so no update, as in plain PyTorch."""
+        unfrozen = [s.name for s in self.shards if s.param.requires_grad and not s.trainable]
+        if not unfrozen:
             return
-        unfrozen = [s.name for s in changed if s.trainable is False]
-        frozen = [s.name for s in changed if s.trainable]
-
-        def named(names):
-            return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        what = "; ".join(part for part in (
-            f"requires_grad set to True on {named(unfrozen)}, frozen when the engine was built "
-            "(it has no optimizer state and would never be updated)" if unfrozen else "",
-            f"requires_grad set to False on {named(frozen)}, trainable when the engine was built "
-            "(it keeps its optimizer state and gradient buffers)" if frozen else "") if part)
+        named = ", ".join(unfrozen[:5]) + (f" and {len(unfrozen) - 5} more" if len(unfrozen) > 5 else "")
         raise RuntimeError(
-            f"{what}. The engine fixes which parameters train when it is built: set requires_grad "
-            "before offload.initialize, and to change it later, save (engine.save_checkpoint), "
-            "engine.close() and initialize a new engine; or leave the parameter trainable from the start")
+            f"requires_grad set to True on {named}, frozen when the engine was built (it has no optimizer "
+            "state and would never be updated). A parameter frozen when the engine is built has no optimizer "
+            "state; one trainable then may stop and start training freely. Leave it trainable at "
+            "offload.initialize and set requires_grad = False after it until the parameter should train")
 
     def _check_open(self) -> None:
         if self._closed:  # engine.optimizer.step() reaches _update through its driver

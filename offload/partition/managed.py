@@ -234,7 +234,13 @@ def _device_home_written(kind: str, name: str, args, kwargs):
     """The parameter a call writes, where it is homed on the device and the call comes
     from outside the engine's forward (Note [writes to device homes]); else None."""
     if kind == "set" and name == "data":
-        target = args[0]
+        target, value = args[0], (args[1] if len(args) > 1 else None)
+        with engine_access():
+            shard = getattr(target, "_offload_shard", None)
+            full = None if shard is None else shard.full_buffer()
+            if (full is not None and isinstance(value, torch.Tensor) and value.device == full.device
+                    and value.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()):
+                return None  # the engine pointing the parameter at its own home (any thread)
     elif kind == "call" and _is_write(name, kwargs):
         target = kwargs.get("out") if kwargs.get("out") is not None else (args[0] if args else None)
     else:
