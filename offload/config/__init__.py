@@ -257,6 +257,15 @@ class Config(_Section):
                                    gradient_accumulation_steps=gas,
                                    zero_optimization=self.zero_optimization.resolve_auto(hidden_size, num_params))
 
+    def resolve_batch(self, world_size: int) -> "Config":
+        """A copy with the batch sizes DeepSpeed derives: any two of train_batch_size,
+        train_micro_batch_size_per_gpu and gradient_accumulation_steps give the third
+        (train_batch_size = micro * accumulation * world_size); values that disagree raise."""
+        world_size = _int("resolve_batch: world_size", world_size, lo=1)
+        tb, mb, gas = self._resolve_batch(world_size)
+        return dataclasses.replace(self, train_batch_size=tb, train_micro_batch_size_per_gpu=mb,
+                                   gradient_accumulation_steps=gas)
+
     def _resolve_batch(self, world_size: int):
         def known(v):
             return v if isinstance(v, int) else None

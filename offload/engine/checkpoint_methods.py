@@ -80,14 +80,18 @@ class CheckpointMethods:
         re-partitioned (Note [resuming at another world size] in checkpoint_io/load.py).
         use_config_hyperparameters: keep the moments, apply the config's optimizer and
         scheduler settings where they differ (else refused: Note [optimizer settings at load]).
-        (None, None) when tag is None and load_dir holds no complete checkpoint, as
-        DeepSpeed. The options: docs/CONFIG.md, "DeepSpeed drop-in".
+        load_dir: the root save_checkpoint wrote (tag: the one to load, default `latest`)
+        or one tag's directory itself. (None, None), as DeepSpeed, where load_dir is an
+        empty directory: nothing was saved there yet. A path that does not exist, a file,
+        or a directory holding something else raises CheckpointError, naming it. The options: docs/CONFIG.md, "DeepSpeed drop-in".
         """
         from offload.checkpoint_io import load_checkpoint
 
         self._check_open()
-        if self._nothing_to_load(load_dir, tag, load_module_strict, custom_load_fn):  # deepspeed_methods.py
+        where = self._where_to_load(load_dir, tag, load_module_strict, custom_load_fn)  # deepspeed_methods.py
+        if where is None:
             return None, None
+        load_dir, tag = where
         self.wait_checkpoint()
         if self.steps.updating_in_backward:  # no update may write while the files are rewritten
             self._abandon_overlap()

@@ -38,6 +38,8 @@ def create_engine(model: torch.nn.Module, config, weights=None, *, param_groups=
         num_params = sum(p.numel() for p in model.parameters())
         config = config.resolve_auto(hidden, max(num_params, 1),
                                      world_size=ProcessGroupInfo.current().world_size)
+    else:  # DeepSpeed derives the batch size not given from the other two (only train_batch_size, say)
+        config = config.resolve_batch(ProcessGroupInfo.current().world_size)
     builder = claim(model, config)
     try:
         return Engine(model, config, builder=builder, weights=weights, param_groups=param_groups)

@@ -206,9 +206,12 @@ class DeepSpeedMethods:
             self._record_grad_norm(None)
             self._grad_norm_pending = False
 
-    def _nothing_to_load(self, load_dir, tag, load_module_strict, custom_load_fn) -> bool:
-        """load_checkpoint's refusals, and DeepSpeed's (None, None) where nothing was ever saved."""
-        from offload.checkpoint_io.manifest import LATEST, MANIFEST
+    def _where_to_load(self, load_dir, tag, load_module_strict, custom_load_fn):
+        """load_checkpoint's refusals, then (root, tag) to load; None where nothing was ever
+        saved there (DeepSpeed's (None, None)). load_dir may be the root (with or without
+        tag) or a tag's directory itself; a path that is not a directory, or that does not
+        exist, is refused: a run asked to resume never silently starts over."""
+        from offload.checkpoint_io.manifest import LATEST, MANIFEST, CheckpointError
 
         if not load_module_strict:
             raise ValueError("load_checkpoint(load_module_strict=False) is not supported: the checkpoint is "
@@ -216,11 +219,27 @@ class DeepSpeedMethods:
         if custom_load_fn is not None:
             raise ValueError("load_checkpoint(custom_load_fn=...) is not supported: offload's checkpoint "
                              "layout is its own (offload/checkpoint_io); read it with offload.consolidate")
+        path = os.fspath(load_dir)
+        if not os.path.exists(path):
+            raise CheckpointError(f"load_checkpoint: {path} does not exist; give the directory save_checkpoint "
+                                  "wrote (its root, or one tag's directory under it)")
+        if not os.path.isdir(path):
+            raise CheckpointError(f"load_checkpoint: {path} is a file, not a checkpoint directory; give the "
+                                  "directory save_checkpoint wrote (its root, or one tag's directory under it)")
         if tag is not None:
-            return False
+            return path, tag
+        if os.path.isfile(os.path.join(path, MANIFEST)):  # a tag's own directory
+            root, own_tag = os.path.split(os.path.normpath(os.path.abspath(path)))
+            return root, own_tag
         # No `latest` and no complete tag: a fresh start. A tag without `latest` is damage: an error, later.
-        nothing = not os.path.isdir(load_dir) or (not os.path.exists(os.path.join(load_dir, LATEST)) and not any(
-            os.path.isfile(os.path.join(load_dir, d, MANIFEST)) for d in os.listdir(load_dir)))
-        if nothing:
-            log.warning("load_checkpoint: no checkpoint was completed in %s; nothing loaded", load_dir)
-        return nothing
+        entries = os.listdir(path)
+        if os.path.exists(os.path.join(path, LATEST)) or any(
+                os.path.isfile(os.path.join(path, d, MANIFEST)) for d in entries):
+            return path, None
+        if entries:
+            raise CheckpointError(f"load_checkpoint: {path} holds no checkpoint (no `{LATEST}` file, no tag "
+                                  f"directory with a {MANIFEST}; found {', '.join(sorted(entries)[:5])}"
+                                  f"{' ...' if len(entries) > 5 else ''}); give the directory save_checkpoint "
+                                  "wrote, or a tag's directory under it")
+        log.warning("load_checkpoint: %s is empty: no checkpoint was saved there yet; nothing loaded", path)
+        return None

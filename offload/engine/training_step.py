@@ -56,8 +56,8 @@ class TrainingStep:
         self._refuse_after_failed_step("engine.backward()")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("engine.backward(loss) takes a scalar loss tensor")
-        if not self.module.training:
-            raise RuntimeError("engine.backward() after engine.eval(): call engine.train() first")
+        # No check of module.training: backward in eval mode is plain PyTorch's too (a model
+        # from from_pretrained starts in it); eval mode only turns dropout and the like off.
         if not loss.requires_grad:
             raise RuntimeError("loss does not require grad: was the forward run under "
                                "torch.no_grad() or with every parameter frozen?")

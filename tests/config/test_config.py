@@ -3,6 +3,7 @@ import copy
 import json
 
 import pytest
+import torch
 
 from offload.aio.config import Backend
 from tests.config.hf_configs import HF_ZERO3, HF_ZERO3_FILLED, filled
@@ -563,3 +564,28 @@ def test_hugging_faces_zero3_config_with_the_trainers_values_loads_and_resolves(
     assert (c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps, c.train_batch_size) == (4, 1, 4)
     assert c.gradient_clipping == 1.0 and c.optimizer.lr == 5e-5
     assert c.zero_optimization.reduce_bucket_size == 64 * 64
+
+
+@pytest.mark.parametrize("given,want", [
+    ({"train_batch_size": 32}, (32, 32, 1)),
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 4}, (32, 8, 4)),
+    ({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2}, (16, 8, 2)),
+    ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 8}, (24, 8, 3)),
+])
+def test_any_two_batch_sizes_give_the_third_at_initialize_as_deepspeed(given, want):
+    import offload
+
+    cfg = {**given, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3}}
+    with offload.initialize(torch.nn.Linear(4, 4), cfg) as engine:
+        got = (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps())
+    assert got == want
+
+
+def test_batch_sizes_that_disagree_are_refused_at_initialize_naming_each():
+    import offload
+
+    cfg = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 3,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with pytest.raises(ConfigError, match=r"train_batch_size: 32 != train_micro_batch_size_per_gpu 8 \* "
+                                          r"gradient_accumulation_steps 3 \* world size 1 \(= 24\)"):
+        offload.initialize(torch.nn.Linear(4, 4), cfg)

@@ -6,6 +6,7 @@ import copy
 import functools
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -326,9 +327,36 @@ def test_a_checkpoint_keeps_each_groups_state_and_refuses_other_groups(tmp_path)
 
 def test_load_checkpoint_where_nothing_was_saved_returns_none_as_deepspeed(tmp_path):
     with make_engine(tmp_path) as engine:
-        assert engine.load_checkpoint(tmp_path / "never") == (None, None)
         (tmp_path / "empty").mkdir()
         assert engine.load_checkpoint(tmp_path / "empty") == (None, None)
+
+
+def test_load_checkpoint_takes_the_root_with_or_without_tag_or_a_tag_directory_and_refuses_the_rest(tmp_path):
+    """Each form resumes exactly where the run saved; a path that is no checkpoint raises,
+    naming it, and the engine is left as it was: a run asked to resume never starts over."""
+    with make_engine(tmp_path / "a") as engine:
+        train(engine, batches(2))
+        tag = engine.save_checkpoint(tmp_path / "ck")
+        saved, steps = engine_weights(engine), engine.global_steps
+    for where, kw in [(tmp_path / "ck", {}), (tmp_path / "ck", {"tag": tag}), (tmp_path / "ck" / tag, {}),
+                      (str(tmp_path / "ck" / tag) + "/", {})]:
+        with make_engine(tmp_path / "b", seed=9) as other:
+            path, _ = other.load_checkpoint(where, **kw)
+            assert os.path.samefile(path, tmp_path / "ck" / tag) and other.global_steps == steps
+            for name, value in engine_weights(other).items():
+                torch.testing.assert_close(value, saved[name], rtol=0, atol=0)
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "run.log").write_text("x")
+    with make_engine(tmp_path / "c", seed=9) as other:
+        before = engine_weights(other)
+        for bad, said in [(tmp_path / "ck_typo", "does not exist"), (tmp_path / "notes.txt", "is a file"),
+                          (tmp_path / "other", "holds no checkpoint.*run.log")]:
+            with pytest.raises(CheckpointError, match=said):
+                other.load_checkpoint(bad)
+        for name, value in engine_weights(other).items():
+            torch.testing.assert_close(value, before[name], rtol=0, atol=0)
+        assert other.global_steps == 0
 
 
 def test_save_latest_false_leaves_latest_alone(tmp_path):

@@ -41,16 +41,11 @@ def test_device_budget_too_small_fails_at_initialize(tmp_path):
         offload.initialize(build("tiny_gpt"), cfg)
 
 
-def test_step_without_backward_and_backward_in_eval(tmp_path):
+def test_step_without_backward_and_backward_without_a_graph(tmp_path):
     (x, y), = batches(1)[0]
     with offload.initialize(build("shared_param"), make_config("cpu", "cpu", tmp_path)) as engine:
         with pytest.raises(RuntimeError, match="step\\(\\) called without a backward since the last step"):
             engine.step()
-        engine.eval()
-        loss = lm_loss(engine(x), y)
-        with pytest.raises(RuntimeError, match="after engine.eval\\(\\)"):
-            engine.backward(loss)
-        engine.train()
         with torch.no_grad():
             loss = lm_loss(engine(x), y)
         with pytest.raises(RuntimeError, match="does not require grad"):
@@ -111,3 +106,20 @@ def test_interrupted_initialize_leaves_no_files_and_restores_the_model(tmp_path,
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), before[n]), n
     assert not model.a._forward_pre_hooks  # hooks removed
+
+
+def test_a_model_in_eval_mode_trains_through_engine_backward_as_plain_torch(tmp_path):
+    """from_pretrained leaves a model in eval mode; plain PyTorch runs backward there, so does the engine."""
+    import copy
+
+    from tests.engine.harness import engine_weights, run_reference, train_engine
+
+    model, data = build("tiny_gpt").eval(), batches(3, seed=2)
+    ref_model, ref_losses = run_reference(model, data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01)
+    with offload.initialize(copy.deepcopy(model), make_config("cpu", "cpu", tmp_path)) as engine:
+        assert not engine.module.training
+        losses = train_engine(engine, data)
+        weights = engine_weights(engine)
+    torch.testing.assert_close(losses, ref_losses[:, 0], rtol=0, atol=0)
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), rtol=0, atol=0)
