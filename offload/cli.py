@@ -34,7 +34,10 @@ BENCHMARKS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from offload import __version__
+
     parser = argparse.ArgumentParser(prog="offload", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"offload {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     report = sub.add_parser("report", help="print the environment and what offload will use")
     report.add_argument("--json", action="store_true", help="print JSON instead of text")

@@ -77,10 +77,10 @@ def _io_backends() -> dict:
     return aio.backend_report()
 
 
-def _torch_release() -> str | None:
-    """None where torch is a supported, tested release; else why not (offload/torch_release.py)."""
+def _torch_release() -> str:
+    """"tested" where torch is a supported, tested release; else why not (offload/torch_release.py)."""
     release = importlib.import_module("offload.torch_release")
-    return release.torch_release_problem() or release.torch_release_untested()
+    return release.torch_release_problem() or release.torch_release_untested() or "tested"
 
 
 def collect() -> dict:

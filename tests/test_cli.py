@@ -108,3 +108,40 @@ def test_setup_declares_exactly_the_runtime_requirements():
     assert "numpy>=1.22" in listed  # the code calls Tensor.numpy() (checksums, swap headers)
     assert "RUNTIME_REQUIREMENTS = runpy.run_path" in (root / "setup.py").read_text()
     assert "install_requires=RUNTIME_REQUIREMENTS" in (root / "setup.py").read_text()
+
+
+def test_version_estimate_and_consolidate_answer_what_a_user_types(tmp_path):
+    import offload
+
+    proc = _run("--version")
+    assert (proc.returncode, proc.stdout.strip()) == (0, f"offload {offload.__version__}")
+    # A model's folder, as from_pretrained takes it, for --model-config.
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "vocab_size": 100}))
+    folder, file = _run("estimate", "--model-config", str(tmp_path / "model")), \
+        _run("estimate", "--model-config", str(tmp_path / "model" / "config.json"))
+    assert folder.returncode == 0 and folder.stdout == file.stdout, folder.stderr
+    (tmp_path / "empty").mkdir()
+    proc = _run("estimate", "--model-config", str(tmp_path / "empty"))
+    assert proc.returncode == 2 and "without a config.json" in proc.stderr
+    # A plan that does not fit its budgets exits 1, naming what is short; one that fits, 0.
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1,
+                                                  "zero_optimization": {"stage": 3},
+                                                  "memory": {"device_budget": "1GB"}}))
+    short = _run("estimate", "--params", "7B", "--config", str(tmp_path / "ds.json"))
+    assert short.returncode == 1 and "does not fit: memory.device_budget" in short.stderr
+    assert _run("estimate", "--params", "7M", "--config", str(tmp_path / "ds.json")).returncode == 0
+    # consolidate given a file says so.
+    (tmp_path / "a-file").write_text("x")
+    proc = _run("consolidate", str(tmp_path / "a-file"), str(tmp_path / "out.safetensors"))
+    assert proc.returncode != 0 and "is a file, not a checkpoint directory" in proc.stderr
+
+
+def test_report_says_tested_rather_than_none_for_a_tested_torch():
+    from offload.torch_release import torch_release_problem, torch_release_untested
+
+    info = json.loads(_run("report", "--json").stdout)
+    want = torch_release_problem() or torch_release_untested() or "tested"
+    assert info["torch_release"] == want and info["torch_release"] is not None

@@ -71,7 +71,7 @@ class RunDirectory:
     def __init__(self, root):
         """Removes the stale directories under `root`, then makes this run's."""
         root = Path(os.path.abspath(os.fspath(root)))  # removed by path, maybe after a chdir
-        _check_root(root)
+        made = _check_root(root)  # the folders of nvme_path this run made: removed with it, if empty
         remove_stale(root)
         self.root = root
         host, pid = socket.gethostname(), os.getpid()
@@ -117,7 +117,7 @@ class RunDirectory:
             raise
         finally:
             os.close(dir_fd)
-        self._finalizer = _LIVE[self.path] = weakref.finalize(self, _remove, self.path, lock_fd, pid)
+        self._finalizer = _LIVE[self.path] = weakref.finalize(self, _remove, self.path, lock_fd, pid, made)
         _install_signal_handlers()
 
     @property
@@ -163,8 +163,10 @@ class RunDirectories:
 # ------------------------------------------------------------------ removal
 
 
-def _remove(path: Path, lock_fd: int, owner_pid: int) -> None:
-    """The finalizer: no reference to the RunDirectory, so it can run at its collection."""
+def _remove(path: Path, lock_fd: int, owner_pid: int, made: tuple = ()) -> None:
+    """The finalizer: no reference to the RunDirectory, so it can run at its collection.
+    made: the folders of nvme_path the run made, deepest first: each removed while empty
+    (another run's directory, or a user's file, keeps it)."""
     _LIVE.pop(path, None)
     if os.getpid() != owner_pid:  # a forked child: the directory is its parent's
         return
@@ -174,6 +176,11 @@ def _remove(path: Path, lock_fd: int, owner_pid: int) -> None:
         pass
     shutil.rmtree(path, ignore_errors=True)
     os.close(lock_fd)
+    for folder in made:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            break
 
 
 _LIVE: dict[Path, weakref.finalize] = {}  # each live directory's removal, for the signal handler
@@ -269,8 +276,9 @@ def _tree_bytes(path: Path) -> int:
     return total
 
 
-def _check_root(root: Path) -> None:
-    """nvme_path must be a directory (made if missing) and not inside another run's directory."""
+def _check_root(root: Path) -> tuple:
+    """nvme_path must be a directory (made if missing) and not inside another run's directory;
+    returns the folders made, deepest first."""
     if root.exists() and not root.is_dir():
         raise SwapStoreError(errno.ENOTDIR, f"nvme_path {root} exists and is not a directory")
     for directory in (root.resolve(), *root.resolve().parents):
@@ -284,10 +292,15 @@ def _check_root(root: Path) -> None:
             f"nvme_path {root} is inside {directory}, the swap directory of "
             + (f"a live run ({whose}), in use by it" if live else f"an ended run ({whose})")
             + f"; give a directory of your own (for example {directory.parent})")
+    missing, folder = [], root
+    while not folder.exists() and folder.parent != folder:
+        missing.append(folder)
+        folder = folder.parent
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise SwapStoreError(exc.errno, f"cannot create nvme_path {root}: {exc.strerror}") from exc
+    return tuple(missing)
 
 
 def _held(directory: Path) -> bool:

@@ -151,8 +151,13 @@ def first_few(items: list, sep: str = ", ") -> str:
 def resolve_tag_dir(root, tag: str | None) -> Path:
     """The directory of `tag` (or of the tag `latest` names), refusing what is not there."""
     root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"{root} is a file, not a checkpoint directory: give the directory "
+                              "save_checkpoint wrote (its root, or one tag's directory)")
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory {root} does not exist")
+    if tag is None and (root / MANIFEST).is_file():  # a tag's own directory
+        return root
     if tag is None:
         latest = root / LATEST
         if not latest.is_file():

@@ -170,6 +170,9 @@ class SaveJob:
         self.pg = engine.pg
         self.save_latest = save_latest
         self.root = Path(save_dir)
+        if self.root.exists() and not self.root.is_dir():
+            raise mf.CheckpointError(f"save_checkpoint: {self.root} is a file; give a directory (it is made "
+                                     "where missing), under which each checkpoint is a tag's directory")
         self.tag = mf.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
         self.tmp = mf.tmp_dir(self.root, self.tag)
         self.model = mf.describe_model(engine)

@@ -7,6 +7,7 @@ import dataclasses
 import errno
 import os
 import shutil
+import tempfile
 
 import torch
 
@@ -130,6 +131,7 @@ def check_free_space(swap_configs: dict) -> None:
     for role, c in swap_configs.items():
         if c.capacity_bytes:
             at = _existing_parent(c.nvme_path)
+            _check_can_make(c.nvme_path, at)
             by_device.setdefault(os.stat(at).st_dev, []).append((what.get(role, role), c, at))
     for entries in by_device.values():
         need = sum(c.capacity_bytes for _, c, _ in entries)
@@ -141,6 +143,24 @@ def check_free_space(swap_configs: dict) -> None:
                 f"not enough free space for the swap files: {need} bytes needed ({parts}) on the file "
                 f"system of {entries[0][2]}, {free} bytes free ({need - free} short); free some space or "
                 "point zero_optimization.offload_param/offload_optimizer.nvme_path at a larger disk")
+
+
+def _check_can_make(nvme_path, at: str) -> None:
+    """Refuses an nvme_path whose folders cannot be made: its nearest existing part is a
+    file, or a folder this process may not write (a read-only mount, /proc), before the
+    free space of a place no file can go is reported."""
+    from offload.aio.swap_store import SwapStoreError
+
+    if not os.path.isdir(at):
+        raise SwapStoreError(errno.ENOTDIR, f"nvme_path {nvme_path}: {at} is a file, not a folder; point "
+                             "zero_optimization.offload_param/offload_optimizer.nvme_path at a folder")
+    try:  # asked of the file system itself: access() says yes to root on /proc and read-only mounts
+        os.rmdir(tempfile.mkdtemp(prefix=".offload-probe-", dir=at))
+    except OSError as exc:
+        raise SwapStoreError(exc.errno or errno.EACCES,
+                             f"nvme_path {nvme_path}: no folder can be made in {at} ({exc.strerror}); point "
+                             "zero_optimization.offload_param/offload_optimizer.nvme_path at a folder this "
+                             "process may write") from exc
 
 
 def _existing_parent(path) -> str:

@@ -274,12 +274,12 @@ class TrainingStep:
         every = self.config.steps_per_print or (10 if self.config.wall_clock_breakdown else None)
         if every and self.global_steps % every == 0 and self.pg.rank == 0:
             scale = f", loss scale {self.loss_scaler.scale:g}" if self.loss_scaler is not None else ""
-            log.info("step %d: lr %g%s, %d skipped", self.global_steps, self.optimizer.param_groups[0]["lr"],
-                     scale, self.skipped_steps)
+            _progress("step %d: lr %g%s, %d skipped", self.global_steps, self.optimizer.param_groups[0]["lr"],
+                      scale, self.skipped_steps)
             if self.config.wall_clock_breakdown:
                 tl = self._timeline.last_step()
-                log.info("step %d took %.3f s: %s", self.global_steps, tl["wall_s"],
-                         ", ".join(f"{k} {v:.3f} s" for k, v in tl["seconds"].items()))
+                _progress("step %d took %.3f s: %s", self.global_steps, tl["wall_s"],
+                          ", ".join(f"{k} {v:.3f} s" for k, v in tl["seconds"].items()))
 
     # ---- gradients -----------------------------------------------------------
     def _take_grad(self, shard, grad: torch.Tensor, owned: bool = False, trailing: bool = False,
@@ -322,3 +322,12 @@ class TrainingStep:
     def _zero_grads(self) -> None:
         for s in self.shards:
             s.clear_grad()
+
+
+def _progress(msg: str, *args) -> None:
+    """steps_per_print's line: on the `offload` logger where the script configured logging,
+    else printed, as DeepSpeed's own logger (which has a handler of its own) shows it."""
+    if log.hasHandlers():  # the script's logging decides, its level included
+        log.info(msg, *args)
+    else:
+        print("[offload] " + msg % args, flush=True)

@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `offload estimate`."""
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", type=parse_count, help="parameter count (7e9, 7B, 350M)")
-    src.add_argument("--model-config", help="a Hugging Face config.json (GPT-2 or Llama style)")
+    src.add_argument("--model-config", help="a Hugging Face config.json (GPT-2 or Llama style), or the model folder holding it")
     parser.add_argument("--config", help="offload / DeepSpeed JSON config (default: fp32, nothing offloaded)")
     parser.add_argument("--largest-layer", type=parse_count, default=None,
                         help="parameters of the largest module (default: from --model-config, "
@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs `offload estimate`; 0 on success, 2 on a bad config or argument (message on stderr)."""
+    """Runs `offload estimate`; 0 when the plan fits, 1 when it does not (what is short, on stderr),
+    2 on a bad config or argument (message on stderr)."""
     try:
         est = estimate_from(args.params, model_config=args.model_config, config=args.config,
                         largest_layer_params=args.largest_layer, persistent_params=args.persistent_params,
@@ -47,7 +48,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(est.to_dict(), indent=2))
     else:
         print(est.format())
-    return 0
+    # A plan that does not fit exits 1, so a script can stop before it starts a run initialize refuses.
+    short = [n for n in est.notes if " short" in n]
+    if args.config is not None:
+        from offload.config import Config
+
+        short = est.check_budgets(Config.load(args.config).memory) + short
+    for line in short:
+        print(f"offload estimate: does not fit: {line}", file=sys.stderr)
+    return 1 if short else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -157,4 +157,10 @@ def load_json(path: str | os.PathLike, what: str) -> dict:
 def load_model_config(model_config: str | os.PathLike | Mapping) -> tuple[dict, str]:
     if isinstance(model_config, Mapping):
         return dict(model_config), "model config"
-    return load_json(model_config, "model config"), f"model config {Path(model_config).name}"
+    path = Path(model_config)
+    if path.is_dir():  # a model's folder, as from_pretrained takes it: its config.json
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model config: {path} is a folder without a config.json; give the model's "
+                              "config.json, or the folder that holds it")
+        path = path / "config.json"
+    return load_json(path, "model config"), f"model config {path.name}"

@@ -123,3 +123,53 @@ def test_a_model_in_eval_mode_trains_through_engine_backward_as_plain_torch(tmp_
     torch.testing.assert_close(losses, ref_losses[:, 0], rtol=0, atol=0)
     for name, p in ref_model.named_parameters():
         torch.testing.assert_close(weights[name], p.detach(), rtol=0, atol=0)
+
+
+def test_steps_per_print_is_seen_without_any_logging_set_up(tmp_path):
+    """DeepSpeed's progress line shows by default (its logger has a handler of its own); ours is
+    printed where the script configured no logging, and logged where it did."""
+    import subprocess
+    import sys
+
+    script = f"""
+import torch, offload
+from tests.engine.harness import batches, build, lm_loss, make_config
+cfg = make_config("cpu", "cpu", {str(tmp_path)!r}, extra={{"steps_per_print": 2}})
+with offload.initialize(build("tiny_gpt"), cfg) as engine:
+    for (x, y), in batches(4):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+"""
+    root = __import__("pathlib").Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300,
+                         env={**__import__("os").environ, "OFFLOAD_DEVICE": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [line.split(":")[0] for line in out.stdout.splitlines() if "lr" in line] == ["[offload] step 2",
+                                                                                     "[offload] step 4"]
+
+
+def test_a_file_where_a_directory_belongs_is_named(tmp_path):
+    from offload.checkpoint_io import CheckpointError
+
+    (tmp_path / "a-file").write_text("x")
+    with offload.initialize(build("tiny_gpt"), make_config("cpu", "cpu", tmp_path)) as engine:
+        (x, y), = batches(1)[0]
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+        with pytest.raises(CheckpointError, match=r"a-file is a file; give a directory"):
+            engine.save_checkpoint(tmp_path / "a-file")
+    for nvme_path, said in [(tmp_path / "a-file" / "swap", r"a-file is a file, not a folder"),
+                            ("/proc/offload-swap", r"no folder can be made in /proc")]:
+        with pytest.raises(OSError, match=said):
+            offload.initialize(build("tiny_gpt"), make_config("nvme", "nvme", nvme_path))
+
+
+def test_the_nvme_path_folders_initialize_made_go_with_close(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with offload.initialize(build("tiny_gpt"), make_config("nvme", "nvme", "swap/run")):
+        assert (tmp_path / "swap" / "run").is_dir()
+    assert not (tmp_path / "swap").exists()  # relative, made by initialize: removed
+    (tmp_path / "mine").mkdir()
+    with offload.initialize(build("tiny_gpt"), make_config("nvme", "nvme", "mine")):
+        pass
+    assert (tmp_path / "mine").is_dir()  # the user's own folder stays

@@ -287,7 +287,10 @@ def test_timeline_and_chrome_trace(tmp_path):
         engine.export_chrome_trace(tmp_path / "trace.json")
     assert tl["wall_s"] > 0 and tl["seconds"]["forward"] > 0 and tl["seconds"]["backward"] > 0
     for span in tl["spans"]:
-        assert span["seconds"] >= 0 and span["start_s"] >= -1e-3
+        # A span belongs to the step it ends in: one begun just before the step's start (a
+        # read or an update running on from the step before) may start before 0, by as
+        # much as a loaded machine delays the boundary, so no tolerance on its start.
+        assert span["seconds"] >= 0 and span["start_s"] + span["seconds"] >= 0
     trace = json.loads((tmp_path / "trace.json").read_text())
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(complete) == len(tl["spans"])
