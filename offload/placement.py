@@ -85,8 +85,8 @@ before frozen ones. The frozen base fills what is left; only its overflow
 goes to NVMe, read ahead like any home. A parameter trainable at initialize
 may stop and start training freely (requires_grad False: no gradient, no
 update, as in plain PyTorch); one frozen at initialize and set trainable
-later is refused at the next step (Engine._check_trainable), never silently
-not trained.
+later trains from the next forward, its state made then (Note [unfreezing]
+in engine/unfreeze.py).
 """
 from __future__ import annotations
 

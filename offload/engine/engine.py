@@ -300,21 +300,17 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
         self.frozen_fingerprints.pop(str(shard.index), None)
         self.optimizer.set_master(shard, master)
 
-    def _check_trainable(self) -> None:
-        """A parameter frozen when the engine was built (Note [frozen parameters] in
-        offload/placement.py) and set trainable since is refused, by name, before a forward,
-        a backward or a step can leave it silently untrained. One trainable when built may
+    def _unfreeze_if_asked(self) -> None:
+        """At a forward's start: a parameter frozen when the engine was built (Note [frozen
+        parameters] in offload/placement.py) and set trainable since trains from this
+        forward (Note [unfreezing] in engine/unfreeze.py). One trainable when built may
         stop and start training freely: while requires_grad is False it gets no gradient,
         so no update, as in plain PyTorch."""
-        unfrozen = [s.name for s in self.shards if s.param.requires_grad and not s.trainable]
-        if not unfrozen:
-            return
-        named = ", ".join(unfrozen[:5]) + (f" and {len(unfrozen) - 5} more" if len(unfrozen) > 5 else "")
-        raise RuntimeError(
-            f"requires_grad set to True on {named}, frozen when the engine was built (it has no optimizer "
-            "state and would never be updated). A parameter frozen when the engine is built has no optimizer "
-            "state; one trainable then may stop and start training freely. Leave it trainable at "
-            "offload.initialize and set requires_grad = False after it until the parameter should train")
+        unfrozen = [s for s in self.shards if s.param.requires_grad and not s.trainable]
+        if unfrozen:
+            from offload.engine.unfreeze import unfreeze
+
+            unfreeze(self, unfrozen)
 
     def _check_open(self) -> None:
         if self._closed:  # engine.optimizer.step() reaches _update through its driver

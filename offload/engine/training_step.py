@@ -42,7 +42,7 @@ class TrainingStep:
 
     def _before_forward(self) -> None:
         self._check_open()
-        self._check_trainable()
+        self._unfreeze_if_asked()
         self._refuse_after_failed_step("a forward")
         if self.steps.updating_in_backward:
             raise RuntimeError(
@@ -52,7 +52,6 @@ class TrainingStep:
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         self._check_open()
-        self._check_trainable()
         self._refuse_after_failed_step("engine.backward()")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("engine.backward(loss) takes a scalar loss tensor")
@@ -140,7 +139,6 @@ class TrainingStep:
         applies the update (as engine.optimizer.step()) and clears the gradients.
         After an update that raised, step() again (no new backward) retries it."""
         self._check_open()
-        self._check_trainable()
         if self.steps.failed:
             self._boundary_update()
             return
@@ -203,7 +201,6 @@ class TrainingStep:
         """The engine's whole update: engine.step() at a boundary, and
         engine.optimizer.step() from a user's loop (Note [the optimizer users drive])."""
         self._check_open()
-        self._check_trainable()
         from_engine_step = self._in_engine_step
         if self.steps.failed:
             self._retry_update()

@@ -202,8 +202,12 @@ class ParameterManager:
             self._hook_module(mod, [self.shard_of[id(p)] for p in mod.parameters(recurse=False) if id(p) in self.shard_of])
         for shard in self.shards:
             if shard.trainable:  # Note [frozen parameters] in offload/placement.py
-                self._handles.append(
-                    shard.param.register_post_accumulate_grad_hook(self._make_grad_hook(shard)))
+                self.watch_gradients(shard)
+
+    def watch_gradients(self, shard: Shard) -> None:
+        """Takes the shard's gradients as autograd makes them: every trainable shard's from
+        the start, a frozen one's once it is unfrozen (Note [unfreezing] in engine/unfreeze.py)."""
+        self._handles.append(shard.param.register_post_accumulate_grad_hook(self._make_grad_hook(shard)))
 
     def _hook_module(self, mod: torch.nn.Module, shards: list[Shard]) -> None:
         """`shards` gathered around mod's forward; the forward context (Note [the model is the interface])."""
