@@ -123,3 +123,27 @@ def test_a_llama_unfrozen_by_a_trainer_callback_trains_as_plain_trainer(tmp_path
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_losses), **exact())
     for name, p in plain.named_parameters():
         torch.testing.assert_close(weights[name].cpu(), p.detach().cpu(), **exact(), msg=lambda m: f"{name}: {m}")
+
+
+def test_a_from_pretrained_llama_in_eval_mode_trains_through_engine_backward_as_plain_pytorch(tmp_path):
+    """from_pretrained returns the model in eval mode; plain PyTorch trains it so, and so does the engine."""
+    _model().save_pretrained(tmp_path / "llama")
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "llama")
+    assert not model.training
+    ref = copy.deepcopy(model).to(test_device())
+    opt = torch.optim.AdamW(ref.parameters(), lr=2e-3, weight_decay=0.01, foreach=False)
+    batches, ref_losses, losses = _batches(3), [], []
+    for ids in batches:
+        loss = ref(input_ids=ids.to(test_device()), labels=ids.to(test_device())).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    with offload.initialize(model, _config(tmp_path / "nvme", "cpu")) as engine:
+        for ids in batches:
+            ids = ids.to(engine.device)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **exact())
