@@ -58,10 +58,15 @@ def available_levels() -> list[str]:
 # has the cores: Adam takes one (measured on 2 cores: backward 0.79 s -> 1.06 s
 # with Adam on both). offload_optimizer.cpuadam_cores_perc (DeepSpeed's key)
 # sets the share instead: max(1, floor(share x cores)). After backward, the
-# updates still to run take torch.get_num_threads().
-def overlap_threads(cores_share: float | None, *, device_apart: bool) -> int:
-    """Adam kernel threads while updates overlap backward (Note [optimizer threads])."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+# updates still to run take every core of this rank's share (Note [the node's
+# share] in offload/node.py), not torch.get_num_threads(): torchrun sets
+# OMP_NUM_THREADS=1 for every rank when it starts several.
+def overlap_threads(cores_share: float | None, *, device_apart: bool, cores: int | None = None) -> int:
+    """Adam kernel threads while updates overlap backward (Note [optimizer threads]); cores:
+    this rank's share of the host's (Note [the node's share] in offload/node.py), default
+    the process's CPU affinity."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if cores_share is not None:
         return max(1, int(cores_share * cores))
     return max(1, cores - 1) if device_apart else 1

@@ -185,13 +185,16 @@ def check_needs(need: dict[Tier, dict], config: Config) -> dict[Tier, str]:
     return notes
 
 
-def default_host_budget(config: Config) -> int:
+def default_host_budget(config: Config, local_ranks: int = 1) -> int:
     """What an auto plan may give homes and state on the host: memory.host_budget
-    where set, else HOST_SHARE of the host memory available now."""
+    where set, else HOST_SHARE of the host memory available now, divided among
+    the job's ranks on this host (Note [the node's share] in offload/node.py)."""
     import psutil
 
     mem = config.memory
-    return mem.host_budget if mem.host_budget is not None else int(HOST_SHARE * psutil.virtual_memory().available)
+    if mem.host_budget is not None:
+        return mem.host_budget
+    return int(HOST_SHARE * psutil.virtual_memory().available) // max(1, local_ranks)
 
 
 def auto_budgets(config: Config, layer, pg, host: int | None = None) -> Budgets:
@@ -206,7 +209,10 @@ def auto_budgets(config: Config, layer, pg, host: int | None = None) -> Budgets:
     None: default_host_budget now."""
     mem = config.memory
     zero = config.zero_optimization
-    host = default_host_budget(config) if host is None else host
+    if host is None:
+        from offload.node import node_share
+
+        host = default_host_budget(config, node_share(pg).local_ranks)
     device = 0
     if layer.separate_memory:
         total = mem.device_budget if mem.device_budget is not None else layer.free_memory()

@@ -287,7 +287,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
         pl.reuse = (pl.built is not None and sources[pl.index][0] is None
                     and pl.built.dtype == config.precision.dtype and pl.built.home is pl.home)
     account.budget_notes.update(notes)
-    check_free_space(configs)  # before anything is written or moved
+    check_free_space(configs, pg)  # before anything is written or moved, with this host's other ranks
     _take_over(model, planned, replacements, plan, config, layer, builder, run_dirs)
     ctx, param_writer, state_store, pinned, pin = _open_shared(planned, placement, configs, staging, config,
                                                                layer, pg, account, timeline, run_dirs, builder)

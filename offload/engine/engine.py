@@ -30,6 +30,7 @@ from offload.engine.update_policy import UpdatePolicy
 from offload.engine.loss_scaler import LossScaler
 from offload.engine.memory import ProcessMemory, map_large_allocations, release_free_host_memory
 from offload.host_worker import HostWorker
+from offload.node import node_share
 from offload.optim.sharded_adam import ShardedAdam
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
@@ -131,6 +132,8 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
         if self.manager.to_host is not None:  # Note [masters down with their gradients]
             self.manager.to_host.brings_master = weak_callback(self._brings_master)
 
+        # Note [the node's share] (offload/node.py): this rank's cores, among its host's ranks.
+        self.node = node_share(self.pg)
         # Note [when updates run] (engine/update_policy.py): the same answers the budgets had.
         self.update_policy = UpdatePolicy.of(config, separate_memory=self.device_layer.separate_memory)
         trainable = [s.part_numel for s, p in zip(self.shards, built.placement.shards) if p.state is not None]
@@ -149,7 +152,9 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
             sub_group_size=config.zero_optimization.sub_group_size, timeline=self._timeline,
             pending_grad_elems=self.update_policy.pending_cap(max(trainable, default=1)), param_groups=groups,
             overlap_threads=overlap_threads(config.zero_optimization.offload_optimizer.cpuadam_cores_perc,
-                                            device_apart=self.device_layer.separate_memory),
+                                            device_apart=self.device_layer.separate_memory,
+                                            cores=self.node.threads),
+            step_threads=self.node.threads,
             host_worker=self._host_worker,
             driver=weak_callback(self._update))  # optimizer.step() from the user's loop: the whole update
         built.place(self.optimizer.init_state)  # the parameters move home here, one at a time

@@ -194,7 +194,11 @@ class ModelBuilder:
         self.ctx = shard_context(config, offload.device.from_env(), ProcessGroupInfo.current(), self.account)
         # Note [building into the plan] (offload/placement.py): the host budget before
         # anything is built, which initialize's plan then uses too.
-        self.auto_host = default_host_budget(config) if config.zero_optimization.offload_param.auto else None
+        self.auto_host = None
+        if config.zero_optimization.offload_param.auto:
+            from offload.node import node_share
+
+            self.auto_host = default_host_budget(config, node_share(self.ctx.pg).local_ranks)
         self.policy = HomePolicy(config, world_size=self.ctx.pg.world_size, auto_host=self.auto_host,
                                  separate_memory=self.ctx.layer.separate_memory)
         self.shards: list[Shard] = []

@@ -117,32 +117,74 @@ def _swap_config(nvme_path, sizes, staging_bytes, config: Config, pg: ProcessGro
     return swap_config
 
 
-def check_free_space(swap_configs: dict) -> None:
+def check_free_space(swap_configs: dict, pg=None) -> None:
     """Note [free space for the stores]: each store checks its own capacity when
     it opens, but the stores of one engine open one after the other on what is
     often one file system, so each alone fitted and together they did not (the
     disk filled while the parameters moved home). Here every store's capacity
     is summed per file system (st_dev of nvme_path, or of its nearest existing
-    parent) and checked against its free space before anything is written."""
+    parent) and checked against its free space before anything is written. With several
+    ranks (pg) the sum is over every rank of this host whose files go to the same file
+    system (Note [the node's share] in offload/node.py): ranks sharing a disk each
+    fitted alone and filled it together."""
     from offload.aio.swap_store import SwapStoreError
 
     what = {"param": "parameters", "state": "optimizer state"}
     by_device: dict[int, list] = {}
-    for role, c in swap_configs.items():
-        if c.capacity_bytes:
-            at = _existing_parent(c.nvme_path)
-            _check_can_make(c.nvme_path, at)
-            by_device.setdefault(os.stat(at).st_dev, []).append((what.get(role, role), c, at))
-    for entries in by_device.values():
+    refused = None  # raised after the other ranks heard of it: none waits in a collective alone
+    try:
+        for role, c in swap_configs.items():
+            if c.capacity_bytes:
+                at = _existing_parent(c.nvme_path)
+                _check_can_make(c.nvme_path, at)
+                by_device.setdefault(os.stat(at).st_dev, []).append((what.get(role, role), c, at))
+    except SwapStoreError as exc:
+        refused = exc
+    others, refusals = _other_ranks_needs(by_device, pg, refused)
+    if refused is not None:
+        raise refused
+    if refusals:
+        rank, why = refusals[0]
+        raise SwapStoreError(errno.EIO, f"rank {rank} refused its nvme_path: {why}")
+    for dev, entries in by_device.items():
         need = sum(c.capacity_bytes for _, c, _ in entries)
+        theirs = others.get(dev, {})
+        need += sum(theirs.values())
         free = shutil.disk_usage(entries[0][2]).free
         if need > free:
             parts = " + ".join(f"{name} {c.capacity_bytes} bytes under {c.nvme_path}" for name, c, _ in entries)
+            if theirs:
+                parts += "".join(f" + rank {r}'s {n} bytes" for r, n in sorted(theirs.items()))
             raise SwapStoreError(
                 errno.ENOSPC,
                 f"not enough free space for the swap files: {need} bytes needed ({parts}) on the file "
                 f"system of {entries[0][2]}, {free} bytes free ({need - free} short); free some space or "
                 "point zero_optimization.offload_param/offload_optimizer.nvme_path at a larger disk")
+
+
+def _other_ranks_needs(by_device: dict, pg, refused) -> tuple[dict[int, dict[int, int]], list]:
+    """Per file system (st_dev) of this rank's stores, the bytes each other rank of this host
+    will write there, and the other ranks' refusals: asked of every rank (a collective:
+    each rank calls it once, whether its own paths passed or not)."""
+    if pg is None or pg.world_size == 1:
+        return {}, []
+    import socket
+
+    import torch.distributed as dist
+
+    mine = (socket.gethostname(), {dev: sum(c.capacity_bytes for _, c, _ in entries)
+                                   for dev, entries in by_device.items()}, None if refused is None else str(refused))
+    everyone: list = [None] * pg.world_size
+    dist.all_gather_object(everyone, mine, group=pg.group)
+    others: dict[int, dict[int, int]] = {}
+    refusals = [(rank, why) for rank, (_, _, why) in enumerate(everyone) if why is not None and rank != pg.rank]
+    for rank, (host, needs, _) in enumerate(everyone):
+        if rank == pg.rank or host != mine[0]:
+            continue
+        for dev, nbytes in needs.items():
+            if dev in by_device and nbytes:
+                others.setdefault(dev, {})[rank] = nbytes
+    return others, refusals
 
 
 def _check_can_make(nvme_path, at: str) -> None:

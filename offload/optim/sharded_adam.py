@@ -65,7 +65,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
                  state_store=None, param_store=None, sub_group_size: int | None = None,
                  timeline: Timeline | None = None, pending_grad_elems: int | None = None,
                  param_groups: list[dict] | None = None, overlap_threads: int = 1,
-                 host_worker: HostWorker | None = None, driver=None):
+                 step_threads: int | None = None, host_worker: HostWorker | None = None, driver=None):
         """Built empty: it places nothing. The build step (engine/build.py
         `Built.place`) moves each shard home and then gives init_state() its
         initial fp32 partition, in order, once per shard.
@@ -74,7 +74,8 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         each group's lr, betas, eps and weight_decay overriding the defaults above
         (Note [parameter groups]). None: one group over every shard.
         overlap_threads: Adam kernel threads while updates overlap backward
-        (Note [optimizer threads] in offload/simd.py).
+        (Note [optimizer threads] in offload/simd.py); step_threads: the others' (None:
+        torch.get_num_threads()); the engine gives this rank's cores (Note [the node's share]).
         host_worker: the thread host-side updates run on (Note [the host worker] in
         offload/host_worker.py); None: one of its own (closed with it).
         driver(): step()'s whole update where an engine owns it (Note [the optimizer users drive]).
@@ -116,7 +117,8 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         # Adam kernel threads: overlap_threads beside the compute thread, else None (every
         # core): beside_compute() sets it (Note [optimizer threads] in offload/simd.py).
         self.overlap_threads = overlap_threads
-        self.kernel_threads: int | None = None
+        self.step_threads = step_threads
+        self.kernel_threads: int | None = step_threads
         # Elements of final gradients waiting for their overlapped update
         # (zero_optimization.reduce_bucket_size; at least the largest shard).
         largest = max((s.part_numel for s in shards), default=1)
@@ -299,7 +301,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
 
     def beside_compute(self, sharing: bool) -> None:
         """Updates from now on beside the compute thread: overlap_threads, else every core."""
-        self.kernel_threads = self.overlap_threads if sharing else None
+        self.kernel_threads = self.overlap_threads if sharing else self.step_threads
 
     # ---- the step -------------------------------------------------------
     # Note [the optimizer users drive]
