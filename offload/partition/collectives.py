@@ -142,12 +142,18 @@ class ProcessGroupInfo:
             return 0 if t is None else t.numel() * t.element_size()
         self._handle.counter.add(kind, nbytes(sent), nbytes(received))
 
+    @staticmethod
+    def _all_gather(*args, **kwargs):
+        # all_gather_single: the name from torch 2.13 on, where all_gather_into_tensor warns as
+        # deprecated on every call; 2.11 has only all_gather_into_tensor (the same collective).
+        return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
     def all_gather(self, out_flat: torch.Tensor, part: torch.Tensor) -> None:
         """out_flat (world * part.numel()) <- every rank's part, in rank order."""
         if self.world_size == 1:
             out_flat.copy_(part)
             return
-        dist.all_gather_into_tensor(out_flat, part.to(out_flat.device), group=self.group)
+        self._all_gather(out_flat, part.to(out_flat.device), group=self.group)
         self._count("all_gather", part, out_flat)
 
     def all_gather_async(self, out_flat: torch.Tensor, part: torch.Tensor):
@@ -155,7 +161,7 @@ class ProcessGroupInfo:
         read; `part` must stay unchanged until then (Note [all-gathers ahead])."""
         if self.world_size == 1:
             raise ValueError("all_gather_async is for several ranks")
-        work = dist.all_gather_into_tensor(out_flat, part, group=self.group, async_op=True)
+        work = self._all_gather(out_flat, part, group=self.group, async_op=True)
         self._count("all_gather", part, out_flat)
         return work
 

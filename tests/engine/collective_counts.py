@@ -10,8 +10,8 @@ from tests.engine.harness import lm_loss
 class CollectiveCounter:
     """Wraps torch.distributed's collectives: (name, input numel, input bytes) per call."""
 
-    NAMES = ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor",
-             "broadcast")
+    NAMES = ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce", "all_gather_single",
+             "all_gather_into_tensor", "broadcast")
 
     def __init__(self):
         self.calls = []
@@ -19,7 +19,7 @@ class CollectiveCounter:
 
     def __enter__(self):
         for name in self.NAMES:
-            if not hasattr(dist, name):  # reduce_scatter_single: torch 2.13 on
+            if not hasattr(dist, name):  # reduce_scatter_single, all_gather_single: torch 2.13 on
                 continue
             real = self._saved[name] = getattr(dist, name)
             setattr(dist, name, self._wrap(name, real))
@@ -27,7 +27,7 @@ class CollectiveCounter:
 
     def _wrap(self, name, real):
         def call(*args, **kwargs):
-            t = args[1] if name in ("reduce_scatter_single", "reduce_scatter_tensor",
+            t = args[1] if name in ("reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",
                                     "all_gather_into_tensor") else args[0]
             self.calls.append((name, t.numel(), t.numel() * t.element_size()))
             return real(*args, **kwargs)

@@ -187,7 +187,8 @@ def _count_steps(rank, world, param, nvme_path) -> list[dict]:
                 # reduce_scatter_tensor where torch has no reduce_scatter_single (2.11)
                 ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"):
                     (scatter["calls"], scatter["bytes_sent"]),
-                "all_gather_into_tensor": (gather["calls"], gather["bytes_sent"]),
+                ("all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"):
+                    (gather["calls"], gather["bytes_sent"]),
                 "all_reduce": (counts["all_reduce"]["calls"], counts["all_reduce"]["bytes_sent"]),
             }.items() if v[0]}, where
     return figures
