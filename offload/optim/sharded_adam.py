@@ -181,32 +181,6 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         self._states[shard.index] = (master, m, v)
         self._adopt(shard)
 
-    def group_listing(self, shard: Shard) -> int | None:
-        """The index of the parameter group a frozen shard's parameter is listed in (None:
-        in none). With one group (none given) every parameter joins it: 0."""
-        if self._one_group:
-            return 0
-        return next((gi for gi, g in enumerate(self.param_groups) if any(p is shard.param for p in g["params"])),
-                    None)
-
-    def adopt_unfrozen(self, shard: Shard, tier: Tier, init: torch.Tensor) -> None:
-        """A parameter frozen when the optimizer was made, trainable now (Note [unfreezing]
-        in engine/unfreeze.py): its state is made on `tier` (master `init`, this rank's
-        fp32 partition; moments zero, step count 0), in the group that lists it. The
-        caller checked the group and the budget; the shard is trainable already."""
-        gi = self.group_listing(shard)
-        if gi is None:
-            raise RuntimeError(f"parameter {shard.name} is in no parameter group")
-        self._frozen.pop(id(shard.param), None)
-        self._state_tiers[shard.index] = tier
-        self.shard_steps[shard.index] = 0
-        if not self._one_group:
-            self._group_of[shard.index] = gi
-        self.shards = sorted([*self.shards, shard], key=lambda s: s.index)
-        self.overlap.pending_grad_elems = max(self.overlap.pending_grad_elems, shard.part_numel)
-        self.overlap.arrival_order = None  # learned again, with this shard's gradient in it
-        self.init_state(shard, init)
-
     def _adopt(self, shard: Shard) -> None:
         if self._one_group:
             self.param_groups[0]["params"].append(shard.param)

@@ -201,8 +201,9 @@ def _released_outside_forward(args, kwargs) -> list:
             if shard is None:
                 continue
             if shard.residency is Residency.GATHERED:
-                if shard.home.value == "device" and (shard.in_flight.update is not None
-                                                     or shard.in_flight.copy_in is not None):
+                manager = t._offload_manager
+                if (not manager.in_forward and shard.home.value == "device"
+                        and (shard.in_flight.update is not None or shard.in_flight.copy_in is not None)):
                     _settle_device_home(t)
                 continue
             manager = t._offload_manager
@@ -232,26 +233,28 @@ def _settle_device_home(param) -> None:
 
 def _device_home_written(kind: str, name: str, args, kwargs):
     """The parameter a call writes, where it is homed on the device and the call comes
-    from outside the engine's forward (Note [writes to device homes]); else None."""
+    from outside the engine's forward (Note [writes to device homes]); else None. The
+    manager's state is asked first: inside a forward (a compiled block's trace too)
+    nothing else is looked at."""
     if kind == "set" and name == "data":
         target, value = args[0], (args[1] if len(args) > 1 else None)
-        with engine_access():
-            shard = getattr(target, "_offload_shard", None)
-            full = None if shard is None else shard.full_buffer()
-            if (full is not None and isinstance(value, torch.Tensor) and value.device == full.device
-                    and value.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()):
-                return None  # the engine pointing the parameter at its own home (any thread)
-    elif kind == "call" and _is_write(name, kwargs):
-        target = kwargs.get("out") if kwargs.get("out") is not None else (args[0] if args else None)
+    elif kind == "call" and (args or kwargs.get("out") is not None):
+        target, value = (kwargs.get("out") if kwargs.get("out") is not None else args[0]), None
     else:
         return None
     with engine_access():
         shard = getattr(target, "_offload_shard", None)
-        if shard is None or shard.home.value != "device":
+        if shard is None:
             return None
         manager = target._offload_manager
-        if manager.closed or manager._internal or manager.in_forward:
+        if manager.in_forward or manager._internal or manager.closed or shard.home.value != "device":
             return None
+        if kind == "call":
+            return target if _is_write(name, kwargs) else None
+        full = shard.full_buffer()
+        if (full is not None and isinstance(value, torch.Tensor) and value.device == full.device
+                and value.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()):
+            return None  # the engine pointing the parameter at its own home (any thread)
     return target
 
 

@@ -200,13 +200,11 @@ class ParameterManager:
         self._module_handles: dict[int, list] = {}  # id(module) -> its gather and context hooks
         for mod in self.module.modules():
             self._hook_module(mod, [self.shard_of[id(p)] for p in mod.parameters(recurse=False) if id(p) in self.shard_of])
-        for shard in self.shards:
-            if shard.trainable:  # Note [frozen parameters] in offload/placement.py
-                self.watch_gradients(shard)
+        for shard in (s for s in self.shards if s.trainable):  # Note [frozen parameters] in offload/placement.py
+            self.watch_gradients(shard)
 
     def watch_gradients(self, shard: Shard) -> None:
-        """Takes the shard's gradients as autograd makes them: every trainable shard's from
-        the start, a frozen one's once it is unfrozen (Note [unfreezing] in engine/unfreeze.py)."""
+        """Takes the shard's gradients; a frozen one's once unfrozen (Note [unfreezing] in engine/unfreeze.py)."""
         self._handles.append(shard.param.register_post_accumulate_grad_hook(self._make_grad_hook(shard)))
 
     def _hook_module(self, mod: torch.nn.Module, shards: list[Shard]) -> None:
@@ -482,9 +480,8 @@ class ParameterManager:
                 self.prefetch.on_released(shard)
         finally:
             self._internal = False
-        self._backward_holds.clear()
-        self._on_demand.clear()
-        self._backward_tasks.clear()
+        for pending in (self._backward_holds, self._on_demand, self._backward_tasks):
+            pending.clear()
         if self.grad_buckets is not None:
             self.grad_buckets.discard()
         if self.to_host is not None:
@@ -499,6 +496,5 @@ class ParameterManager:
             self.to_host.close()  # its pinned buffers and their charge
         if self._account is not None:
             self._account.remove_reclaimer(Tier.DEVICE)
-        # The engine is closing: no cycles left through what it attached
-        # (Note [a closed engine] in offload/engine/closed.py).
+        # Closing: no cycles left through what it attached (Note [a closed engine] in offload/engine/closed.py).
         self.activations = self.on_edit = self.on_forward = None

@@ -1,0 +1,143 @@
+"""Several ranks on one host, each planning its share of it (Note [the node's share] in offload/node.py).
+
+    python benchmarks/node_share.py [--ranks 2] [--params-per-rank 600M] [--steps 2] [--out DIR]
+
+Starts `--ranks` processes with torchrun (gloo, the cpu layer), each training its own
+stack of fp32 linear layers (`--params-per-rank` parameters, built under offload.init)
+with `offload_param` and `offload_optimizer` on "auto" and an nvme_path, and no
+memory.host_budget: the default, HOST_SHARE of the host's available memory, now split
+among the host's ranks. Sized so that one rank's training state (16 bytes a
+parameter here) fits that share of the whole host but the ranks' together do not.
+
+Prints JSON (each rank's plan: host budget, bytes held on the host and on NVMe, its
+cores and Adam threads, step times, peak RSS; the node's sum of peak RSS against its RAM;
+the plan the code before this split made: each rank 75% of the host) and writes
+node_share.json and node_share.png under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _vm_hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def worker(args) -> None:
+    import psutil
+    import torch
+    import torch.distributed as dist
+
+    import offload
+    from offload.placement import HOST_SHARE
+    from offload.tiers import Tier
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    width = 4096
+    layers = max(1, round(args.params_per_rank / (width * width)))
+    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           "zero_optimization": {"stage": 3,
+                                 "offload_param": {"device": "auto", "nvme_path": args.nvme},
+                                 "offload_optimizer": {"device": "auto", "nvme_path": args.nvme}}}
+    available = psutil.virtual_memory().available
+    torch.manual_seed(rank)
+    with offload.init(cfg):
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    times = []
+    with offload.initialize(model, cfg) as engine:
+        plan = engine.placement()
+        x = torch.randn(4, width)
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            loss = model(x).square().mean()
+            engine.backward(loss)
+            engine.step()
+            times.append(time.perf_counter() - t)
+        held = plan.held_bytes()
+        mine = {"rank": rank, "params": sum(p.numel() for p in model.parameters()),
+                "host_budget": plan.budgets.host, "held_host": held[Tier.HOST], "held_nvme": held[Tier.NVME],
+                "local_ranks": engine.node.local_ranks, "cores": list(engine.node.cores),
+                "adam_threads": engine.optimizer.step_threads, "torch_threads": torch.get_num_threads(),
+                "step_times_s": [round(t, 3) for t in times], "median_step_s": round(statistics.median(times), 3),
+                "host_available_at_start": available,
+                "before_host_budget": int(HOST_SHARE * available)}
+    mine["peak_rss"] = _vm_hwm()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(everyone))
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--params-per-rank", type=float, default=600e6)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--nvme", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    sys.path.insert(0, str(HERE))
+    import psutil
+
+    from offload_bench.common import machine_info, pyplot, save_png, write_json
+
+    with tempfile.TemporaryDirectory(prefix="offload-node-share-", dir=os.getcwd()) as tmp:
+        result = Path(tmp) / "ranks.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
+               str(Path(__file__).resolve()), "--worker", "--nvme", str(Path(tmp) / "swap"), "--result", str(result),
+               "--params-per-rank", str(args.params_per_rank), "--steps", str(args.steps)]
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, env={**os.environ, "OFFLOAD_DEVICE": "cpu"})
+        wall = time.perf_counter() - t
+        ranks = json.loads(result.read_text()) if result.exists() else []
+    ram = psutil.virtual_memory().total
+    report = {"benchmark": "node_share", "command": " ".join(["node_share.py"] + (argv or sys.argv[1:])),
+              "machine": machine_info(), "exit_status": proc.returncode, "wall_s": round(wall, 1), "ram": ram,
+              "ranks": ranks,
+              "node_peak_rss_sum": sum(r["peak_rss"] for r in ranks),
+              "node_host_budget_sum": sum(r["host_budget"] for r in ranks),
+              "before_host_budget_sum": sum(r["before_host_budget"] for r in ranks),
+              "training_state_bytes_per_rank": [16 * r["params"] for r in ranks]}
+    write_json(report, args.out, "node_share.json")
+    plt = pyplot("node_share.png")
+    if plt is not None and ranks:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        gib = 2 ** 30
+        names = [f"rank {r['rank']}" for r in ranks] + ["node"]
+        host = [r["held_host"] / gib for r in ranks] + [sum(r["held_host"] for r in ranks) / gib]
+        nvme = [r["held_nvme"] / gib for r in ranks] + [sum(r["held_nvme"] for r in ranks) / gib]
+        ax.bar(names, host, label="planned in RAM")
+        ax.bar(names, nvme, bottom=host, label="planned on NVMe")
+        ax.axhline(ram / gib, color="k", linestyle="--", label="the host's RAM")
+        ax.plot(names, [r["peak_rss"] / gib for r in ranks] + [report["node_peak_rss_sum"] / gib], "o",
+                color="C3", label="peak RSS")
+        ax.set_ylabel("GiB")
+        ax.set_title(f"{len(ranks)} ranks on one host, each its share ({report['machine'].get('cpu', '')})")
+        ax.legend(fontsize=8)
+        save_png(fig, args.out, "node_share.png")
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
