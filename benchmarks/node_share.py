@@ -1,13 +1,14 @@
 """Several ranks on one host, each planning its share of it (Note [the node's share] in offload/node.py).
 
-    python benchmarks/node_share.py [--ranks 2] [--params-per-rank 600M] [--steps 2] [--out DIR]
+    python benchmarks/node_share.py [--ranks 2] [--params 1.4e9] [--steps 2] [--out DIR]
 
-Starts `--ranks` processes with torchrun (gloo, the cpu layer), each training its own
-stack of fp32 linear layers (`--params-per-rank` parameters, built under offload.init)
-with `offload_param` and `offload_optimizer` on "auto" and an nvme_path, and no
-memory.host_budget: the default, HOST_SHARE of the host's available memory, now split
-among the host's ranks. Sized so that one rank's training state (16 bytes a
-parameter here) fits that share of the whole host but the ranks' together do not.
+Starts `--ranks` processes with torchrun (gloo, the cpu layer), data parallel over one
+stack of fp32 linear layers (`--params` parameters, built under offload.init, each
+rank holding its partition: 16 bytes a parameter / ranks) with `offload_param` and
+`offload_optimizer` on "auto" and an nvme_path, and no memory.host_budget: the
+default, HOST_SHARE of the host's available memory, now split among the host's
+ranks. Sized so that one rank's training state fits HOST_SHARE of the whole host
+(the budget each rank took before) but the ranks' together do not fit its RAM.
 
 Prints JSON (each rank's plan: host budget, bytes held on the host and on NVMe, its
 cores and Adam threads, step times, peak RSS; the node's sum of peak RSS against its RAM;
@@ -49,19 +50,19 @@ def worker(args) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     width = 4096
-    layers = max(1, round(args.params_per_rank / (width * width)))
+    layers = max(1, round(args.params / (width * width)))
     cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": {"stage": 3,
                                  "offload_param": {"device": "auto", "nvme_path": args.nvme},
                                  "offload_optimizer": {"device": "auto", "nvme_path": args.nvme}}}
     available = psutil.virtual_memory().available
-    torch.manual_seed(rank)
+    torch.manual_seed(0)  # one model, data parallel
     with offload.init(cfg):
         model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
     times = []
     with offload.initialize(model, cfg) as engine:
         plan = engine.placement()
-        x = torch.randn(4, width)
+        x = torch.randn(4, width, generator=torch.Generator().manual_seed(rank))  # each rank its batch
         for _ in range(args.steps):
             t = time.perf_counter()
             loss = model(x).square().mean()
@@ -87,7 +88,7 @@ def worker(args) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--params-per-rank", type=float, default=600e6)
+    p.add_argument("--params", type=float, default=1.4e9, help="the model's parameters (each rank holds 1/ranks)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--out", default="bench_out")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
         result = Path(tmp) / "ranks.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
                str(Path(__file__).resolve()), "--worker", "--nvme", str(Path(tmp) / "swap"), "--result", str(result),
-               "--params-per-rank", str(args.params_per_rank), "--steps", str(args.steps)]
+               "--params", str(args.params), "--steps", str(args.steps)]
         t = time.perf_counter()
         proc = subprocess.run(cmd, env={**os.environ, "OFFLOAD_DEVICE": "cpu"})
         wall = time.perf_counter() - t
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
               "node_peak_rss_sum": sum(r["peak_rss"] for r in ranks),
               "node_host_budget_sum": sum(r["host_budget"] for r in ranks),
               "before_host_budget_sum": sum(r["before_host_budget"] for r in ranks),
-              "training_state_bytes_per_rank": [16 * r["params"] for r in ranks]}
+              "training_state_bytes_per_rank": [16 * r["params"] // len(ranks) for r in ranks]}
     write_json(report, args.out, "node_share.json")
     plt = pyplot("node_share.png")
     if plt is not None and ranks:
