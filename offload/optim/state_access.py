@@ -155,18 +155,6 @@ class StateAccess:
         for dst, src in zip(self._states[shard.index], (master, exp_avg, exp_avg_sq)):
             dst.copy_(src)
 
-
-def _partition(t: torch.Tensor, shard: Shard) -> torch.Tensor:
-    """A saved state tensor as this rank's fp32 partition: ours already is; torch's
-    (the parameter's shape, one process) is flattened and padded."""
-    flat = t.detach().reshape(-1).to("cpu", torch.float32)
-    if flat.numel() == shard.part_numel:
-        return flat
-    if flat.numel() == shard.numel and shard.ctx.pg.world_size == 1:
-        return torch.cat([flat, flat.new_zeros(shard.part_numel - flat.numel())])
-    raise ValueError(f"optimizer state of {shard.name}: {flat.numel()} elements, expected "
-                     f"{shard.part_numel} (this rank's partition) or {shard.numel} (the parameter)")
-
     def group_listing(self, shard: Shard) -> int | None:
         """The index of the parameter group a frozen shard's parameter is listed in (None:
         in none). With one group (none given) every parameter joins it: 0."""
@@ -192,3 +180,15 @@ def _partition(t: torch.Tensor, shard: Shard) -> torch.Tensor:
         self.overlap.pending_grad_elems = max(self.overlap.pending_grad_elems, shard.part_numel)
         self.overlap.arrival_order = None  # learned again, with this shard's gradient in it
         self.init_state(shard, init)
+
+
+def _partition(t: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """A saved state tensor as this rank's fp32 partition: ours already is; torch's
+    (the parameter's shape, one process) is flattened and padded."""
+    flat = t.detach().reshape(-1).to("cpu", torch.float32)
+    if flat.numel() == shard.part_numel:
+        return flat
+    if flat.numel() == shard.numel and shard.ctx.pg.world_size == 1:
+        return torch.cat([flat, flat.new_zeros(shard.part_numel - flat.numel())])
+    raise ValueError(f"optimizer state of {shard.name}: {flat.numel()} elements, expected "
+                     f"{shard.part_numel} (this rank's partition) or {shard.numel} (the parameter)")
