@@ -30,14 +30,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def _vm_hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def worker(args) -> None:
     import psutil
     import torch
@@ -77,7 +69,9 @@ def worker(args) -> None:
                 "step_times_s": [round(t, 3) for t in times], "median_step_s": round(statistics.median(times), 3),
                 "host_available_at_start": available,
                 "before_host_budget": int(HOST_SHARE * available)}
-    mine["peak_rss"] = _vm_hwm()
+    from offload.engine.memory import peak_rss_bytes
+
+    mine["peak_rss"] = peak_rss_bytes()
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:
