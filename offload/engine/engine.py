@@ -34,7 +34,7 @@ from offload.node import node_share
 from offload.optim.sharded_adam import ShardedAdam
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
-from offload.partition.managed import engine_access, manage, refuse_state_dict_larger_than_memory
+from offload.partition.managed import manage, refuse_state_dict_larger_than_memory
 from offload.partition.manager import ParameterManager
 from offload.partition.prefetch import prefetch_scheduler
 from offload.partition.shard_context import ShardContext
@@ -311,8 +311,10 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
         forward (Note [unfreezing] in engine/unfreeze.py). One trainable when built may
         stop and start training freely: while requires_grad is False it gets no gradient,
         so no update, as in plain PyTorch."""
-        with engine_access():  # the flag itself, not through ManagedParameter: 1.4 ms -> 6 us for 292
-            unfrozen = [s for s in self.shards if not s.trainable and s.param.requires_grad]
+        # Read through ManagedParameter (1.4 ms a forward for 292 parameters on 2 loaded cores): a
+        # whole model under torch.compile traces this hook, and reading the flags past it
+        # (engine_access) sent that trace into a recursion (tests/engine/test_compiled_model.py).
+        unfrozen = [s for s in self.shards if s.param.requires_grad and not s.trainable]
         if unfrozen:
             from offload.engine.unfreeze import unfreeze
 
