@@ -98,7 +98,7 @@ _fresh_ids = itertools.count(start=-2, step=-1)
 
 
 class _Frame:
-    def __init__(self, saver: ActivationSaver, fn, args: tuple, kwargs: dict):
+    def __init__(self, saver: ActivationSaver, fn, args: tuple, kwargs: dict, *, inputs_to_host: bool = False):
         self.saver = saver
         self.manager = saver.manager
         self.fn = fn
@@ -110,6 +110,10 @@ class _Frame:
         tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
         self.requires_grad = [t.requires_grad for t in tensors]
         self.meta: list[tuple] = []  # (shape, dtype, device) of each tensor the forward saved
+        # What the forward would have kept had it not been checkpointed: the bytes of the
+        # distinct storages it saved, parameters aside, as the saver would have charged
+        # them (Note [activations in the plan] in activations/plan.py).
+        self.would_save: dict[tuple, int] = {}
         self.recomputed: dict[int, dict[int, object]] = {}  # graph task -> index -> packed
         self.cpu_rng = torch.get_rng_state()
         self.device_type = torch_checkpoint._infer_device_type(*tensors)
@@ -117,7 +121,7 @@ class _Frame:
         self.autocast = [(dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
                          for dev in sorted({"cpu", saver.device.type})]
         # Packed as the forward's hooks would pack a saved tensor (Note [recompute across torch releases]).
-        with saver.checkpoint_inputs():
+        with saver.checkpoint_inputs(to_host=inputs_to_host):
             self.inputs = [self.manager._pack(t) for t in tensors]
 
     # ---- forward ---------------------------------------------------------
@@ -127,6 +131,9 @@ class _Frame:
 
     def _pack_placeholder(self, t: torch.Tensor) -> _Placeholder:
         self.meta.append((t.shape, t.dtype, t.device))
+        key = self.manager.activation_storage(t)
+        if key is not None:
+            self.would_save[key[0]] = key[1]
         return _Placeholder(len(self.meta) - 1)
 
     # ---- backward --------------------------------------------------------
@@ -214,14 +221,23 @@ def checkpoint(fn, *args, **kwargs):
         return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    return checkpointed_call(saver, fn, args, kwargs)[0]
+
+
+def checkpointed_call(saver: ActivationSaver, fn, args: tuple, kwargs: dict, *,
+                      inputs_to_host: bool = False) -> tuple[object, int]:
+    """fn(*args, **kwargs) checkpointed inside an engine's forward, and the bytes its
+    forward would have saved unchecked. inputs_to_host: its inputs go to the host
+    (the activation plan's choice, Note [activations in the plan])."""
     _sync(saver)
     start = time.perf_counter() if saver.profile else 0.0
-    out = _Frame(saver, fn, args, kwargs).run(args, kwargs)
+    frame = _Frame(saver, fn, args, kwargs, inputs_to_host=inputs_to_host)
+    out = frame.run(args, kwargs)
     _sync(saver)
     if saver.profile:
         saver.timings["checkpointed_forward_s"] += time.perf_counter() - start
         saver.timings["checkpointed_calls"] += 1
-    return out
+    return out, sum(frame.would_save.values())
 
 
 def _sync(saver: ActivationSaver) -> None:

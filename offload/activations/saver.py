@@ -262,13 +262,21 @@ class ActivationSaver:
         self._watched: dict[int, tuple[weakref.ref, tuple | _HostCopy]] = {}
         self._died: list[weakref.ref] = []
         account.add_settler(self._settle)
-        self._local = threading.local()  # .inputs: inside checkpoint_inputs()
+        self._local = threading.local()  # .inputs: inside checkpoint_inputs(), "host" where they go there
         self.pinned_inputs: PinnedInputs | None = None  # use_copy_streams (Note [pinned checkpoint inputs])
+        # Device-charged bytes now and their peak since reset_peak: read at every planned
+        # block's call (Note [activations in the plan] in activations/plan.py), so kept
+        # as a running sum rather than summed over the charges.
+        self._device_now = 0
+        self.device_peak = 0
+        # The activation plan, told when backward starts (its first unpack); None: no plan.
+        self.plan = None
 
-    def use_copy_streams(self, streams, ledger, *, pin: bool) -> None:
+    def use_copy_streams(self, streams, ledger, *, pin: bool, planned: bool = False) -> None:
         """Checkpoint inputs go through the device layer's copy streams and a pinned
-        pool (Note [pinned checkpoint inputs]); only with cpu_checkpointing."""
-        if self.cpu_checkpointing and self.pinned_inputs is None:
+        pool (Note [pinned checkpoint inputs]); with cpu_checkpointing, or where the
+        activation plan may send a block's inputs to the host (planned)."""
+        if (self.cpu_checkpointing or planned) and self.pinned_inputs is None:
             self.pinned_inputs = PinnedInputs(streams, ledger, pin=pin)
 
     def close(self) -> None:
@@ -281,13 +289,16 @@ class ActivationSaver:
     def pack(self, t: torch.Tensor):
         if t.layout != torch.strided or t.device.type == "meta":
             return t
-        if getattr(self._local, "inputs", False) and self.cpu_checkpointing:
+        inputs = getattr(self._local, "inputs", False)
+        if inputs and (self.cpu_checkpointing or inputs == "host"):
             return self._pack_to_host(t)
         held = _Saved(t.detach() if t.requires_grad else t)
         self._acquire(held.tensor, Tier.DEVICE, held)
         return held
 
     def unpack(self, saved):
+        if self.plan is not None and self.plan.awaits_backward:
+            self.plan.backward_starts(self.device_bytes())
         if isinstance(saved, _Staged):
             back = self.pinned_inputs.to_device(saved)
             self._acquire(back, Tier.DEVICE, back.untyped_storage())
@@ -303,9 +314,10 @@ class ActivationSaver:
         return saved
 
     @contextlib.contextmanager
-    def checkpoint_inputs(self):
-        """Saves inside are a checkpoint's inputs (moved to host with cpu_checkpointing)."""
-        self._local.inputs = True
+    def checkpoint_inputs(self, to_host: bool = False):
+        """Saves inside are a checkpoint's inputs (moved to host with cpu_checkpointing,
+        or where to_host: the activation plan's choice for one block)."""
+        self._local.inputs = "host" if to_host else True
         try:
             yield
         finally:
@@ -315,8 +327,13 @@ class ActivationSaver:
     def device_bytes(self) -> int:
         """Bytes of saved activations now charged to the device tier."""
         self._settle()
+        return self._device_now
+
+    def reset_peak(self) -> None:
+        """device_peak starts again from the bytes held now."""
+        self._settle()
         with self._lock:
-            return sum(c.nbytes for c in self._charges.values() if c.tier is Tier.DEVICE)
+            self.device_peak = self._device_now
 
     def held_storages(self) -> int:
         self._settle()
@@ -358,6 +375,9 @@ class ActivationSaver:
                 # Charged before it is recorded: a budget error leaves nothing behind.
                 self.account.charge(tier, nbytes, f"saved activation ({tuple(t.shape)}, {t.dtype})")
                 charge = self._charges[key] = _Charge(tier, nbytes, 0)
+                if tier is Tier.DEVICE:
+                    self._device_now += nbytes
+                    self.device_peak = max(self.device_peak, self._device_now)
             charge.refs += 1
             self._watch(anchor, key)
 
@@ -389,6 +409,8 @@ class ActivationSaver:
             if charge.refs:
                 return
             del self._charges[key]
+            if charge.tier is Tier.DEVICE:
+                self._device_now -= charge.nbytes
         self.account.credit(charge.tier, charge.nbytes)
 
     @contextlib.contextmanager

@@ -24,12 +24,17 @@ class ActivationCheckpointingConfig(_Section):
       already synchronous).
     profile: time checkpointed forwards and recomputations (engine's
       `activation_report()`).
+    auto (ours): where `modules` is empty and the device has a budget, the engine
+      checkpoints the model's blocks (the children of its largest nn.ModuleList)
+      as the budget needs it, block by block (Note [activations in the plan]);
+      false: only `modules` and the model's own calls checkpoint.
     partition_activations, contiguous_memory_optimization and number_checkpoints
       are accepted with their off values only (see docs/CONFIG.md for why).
     """
 
     SECTION: ClassVar[str] = "activation_checkpointing"
     modules: tuple[str, ...] = ()
+    auto: bool = True
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
@@ -40,7 +45,7 @@ class ActivationCheckpointingConfig(_Section):
     def __post_init__(self):
         k = self._key
         self._set("modules", _class_names(k("modules"), self.modules, "Block"))
-        for name in ("cpu_checkpointing", "synchronize_checkpoint_boundary", "profile"):
+        for name in ("auto", "cpu_checkpointing", "synchronize_checkpoint_boundary", "profile"):
             _bool(k(name), getattr(self, name))
         if _bool(k("partition_activations"), self.partition_activations):
             raise ConfigError(

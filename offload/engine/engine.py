@@ -101,7 +101,8 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
         from offload.activations import ActivationCheckpointing
 
         self.activation_checkpointing = ActivationCheckpointing(
-            model, config.activation_checkpointing, self.account, self.device)
+            model, config.activation_checkpointing, self.account, self.device,
+            plan_budget=self._activation_budget(config))
         blocks, forwards = [], []  # Note [compiled blocks]: checked here, put in place once managed
         if config.compile.at_initialize:
             blocks = blocks_to_compile(model, config.compile.modules or None)
@@ -258,11 +259,26 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
         report["os"] = self._process_memory.report(self.account, self.device)
         return report
 
+    def _activation_budget(self, config: Config) -> tuple[int, str] | None:
+        """What the activation plan keeps within (Note [activations in the plan]): the
+        device budget, else on a device that says its free memory, that (nothing of the
+        engine's is there yet); None: no budget to plan for."""
+        layer = self.device_layer
+        if not layer.separate_memory:
+            return None
+        if config.memory.device_budget is not None:
+            return config.memory.device_budget, "memory.device_budget"
+        free = layer.free_memory()
+        return None if free is None else (free, "the device's free memory at initialize")
+
     def activation_report(self) -> dict:
         """Saved-activation bytes on the device tier now, and with activation_checkpointing.profile
-        the time spent in checkpointed forwards and recomputations."""
-        saver = self.activation_checkpointing.saver
-        return {"device_bytes": saver.device_bytes(), "checkpointed_modules": self.activation_checkpointing.wrapped,
+        the time spent in checkpointed forwards and recomputations; under "plan", what the
+        activation plan chose at the last forward and why (Note [activations in the plan])."""
+        checkpointing = self.activation_checkpointing
+        saver = checkpointing.saver
+        return {"device_bytes": saver.device_bytes(), "checkpointed_modules": checkpointing.wrapped,
+                "plan": None if checkpointing.plan is None else checkpointing.plan.report(),
                 **(saver.timings if saver.profile else {})}
 
     def close(self) -> None:

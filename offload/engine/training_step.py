@@ -49,6 +49,8 @@ class TrainingStep:
                 "engine.step() must follow engine.backward() before the next forward: at a gradient "
                 "accumulation boundary the optimizer update runs during backward (Note [optimizer "
                 "overlap]) and step() completes it")
+        if self.activation_checkpointing.plan is not None:
+            self.activation_checkpointing.plan.begin_forward()
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         self._check_open()

@@ -101,14 +101,13 @@ def _at_the_boundary(block, compiled, gather, release):
 def blocks_to_compile(model: torch.nn.Module, names) -> list[torch.nn.Module]:
     """The modules of the classes `names` (None: the class of the children of the model's
     largest nn.ModuleList, its blocks), outermost only; refused where one is checkpointed."""
-    from offload.activations.wrap import original_class
+    from offload.activations.wrap import model_blocks, original_class
 
     if names is None:
-        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
-        if not lists:
+        biggest = model_blocks(model)
+        if not biggest:
             raise ValueError("compile: the model has no nn.ModuleList of blocks to compile; name the block "
                              "classes: engine.compile(modules=['DecoderLayer'])")
-        biggest = max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))
         names = {original_class(m).__name__ for m in biggest}
     names = {names} if isinstance(names, str) else set(names)
     present = {original_class(m).__name__ for m in model.modules()}
@@ -144,15 +143,13 @@ def compile_blocks(manager, blocks: list[torch.nn.Module], forwards: list) -> li
     """Each block's compiled forward (compile_forwards) called with its parameters gathered at
     its boundary (Note [compiled blocks]); returns the blocks, whose `forward` attribute
     uncompile_blocks removes."""
-    from offload.activations.recompute import checkpoint
-    from offload.activations.wrap import original_class
+    from offload.activations.wrap import checkpointed_forward
 
     for block, forward in zip(blocks, forwards):
         call = _at_the_boundary(block, forward, *manager.gather_at_boundary(block))
-        if original_class(block) is type(block):
-            block.forward = call
-        else:  # checkpointed (Note [checkpointed modules]): the checkpoint outside, gathers and all
-            block.forward = lambda *args, _call=call, **kwargs: checkpoint(_call, *args, **kwargs)
+        # Checkpointed (Note [checkpointed modules]) or planned (Note [activations in the
+        # plan]): the checkpoint outside, gathers and all.
+        block.forward = checkpointed_forward(block, call)
     return blocks
 
 
