@@ -52,6 +52,7 @@ import torch
 
 from offload.activations.recompute import checkpointed_call
 from offload.activations.saver import ACTIVE, ActivationSaver
+from offload.partition.accounting import TierBudgetError
 from offload.tiers import Tier
 
 log = logging.getLogger("offload")
@@ -72,8 +73,8 @@ class Choice:
         if self.measuring:
             return (f"all {total} {block_class} blocks checkpointed{host}, measuring what each saves at an "
                     "input size not seen before")
-        return f"of {total} {block_class} blocks, {self.whole} keep their activations, {self.checkpointed} " \
-               f"are checkpointed{host}"
+        return f"{self.whole} of {total} {block_class} blocks keep their activations; checkpointed: " \
+               f"{self.checkpointed}{host}"
 
 
 @dataclass
@@ -174,6 +175,7 @@ class ActivationPlan:
         else:
             out, would_save = checkpointed_call(self.saver, fn, args, kwargs, inputs_to_host=to_host)
             self._measured(size, would_save)
+            self._check_recompute(would_save)
             self._counts[1] += 1
             self._counts[2] += to_host
         if index == self.blocks - 1:
@@ -181,6 +183,16 @@ class ActivationPlan:
             self.saver.reset_peak()
             self.awaits_backward = True
         return out
+
+    def _check_recompute(self, would_save: int) -> None:
+        """Backward recomputes this block with what is held now still held: where that does not
+        fit, say so here, in forward, before any update has run during backward."""
+        now = self.account.usage(Tier.DEVICE).now
+        if now + would_save > self.budget:
+            raise TierBudgetError(
+                f"device tier budget exceeded: backward will recompute a {self.block_class} block, "
+                f"{would_save} bytes, beside the {now} held now, past {self.budget_source} {self.budget}; "
+                f"{self.short_of()}")
 
     def _host_needed(self, size: int, remaining: int) -> bool:
         """Measuring: the inputs go to the host where this one and those after it would not fit."""
@@ -197,6 +209,19 @@ class ActivationPlan:
             sizes = self._sizes[size] = _Sizes(size)
             bisect.insort(self._keys, size)
         sizes.block = max(sizes.block, saved)
+
+    def short_of(self) -> str:
+        """Said with a budget error inside a planned forward or backward: what the plan did and
+        what else would make room."""
+        whole, ckpt, host = self._counts
+        measured = self._source or self._known(self._first_input)
+        figures = "" if measured is None else (f"; a block saves {measured.block} bytes at input size "
+                                               f"{measured.input}, the head and loss {measured.tail or 0}")
+        return (f"the activation plan (Note [activations in the plan]) had checkpointed {ckpt} of this "
+                f"forward's {whole + ckpt} {self.block_class} blocks so far, {host} with their inputs on the "
+                f"host{figures}; it does not move what else the device holds: put less there "
+                "(zero_optimization.offload_param / offload_optimizer device 'cpu', where not already), or use "
+                "a smaller micro batch or sequence, or a larger memory.device_budget")
 
     def report(self) -> dict:
         """What the last forward chose, and the figures it chose from."""

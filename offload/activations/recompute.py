@@ -71,6 +71,7 @@ import time
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from offload.activations.saver import ACTIVE, ActivationSaver
 
@@ -113,7 +114,8 @@ class _Frame:
         # What the forward would have kept had it not been checkpointed: the bytes of the
         # distinct storages it saved, parameters aside, as the saver would have charged
         # them (Note [activations in the plan] in activations/plan.py).
-        self.would_save: dict[tuple, int] = {}
+        self.would_save: dict[tuple, tuple[StorageWeakRef, int]] = {}
+        self._freed_bytes = 0
         self.recomputed: dict[int, dict[int, object]] = {}  # graph task -> index -> packed
         self.cpu_rng = torch.get_rng_state()
         self.device_type = torch_checkpoint._infer_device_type(*tensors)
@@ -131,10 +133,29 @@ class _Frame:
 
     def _pack_placeholder(self, t: torch.Tensor) -> _Placeholder:
         self.meta.append((t.shape, t.dtype, t.device))
-        key = self.manager.activation_storage(t)
-        if key is not None:
-            self.would_save[key[0]] = key[1]
+        if t.layout == torch.strided and t.device.type != "meta":
+            with torch._C.DisableTorchFunction():  # Note [bookkeeping outside the mode] in partition/manager.py
+                storage = t.untyped_storage()
+                # A live parameter's storage: the manager's pack keeps it as itself or a record, uncharged.
+                if storage.data_ptr() not in self.manager._live:
+                    self._would_save(storage)
         return _Placeholder(len(self.meta) - 1)
+
+    def _would_save(self, storage) -> None:
+        """Counts a storage the forward saved once however many saved tensors view it. The
+        placeholder keeps none alive, so an address seen before may be a new storage the
+        allocator put where a freed one was: told apart by a weak reference to the first."""
+        key = (storage.device.type, storage.device.index, storage.data_ptr())
+        seen = self.would_save.get(key)
+        if seen is not None and not seen[0].expired():
+            return
+        if seen is not None:
+            self._freed_bytes += seen[1]
+        self.would_save[key] = (StorageWeakRef(storage), storage.nbytes())
+
+    @property
+    def would_save_bytes(self) -> int:
+        return self._freed_bytes + sum(n for _, n in self.would_save.values())
 
     # ---- backward --------------------------------------------------------
     def _unpack_placeholder(self, placeholder: _Placeholder) -> torch.Tensor:
@@ -237,7 +258,7 @@ def checkpointed_call(saver: ActivationSaver, fn, args: tuple, kwargs: dict, *,
     if saver.profile:
         saver.timings["checkpointed_forward_s"] += time.perf_counter() - start
         saver.timings["checkpointed_calls"] += 1
-    return out, sum(frame.would_save.values())
+    return out, frame.would_save_bytes
 
 
 def _sync(saver: ActivationSaver) -> None:

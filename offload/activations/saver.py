@@ -103,7 +103,7 @@ import torch
 from offload.aio.buffer_pool import BufferPool
 from offload.aio.memory import round_up
 from offload.device import Event
-from offload.partition.accounting import MemoryAccount
+from offload.partition.accounting import MemoryAccount, TierBudgetError
 from offload.tiers import Tier
 
 # The saver of the engine whose forward (or recomputation) is running, for
@@ -373,7 +373,12 @@ class ActivationSaver:
             charge = self._charges.get(key)
             if charge is None:
                 # Charged before it is recorded: a budget error leaves nothing behind.
-                self.account.charge(tier, nbytes, f"saved activation ({tuple(t.shape)}, {t.dtype})")
+                try:
+                    self.account.charge(tier, nbytes, f"saved activation ({tuple(t.shape)}, {t.dtype})")
+                except TierBudgetError as e:
+                    if self.plan is None or tier is not Tier.DEVICE:
+                        raise
+                    raise TierBudgetError(f"{e}; {self.plan.short_of()}") from None
                 charge = self._charges[key] = _Charge(tier, nbytes, 0)
                 if tier is Tier.DEVICE:
                     self._device_now += nbytes

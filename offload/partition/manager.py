@@ -365,18 +365,6 @@ class ParameterManager:
         # Outside _bookkeeping: the saver detaches t, which keeps a subclass its type.
         return t if self.activations is None else self.activations.pack(t)
 
-    def activation_storage(self, t: torch.Tensor) -> tuple[tuple, int] | None:
-        """(storage key, bytes) of t as the saver would charge it were it saved now;
-        None for a parameter, which _pack keeps as itself or as a record."""
-        with _bookkeeping():
-            if t.layout != torch.strided or t.device.type == "meta":
-                return None
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if self._live and ptr in self._live:
-                return None
-            return (storage.device.type, storage.device.index, ptr), storage.nbytes()
-
     def _unpack(self, saved):
         if not isinstance(saved, _SavedParamView):
             return saved if self.activations is None else self.activations.unpack(saved)
