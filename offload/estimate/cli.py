@@ -8,7 +8,7 @@ import json
 import sys
 
 from offload.config import ConfigError
-from offload.estimate.memory_model import CLI_FLAGS, LARGEST_LAYER_FRACTION, estimate_from
+from offload.estimate.memory_model import CLI_FLAGS, LARGEST_LAYER_FRACTION, _gib, estimate_from
 from offload.estimate.trainable import parse_count
 
 
@@ -30,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how much trains, the rest frozen: a count (8M, 3.4e6), a fraction (0.011, 1.1%%), "
                              "or a PEFT LoRA adapter_config.json or its folder (with --model-config; the adapters "
                              "are added to the model). Default: all of it")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="with --model-config: also the bytes forward saves for backward at this sequence "
+                             "length, the model's forward run on fake tensors (needs transformers)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="micro batch for --seq-len (default: the config's train_micro_batch_size_per_gpu, "
+                             "else 1)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -41,13 +47,19 @@ def run(args: argparse.Namespace) -> int:
                         largest_layer_params=args.largest_layer, persistent_params=args.persistent_params,
                         world_size=args.world_size, num_nodes=args.num_nodes,
                         trainable=args.trainable, names=CLI_FLAGS)
+        saved = _activations(args)
     except ConfigError as exc:
         print(f"offload estimate: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(est.to_dict(), indent=2))
+        print(json.dumps({**est.to_dict(), "activations": None if saved is None else saved.to_dict()}, indent=2))
     else:
         print(est.format())
+        if saved is not None:
+            print(f"\nsaved activations per rank, micro batch {args.batch_size} x {args.seq_len} tokens "
+                  f"(Note [activation estimate]): {_gib(saved.whole)} with every block whole; "
+                  f"{_gib(saved.checkpointed)} with all {saved.blocks} checkpointed (a block saves "
+                  f"{_gib(saved.block)}, its input {_gib(saved.block_input)}, outside the blocks {_gib(saved.outside)})")
     # A plan that does not fit exits 1, so a script can stop before it starts a run initialize refuses.
     short = [n for n in est.notes if " short" in n]
     if args.config is not None:
@@ -57,6 +69,27 @@ def run(args: argparse.Namespace) -> int:
     for line in short:
         print(f"offload estimate: does not fit: {line}", file=sys.stderr)
     return 1 if short else 0
+
+
+def _activations(args: argparse.Namespace):
+    """The activation estimate where --seq-len asks for it; None else."""
+    if args.seq_len is None:
+        if args.batch_size is not None:
+            raise ConfigError("--batch-size is the micro batch of --seq-len's activation estimate: give --seq-len")
+        return None
+    if args.model_config is None:
+        raise ConfigError("--seq-len: the activation estimate runs the model's forward: give --model-config")
+    from offload.config import Config
+    from offload.estimate.activations import hf_activation_bytes
+
+    cfg = Config() if args.config is None else Config.load(args.config)
+    if args.batch_size is None:
+        args.batch_size = cfg.train_micro_batch_size_per_gpu or 1
+    for flag, v in (("--seq-len", args.seq_len), ("--batch-size", args.batch_size)):
+        if v < 1:
+            raise ConfigError(f"{flag}: {v} is not a positive integer")
+    return hf_activation_bytes(args.model_config, batch=args.batch_size, seq=args.seq_len,
+                               dtype=cfg.precision.dtype)
 
 
 def main(argv: list[str] | None = None) -> int:
