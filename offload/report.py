@@ -113,6 +113,8 @@ def collect() -> dict:
         "adam_equals": importlib.import_module("offload.ops.adam").describe_reference(),
         "threads": simd.num_threads(),
         "cpu_count": os.cpu_count(),
+        # This rank's share of its host under a launcher (Note [the node's share]).
+        "node": importlib.import_module("offload.node").node_view(),
         "io_backends": _io_backends(),
         "dependencies": dependencies(),
     }

@@ -1,6 +1,10 @@
 #include "thread_pool.h"
 
 #include <unistd.h>
+#ifdef __linux__
+#include <pthread.h>
+#include <sched.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -32,7 +36,47 @@ void ThreadPool::ensure_workers(int count) {
   while (static_cast<int>(workers_.size()) < count) {
     const int index = static_cast<int>(workers_.size());
     workers_.emplace_back([this, index] { worker_loop(index); });
+    bind(workers_.back());
   }
+}
+
+void ThreadPool::bind(std::thread& worker) {
+#ifdef __linux__
+  if (cores_.empty()) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : cores_) {
+    if (c >= 0 && c < CPU_SETSIZE) CPU_SET(c, &set);
+  }
+  pthread_setaffinity_np(worker.native_handle(), sizeof(set), &set);
+#else
+  (void)worker;
+#endif
+}
+
+void ThreadPool::set_cores(const std::vector<int>& cores) {
+  std::lock_guard<std::mutex> call(call_mutex_);
+  cores_ = cores;
+  for (auto& w : workers_) bind(w);
+}
+
+std::vector<std::vector<int>> ThreadPool::worker_cores() {
+  std::lock_guard<std::mutex> call(call_mutex_);
+  std::vector<std::vector<int>> out;
+#ifdef __linux__
+  for (auto& w : workers_) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    std::vector<int> cores;
+    if (pthread_getaffinity_np(w.native_handle(), sizeof(set), &set) == 0) {
+      for (int c = 0; c < CPU_SETSIZE; ++c) {
+        if (CPU_ISSET(c, &set)) cores.push_back(c);
+      }
+    }
+    out.push_back(cores);
+  }
+#endif
+  return out;
 }
 
 void ThreadPool::worker_loop(int index) {

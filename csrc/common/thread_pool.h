@@ -32,18 +32,28 @@ class ThreadPool {
   // each taking the next chunk not yet taken (Note [chunks taken in turn]).
   void parallel_chunks(size_t chunks, int num_threads, const std::function<void(size_t)>& fn);
 
+  // Binds every worker, now and later, to `cores` (Linux; elsewhere a no-op): a
+  // rank's block of its host's cores, where several ranks share the host (Note
+  // [the node's share] in offload/node.py). Empty: unbound.
+  void set_cores(const std::vector<int>& cores);
+
+  // Each worker's CPU set, as the kernel reports it (for tests and reports).
+  std::vector<std::vector<int>> worker_cores();
+
   ~ThreadPool();
 
  private:
   ThreadPool() = default;
   void ensure_workers(int count);
   void worker_loop(int index);
+  void bind(std::thread& worker);
 
   std::mutex call_mutex_;  // one parallel_for at a time
   std::mutex mutex_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
   std::vector<std::thread> workers_;
+  std::vector<int> cores_;  // set_cores; guarded by call_mutex_
   // The current job, valid while pending_ > 0.
   const std::function<void(size_t, size_t)>* job_ = nullptr;
   std::vector<std::pair<size_t, size_t>> ranges_;

@@ -108,14 +108,18 @@ class ActivationPlan:
         self._source: _Sizes | None = None
         self._after_last = 0
         self.awaits_backward = False
+        self.idle = False  # this forward's blocks run as they are (begin_forward)
         self._counts = [0, 0, 0]  # whole, checkpointed, inputs on host
         self.last: Choice | None = None  # the last forward's
         self.reason = ""
 
     # ---- per forward -------------------------------------------------------
-    def begin_forward(self) -> None:
-        """A new forward of the engine: the last one's choice is settled."""
+    def begin_forward(self, *, model_checkpoints: bool = False) -> None:
+        """A new forward of the engine: the last one's choice is settled. model_checkpoints:
+        the model checkpoints its blocks itself (Hugging Face's gradient_checkpointing_enable):
+        its blocks run as they are, this forward, rather than checkpointed twice."""
         self._settle_choice()
+        self.idle = model_checkpoints
         self._calls = 0
         self._counts = [0, 0, 0]
         self._measuring = False
@@ -238,6 +242,6 @@ def planned_call(module: torch.nn.Module, fn, args: tuple, kwargs: dict):
     forward, else as it is."""
     saver = ACTIVE.get()
     plan = None if saver is None else saver.plan
-    if plan is None or torch._C._current_graph_task_id() != -1:
+    if plan is None or plan.idle or torch._C._current_graph_task_id() != -1:
         return fn(*args, **kwargs)
     return plan.call(fn, args, kwargs)

@@ -50,7 +50,8 @@ at least half of it): no pinned allocation after the first step, unless a
 later step's inputs are larger.
 Its bound: `memory.pinned_budget` when set (shared with the other pinned
 pools: what they hold is not left for this one), else a quarter of the
-host's physical memory (PINNED_INPUTS_SHARE). An input the pool cannot
+host's physical memory (PINNED_INPUTS_SHARE), divided among the job's ranks
+on the host (Note [the node's share] in offload/node.py). An input the pool cannot
 hold (the bound reached, the pinned budget refusing, or larger than the
 bound) goes to pageable host memory instead: the layer copies it
 synchronously, correct and only not overlapped; never an error mid-step.
@@ -170,11 +171,12 @@ PINNED_INPUTS_SHARE = 0.25  # of physical host memory: the pool's bound without 
 class PinnedInputs:
     """Checkpoint inputs device->host into pinned buffers and back (Note [pinned checkpoint inputs])."""
 
-    def __init__(self, streams, ledger, *, pin: bool):
+    def __init__(self, streams, ledger, *, pin: bool, local_ranks: int = 1):
         self.streams = streams
         self.layer = streams.layer
+        # Without a pinned budget: this rank's share of the host's (Note [the node's share]).
         budget = ledger.budget if ledger is not None and ledger.budget is not None \
-            else int(PINNED_INPUTS_SHARE * psutil.virtual_memory().total)
+            else int(PINNED_INPUTS_SHARE * psutil.virtual_memory().total) // max(1, local_ranks)
         self.pool = BufferPool(max(budget, 8192), pin=pin, ledger=ledger, what="pinned checkpoint input",
                                register=self.layer.register_pinned)
 
@@ -272,12 +274,12 @@ class ActivationSaver:
         # The activation plan, told when backward starts (its first unpack); None: no plan.
         self.plan = None
 
-    def use_copy_streams(self, streams, ledger, *, pin: bool, planned: bool = False) -> None:
+    def use_copy_streams(self, streams, ledger, *, pin: bool, planned: bool = False, local_ranks: int = 1) -> None:
         """Checkpoint inputs go through the device layer's copy streams and a pinned
         pool (Note [pinned checkpoint inputs]); with cpu_checkpointing, or where the
         activation plan may send a block's inputs to the host (planned)."""
         if (self.cpu_checkpointing or planned) and self.pinned_inputs is None:
-            self.pinned_inputs = PinnedInputs(streams, ledger, pin=pin)
+            self.pinned_inputs = PinnedInputs(streams, ledger, pin=pin, local_ranks=local_ranks)
 
     def close(self) -> None:
         """The pinned pool's buffers and their charge go (engine close). Idempotent."""

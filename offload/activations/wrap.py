@@ -81,9 +81,12 @@ class ActivationCheckpointing:
     """What one engine installed: its saver and the modules whose class it swapped."""
 
     def __init__(self, model: torch.nn.Module, config, account, device: torch.device, *,
-                 plan_budget: tuple[int, str] | None = None):
+                 plan_budget: tuple[int, str] | None = None, local_ranks: int = 1):
         """plan_budget: (bytes, what they are) where the device has a budget the activation
-        plan keeps within (Note [activations in the plan]); None: no plan."""
+        plan keeps within (Note [activations in the plan]); None: no plan. local_ranks:
+        the job's ranks on this host, among which the pinned pool's default bound is split
+        (Note [the node's share] in offload/node.py)."""
+        self.local_ranks = local_ranks
         self.saver = ActivationSaver(account, device,
                                      cpu_checkpointing=config.cpu_checkpointing,
                                      synchronize=config.synchronize_checkpoint_boundary,
@@ -122,7 +125,7 @@ class ActivationCheckpointing:
             self.saver.wait_for_device = ctx.layer.synchronize
         if ctx is not None and ctx.streams is not None:
             self.saver.use_copy_streams(ctx.streams, ctx.account.pinned, pin=ctx.layer.page_locks,
-                                        planned=bool(self.planned))
+                                        planned=bool(self.planned), local_ranks=self.local_ranks)
         if self.planned:
             (budget, source), block_class = self._plan_budget
             self.saver.plan = ActivationPlan(self.saver, self.saver.account, blocks=self.planned,

@@ -30,7 +30,7 @@ from offload.engine.update_policy import UpdatePolicy
 from offload.engine.loss_scaler import LossScaler
 from offload.engine.memory import ProcessMemory, map_large_allocations, release_free_host_memory
 from offload.host_worker import HostWorker
-from offload.node import node_share
+from offload.node import bind_kernel_threads, node_share
 from offload.optim.sharded_adam import ShardedAdam
 from offload.partition.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
@@ -100,9 +100,13 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
         # First, so a class name missing from the model fails before anything moves.
         from offload.activations import ActivationCheckpointing
 
+        # Note [the node's share] (offload/node.py): this rank's cores and pinned memory, among its
+        # host's ranks (asked of every rank: a collective, made by all in the same place).
+        self.node = node_share(self.pg)
+
         self.activation_checkpointing = ActivationCheckpointing(
             model, config.activation_checkpointing, self.account, self.device,
-            plan_budget=self._activation_budget(config))
+            plan_budget=self._activation_budget(config), local_ranks=self.node.local_ranks)
         blocks, forwards = [], []  # Note [compiled blocks]: checked here, put in place once managed
         if config.compile.at_initialize:
             blocks = blocks_to_compile(model, config.compile.modules or None)
@@ -114,7 +118,7 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
         self.shard_context = built.ctx
         self.shards = built.shards
         self._placement = built.placement
-        log.info("%s", built.placement.summary())
+        log.info("%s; %s", built.placement.summary(), self.node.describe())
         self._stores = built.stores()
         self._placed = built.placed  # filled as built.place() moves them (Note [an interrupted initialize])
         # Weak: no cycle through the engine (Note [a closed engine] in engine/closed.py).
@@ -133,8 +137,7 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
         if self.manager.to_host is not None:  # Note [masters down with their gradients]
             self.manager.to_host.brings_master = weak_callback(self._brings_master)
 
-        # Note [the node's share] (offload/node.py): this rank's cores, among its host's ranks.
-        self.node = node_share(self.pg)
+        bind_kernel_threads(self.node, self._host_worker)
         # Note [when updates run] (engine/update_policy.py): the same answers the budgets had.
         self.update_policy = UpdatePolicy.of(config, separate_memory=self.device_layer.separate_memory)
         trainable = [s.part_numel for s, p in zip(self.shards, built.placement.shards) if p.state is not None]

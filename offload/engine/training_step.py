@@ -50,7 +50,8 @@ class TrainingStep:
                 "accumulation boundary the optimizer update runs during backward (Note [optimizer "
                 "overlap]) and step() completes it")
         if self.activation_checkpointing.plan is not None:
-            self.activation_checkpointing.plan.begin_forward()
+            self.activation_checkpointing.plan.begin_forward(
+                model_checkpoints=bool(getattr(self.module, "is_gradient_checkpointing", False)))
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         self._check_open()

@@ -122,3 +122,13 @@ def test_no_plan_without_a_device_budget_or_where_the_config_names_the_modules(t
     monkeypatch.setenv("OFFLOAD_DEVICE", "cpu")  # the device is the host: its budget is the host's
     _, _, plans, _ = _train(model, data, _config(tmp_path / "c", 50_000_000))
     assert plans == [None]
+
+
+def test_a_model_that_checkpoints_its_own_blocks_is_left_to_do_so(tmp_path, sim):
+    """Hugging Face's gradient_checkpointing_enable() sets is_gradient_checkpointing: its
+    blocks are already checkpointed, so the plan does not checkpoint them a second time."""
+    model, data = _model(), _data([SEQ] * 2)
+    model.is_gradient_checkpointing = True  # what the flag reads; the model itself runs as it is
+    losses, weights, plans, _ = _train(model, data, _config(tmp_path, 50_000_000))
+    assert [p["last"] for p in plans] == [None, None]
+    _assert_like_torch(model, data, losses, weights)

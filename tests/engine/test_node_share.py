@@ -60,6 +60,12 @@ def _worker(rank, world, port, root, results):
                         weights = engine_weights(engine)
                         node, host_plan = engine.node, engine.placement().budgets.host
                         threads = engine.optimizer.step_threads
+                        # The host Adam's threads run on this rank's block: the host worker thread
+                        # and every native kernel worker (Note [the node's share]).
+                        bound = engine._host_worker.submit(os.sched_getaffinity, 0).result()
+                        assert sorted(bound) == sorted(node.cores)
+                        for worker_cores in offload._native.native.kernel_thread_cores():
+                            assert sorted(worker_cores) == sorted(node.cores)
                     assert node.local_ranks == world and node.local_index == rank
                     # Each rank's host plan is its share: together within HOST_SHARE of the RAM.
                     assert host_plan * world <= HOST_SHARE * psutil.virtual_memory().total
@@ -90,13 +96,65 @@ def _worker(rank, world, port, root, results):
 
 
 @pytest.mark.slow
-def test_two_ranks_on_one_host_share_its_memory_cores_and_disk(tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_on_one_host_share_its_memory_cores_and_disk(tmp_path, world):
     # tiny_gpt's swap files with nvme everywhere take 622,592 bytes a rank: the mount holds one rank's.
     with mounted_tmpfs(tmp_path, "900k", "the shared-disk case needs a small file system") as mnt:
         assert mnt == tmp_path / "mnt"
         with offload.initialize(build("tiny_gpt"), make_config("nvme", "nvme", mnt / "alone")):
             pass  # one rank alone fits
-        outcome, procs = run_ranks(_worker, (str(tmp_path),))
+        outcome, procs = run_ranks(_worker, (str(tmp_path),), world=world)
     failures = {k: v for k, v in outcome.items() if v != "ok"}
     assert not failures, "\n".join(f"rank {r} {c}:\n{msg}" for (r, c), msg in failures.items())
-    assert len(outcome) == 4 and [p.exitcode for p in procs] == [0, 0]
+    assert len(outcome) == 2 * world and [p.exitcode for p in procs] == [0] * world
+
+
+def test_the_cores_are_split_numa_node_by_numa_node(tmp_path):
+    """Two NUMA nodes whose second hyperthreads are numbered after every first one (node 0:
+    0-3 and 8-11, node 1: 4-7 and 12-15): each of 4 ranks gets 4 cores of one node."""
+    from offload.node import numa_nodes, numa_order
+
+    for node, cpus in ((0, "0-3,8-11"), (1, "4-7,12-15")):
+        (tmp_path / f"node{node}").mkdir()
+        (tmp_path / f"node{node}" / "cpulist").write_text(cpus + "\n")
+    (tmp_path / "possible").write_text("0-1\n")  # not a node folder: ignored
+    node_of = numa_nodes(str(tmp_path))
+    assert node_of == {**{c: 0 for c in (0, 1, 2, 3, 8, 9, 10, 11)}, **{c: 1 for c in (4, 5, 6, 7, 12, 13, 14, 15)}}
+    ordered = numa_order(range(16), node_of)
+    blocks = [split_cores(ordered, 4, i) for i in range(4)]
+    assert blocks == [(0, 1, 2, 3), (8, 9, 10, 11), (4, 5, 6, 7), (12, 13, 14, 15)]
+    assert all(len({node_of[c] for c in b}) == 1 for b in blocks)
+    assert numa_nodes(str(tmp_path / "absent")) == {}
+
+
+def _run_kernel_on_threads(threads: int) -> None:
+    """One native Adam update on `threads` kernel threads (its pool makes the workers it lacks)."""
+    from offload.ops.adam import adam_step
+
+    n = 1 << 20  # large enough for the kernel to split it among threads
+    master, grad, m, v = (torch.rand(n) for _ in range(4))
+    adam_step(master, grad, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+              num_threads=threads)
+
+
+def test_the_kernel_threads_are_bound_to_the_ranks_cores():
+    """A rank's block of cores binds the native kernels' workers, now and later, and the
+    host worker thread; a single rank's share (every core) leaves them free again."""
+    from offload._native import native
+    from offload.host_worker import HostWorker
+    from offload.node import NodeShare, affinity, bind_kernel_threads
+
+    if native is None:
+        pytest.skip("the native extension is not built")
+    everything = affinity()
+    worker = HostWorker()
+    try:
+        bind_kernel_threads(NodeShare(2, 1, (everything[-1],), "here"), worker)
+        assert worker.submit(os.sched_getaffinity, 0).result() == {everything[-1]}
+        _run_kernel_on_threads(2)  # a worker thread made after the binding is bound too
+        assert native.kernel_thread_cores() and all(c == [everything[-1]] for c in native.kernel_thread_cores())
+        bind_kernel_threads(NodeShare(1, 0, tuple(everything), "here"), worker)
+        assert worker.submit(os.sched_getaffinity, 0).result() == set(everything)
+        assert all(c == everything for c in native.kernel_thread_cores())
+    finally:
+        worker.shutdown()
