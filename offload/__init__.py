@@ -21,6 +21,15 @@ _LAZY = {
     "checkpoint": ("offload.activations", "checkpoint"),
     "consolidate": ("offload.checkpoint_io", "consolidate"),
     "gathered": ("offload.partition.managed", "gathered"),
+    # What the engine raises, each importable from here (`except offload.TierBudgetError`).
+    "ConfigError": ("offload.config", "ConfigError"),
+    "CheckpointError": ("offload.checkpoint_io", "CheckpointError"),
+    "WeightsError": ("offload.engine.weights", "WeightsError"),
+    "EngineClosedError": ("offload.engine.closed", "EngineClosedError"),
+    "TierBudgetError": ("offload.partition.accounting", "TierBudgetError"),
+    "SwapStoreError": ("offload.aio.errors", "SwapStoreError"),
+    "AioError": ("offload.aio.errors", "AioError"),
+    "CorruptFileError": ("offload.aio.errors", "CorruptFileError"),
     # DeepSpeed's names, so `import offload as deepspeed` runs its scripts (offload/engine/deepspeed_api.py)
     "add_config_arguments": ("offload.engine.deepspeed_api", "add_config_arguments"),
     "init_distributed": ("offload.engine.deepspeed_api", "init_distributed"),
@@ -38,4 +47,6 @@ def __getattr__(name):
 
 
 __all__ = ["initialize", "init", "Engine", "Config", "estimate", "checkpoint", "consolidate", "gathered",
+           "ConfigError", "CheckpointError", "WeightsError", "EngineClosedError", "TierBudgetError",
+           "SwapStoreError", "AioError", "CorruptFileError",
            "add_config_arguments", "init_distributed", "__version__"]

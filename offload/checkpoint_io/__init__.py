@@ -37,6 +37,13 @@ def load_checkpoint(engine, load_dir, tag=None, **parts):
 
 
 def consolidate(ckpt_dir, out_path, tag=None, dtype=None, progress=True):
+    """A checkpoint's full model (saved at any world size) as one safetensors file.
+
+    ckpt_dir: the folder save_checkpoint wrote (its root, or one tag's folder); tag: which of its checkpoints (default: the
+    `latest` one); dtype: torch.float32 (default), torch.bfloat16 or torch.float16, or
+    their names; progress: a progress bar on stderr. Every rank's files are
+    verified before anything is written. Returns the path written.
+    """
     import torch
 
     from offload.checkpoint_io.consolidation import consolidate as _consolidate

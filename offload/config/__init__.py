@@ -219,12 +219,14 @@ class Config(_Section):
         return out
 
     def replace(self, **changes) -> "Config":
+        """A copy with `changes` (section objects or values), checked like a loaded config."""
         return dataclasses.replace(self, **changes)
 
     # ---- derived
 
     @property
     def precision(self) -> Precision:
+        """fp32, bf16 or fp16, from bf16.enabled and fp16.enabled (both on is an error)."""
         if self.bf16.enabled and self.fp16.enabled:
             raise ConfigError("bf16.enabled and fp16.enabled are both true; enable at most one")
         if self.bf16.enabled:
@@ -234,6 +236,7 @@ class Config(_Section):
         return Precision.FP32
 
     def has_auto(self) -> bool:
+        """Whether any batch or bucket key is "auto" (Hugging Face's Trainer fills those in)."""
         z = self.zero_optimization
         return any(v is AUTO for v in (self.train_batch_size, self.train_micro_batch_size_per_gpu,
                                         self.gradient_accumulation_steps,

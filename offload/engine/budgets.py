@@ -9,6 +9,7 @@ import dataclasses
 import torch
 
 from offload.config import Config
+from offload.partition.accounting import TierBudgetError
 from offload.placement import (DEVICE_SHARE, HOST_SHARE, Budgets, ParamSpec, Placement, plan_placement,
                                uniform)
 from offload.engine.update_policy import UpdatePolicy
@@ -174,7 +175,7 @@ def check_needs(need: dict[Tier, dict], config: Config) -> dict[Tier, str]:
             change = (_host_remedy(config) if tier is Tier.HOST
                       else "lower zero_optimization.stage3_max_live_parameters (the prefetcher's live limit) "
                            "or stage3_prefetch_bucket_size (0: no prefetch), or offload more")
-            raise MemoryError(
+            raise TierBudgetError(
                 f"{tier.value} tier budget exceeded: this configuration needs at least {total} bytes "
                 f"on the {tier.value} tier ({detail}) but memory.{tier.value}_budget is {budget}; "
                 f"raise memory.{tier.value}_budget to at least {total}, or {change}")

@@ -84,12 +84,15 @@ class DeepSpeedMethods:
 
     @property
     def is_compiled(self) -> bool:
+        """Whether the model's blocks are compiled (engine.compile() or the config's compile)."""
         return bool(self.compiled_blocks)
 
     def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (the config's gradient_accumulation_steps)."""
         return self.config.gradient_accumulation_steps
 
     def train_micro_batch_size_per_gpu(self) -> int | None:
+        """The config's micro batch per rank; None where it is not set."""
         return self.config.train_micro_batch_size_per_gpu
 
     def train_batch_size(self) -> int | None:
@@ -100,6 +103,7 @@ class DeepSpeedMethods:
         return None if mb is None else mb * self.gradient_accumulation_steps() * self.pg.world_size
 
     def dataloader_drop_last(self) -> bool:
+        """The config's dataloader_drop_last: whether DeepSpeed's loader drops a short last batch."""
         return self.config.dataloader_drop_last
 
     @property
@@ -115,16 +119,20 @@ class DeepSpeedMethods:
 
     @property
     def global_rank(self) -> int:
+        """This process's rank in the job (0 alone)."""
         return self.pg.rank
 
     @property
     def world_size(self) -> int:
+        """The job's ranks (1 alone)."""
         return self.pg.world_size
 
     def fp16_enabled(self) -> bool:
+        """Whether the model computes in fp16 (the config's fp16.enabled)."""
         return self.compute_dtype == torch.float16
 
     def bfloat16_enabled(self) -> bool:
+        """Whether the model computes in bf16 (the config's bf16.enabled)."""
         return self.compute_dtype == torch.bfloat16
 
     def get_lr(self) -> list[float]:

@@ -200,17 +200,22 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
 
     # DeepSpeed's attributes, read and set by scripts: the counters' (Note [step counters]).
     global_steps = property(lambda self: self.counters.global_steps,
-                            lambda self, v: setattr(self.counters, "global_steps", v))
+                            lambda self, v: setattr(self.counters, "global_steps", v),
+                            doc="Optimizer steps taken (skipped fp16 overflow steps included), as DeepSpeed counts.")
     micro_steps = property(lambda self: self.counters.micro_steps,
-                           lambda self, v: setattr(self.counters, "micro_steps", v))
+                           lambda self, v: setattr(self.counters, "micro_steps", v),
+                           doc="Micro-batches through backward so far.")
     skipped_steps = property(lambda self: self.counters.skipped_steps,
-                             lambda self, v: setattr(self.counters, "skipped_steps", v))
+                             lambda self, v: setattr(self.counters, "skipped_steps", v),
+                             doc="Steps skipped for an fp16 overflow (the loss scale lowered instead).")
 
     def train(self, mode: bool = True) -> "Engine":
+        """The model's train(mode), as nn.Module.train: dropout and the like on (or off)."""
         self.module.train(mode)
         return self
 
     def eval(self) -> "Engine":
+        """The model's eval(): train(False)."""
         return self.train(False)
 
     # ---- full values -------------------------------------------------------

@@ -54,6 +54,9 @@ class TrainingStep:
                 model_checkpoints=bool(getattr(self.module, "is_gradient_checkpointing", False)))
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of a scalar loss, scaled by 1 / gradient_accumulation_steps (and the fp16
+        loss scale); at the window's last micro-batch the optimizer update starts during
+        it, and step() completes it. Returns the loss as given."""
         self._check_open()
         self._refuse_after_failed_step("engine.backward()")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

@@ -21,7 +21,9 @@ from offload.tiers import Tier
 
 
 class TierBudgetError(MemoryError):
-    pass
+    """A tier's budget (memory.device_budget, host_budget, pinned_budget) exceeded: at
+    initialize by what the plan would hold, or mid-step by a charge; the message names
+    the tier, the bytes and what to change."""
 
 
 @dataclass
