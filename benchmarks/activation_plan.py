@@ -121,7 +121,7 @@ def estimate_against_measured(seqs) -> list[dict]:
     from torch.nn import functional as F
 
     import offload
-    from offload.estimate.activations import activation_bytes
+    from offload.sizing.activations import activation_bytes
     from offload_bench.gpt import GPT, GPTConfig
 
     os.environ["OFFLOAD_DEVICE"] = "cpu"

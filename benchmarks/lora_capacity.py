@@ -162,7 +162,7 @@ def measure_read_rate(root: Path, size: int, repeats: int) -> dict:
 # ------------------------------------------------------------------ estimate
 
 def run_estimate(shape: dict, cfg: dict) -> dict:
-    from offload.estimate import estimate
+    from offload.sizing import estimate
 
     model_config = {"model_type": "llama", **shape}
 

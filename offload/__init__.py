@@ -17,7 +17,7 @@ _LAZY = {
     "init": ("offload.engine.init_context", "init"),
     "Engine": ("offload.engine", "Engine"),
     "Config": ("offload.config", "Config"),
-    "estimate": ("offload.estimate", "estimate"),
+    "estimate": ("offload.sizing", "estimate"),
     "checkpoint": ("offload.activations", "checkpoint"),
     "consolidate": ("offload.checkpoint_io", "consolidate"),
     "gathered": ("offload.partition.managed", "gathered"),

@@ -1,7 +1,7 @@
 """The `offload` command (also `python -m offload`).
 
   offload report            versions, native extension, SIMD, threads, I/O backends
-  offload estimate ...      memory per tier for a model size and a config (offload/estimate/)
+  offload estimate ...      memory per tier for a model size and a config (offload/sizing/)
   offload consolidate ...   one safetensors file from a checkpoint (offload/checkpoint_io/consolidation.py)
   offload bench adam ...    CPU Adam benchmark (benchmarks/offload_bench/cpu_adam.py)
   offload bench adam-reference ...  the host update against torch's AdamW (adam_reference.py)
@@ -41,9 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     report = sub.add_parser("report", help="print the environment and what offload will use")
     report.add_argument("--json", action="store_true", help="print JSON instead of text")
-    from offload import estimate
+    from offload.sizing import cli as sizing
 
-    estimate.add_arguments(sub.add_parser(
+    sizing.add_arguments(sub.add_parser(
         "estimate", help="bytes per tier (device, host, NVMe) for a model and a configuration"))
     importlib.import_module("offload.checkpoint_io.consolidation").add_arguments(sub.add_parser(
         "consolidate", help="write a checkpoint's full model as one safetensors file"))
@@ -85,9 +85,9 @@ def _main(argv: list[str] | None) -> int:
 
         return report.main(as_json=args.json)
     if args.command == "estimate":
-        from offload import estimate
+        from offload.sizing import cli as sizing
 
-        return estimate.run(args)
+        return sizing.run(args)
     if args.command == "consolidate":
         return importlib.import_module("offload.checkpoint_io.consolidation").run(args)
     if getattr(args, "bench_missing", False):

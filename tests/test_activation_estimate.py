@@ -1,4 +1,4 @@
-"""The activation estimate (Note [activation estimate] in offload/estimate/activations.py)
+"""The activation estimate (Note [activation estimate] in offload/sizing/activations.py)
 against what the engine measures: the saved-activation peak its saver charges in a real
 step, for a GPT, a Hugging Face Llama and a Hugging Face Mixtral (mixture of experts),
 each at two sequence lengths; and `offload estimate --seq-len` on the command line."""
@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import offload
-from offload.estimate.activations import activation_bytes
+from offload.sizing.activations import activation_bytes
 from tests.engine.models import TinyGPT
 
 transformers = pytest.importorskip("transformers")
@@ -80,7 +80,7 @@ def test_the_estimate_is_within_ten_percent_of_the_engines_measured_peak(kind, s
 def test_offload_estimate_prints_the_activations_at_a_sequence_length(tmp_path, capsys):
     _, config = _hf("llama")
     config.save_pretrained(tmp_path)
-    from offload.estimate import main
+    from offload.sizing import main
 
     assert main(["--model-config", str(tmp_path), "--seq-len", "64", "--batch-size", "2", "--json"]) == 0
     short = json.loads(capsys.readouterr().out)["activations"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-from offload.estimate.hf_config import CountedModel, ModelSizes, count_modules, load_model_config
-from offload.estimate.trainable import adapter_config, lora_modules
+from offload.sizing.hf_config import CountedModel, ModelSizes, count_modules, load_model_config
+from offload.sizing.trainable import adapter_config, lora_modules
 
 
 def counted_model(model_config: str | os.PathLike | Mapping, adapter: tuple[dict, str] | None = None,

@@ -1,6 +1,6 @@
 """`offload estimate`: bytes per tier, and the minimum device, host and NVMe,
 for a model size and a configuration, before anything is allocated (the
-memory model: offload/estimate/memory_model.py)."""
+memory model: offload/sizing/memory_model.py)."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +8,8 @@ import json
 import sys
 
 from offload.config import ConfigError
-from offload.estimate.memory_model import CLI_FLAGS, LARGEST_LAYER_FRACTION, _gib, estimate_from
-from offload.estimate.trainable import parse_count
+from offload.sizing.memory_model import CLI_FLAGS, LARGEST_LAYER_FRACTION, _gib, estimate_from
+from offload.sizing.trainable import parse_count
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +80,7 @@ def _activations(args: argparse.Namespace):
     if args.model_config is None:
         raise ConfigError("--seq-len: the activation estimate runs the model's forward: give --model-config")
     from offload.config import Config
-    from offload.estimate.activations import hf_activation_bytes
+    from offload.sizing.activations import hf_activation_bytes
 
     cfg = Config() if args.config is None else Config.load(args.config)
     if args.batch_size is None:

@@ -38,9 +38,9 @@ from typing import Mapping
 from offload.config import AUTO, Config, ConfigError, Precision, Tier
 from offload.placement import DEVICE_SHARE, HOST_SHARE, Budgets, ParamSpec, Placement, plan_placement
 from offload.tiers import grad_tier_of
-from offload.estimate.hf_config import CountedModel
-from offload.estimate.model_shapes import counted_model
-from offload.estimate.trainable import parse_trainable
+from offload.sizing.hf_config import CountedModel
+from offload.sizing.model_shapes import counted_model
+from offload.sizing.trainable import parse_trainable
 
 GiB = 1 << 30
 TIERS = ("device", "host", "nvme")

@@ -140,7 +140,7 @@ def hf_activation_bytes(model_config: str | os.PathLike | Mapping, *, batch: int
     except ImportError:
         raise ConfigError("--seq-len: the activation estimate runs the model's forward on fake tensors and needs "
                           "transformers to build it from its config: pip install transformers") from None
-    from offload.estimate.hf_config import load_model_config
+    from offload.sizing.hf_config import load_model_config
 
     raw, _ = load_model_config(model_config)
     raw = dict(raw)

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Mapping
 
 from offload.config import ConfigError
-from offload.estimate.hf_config import CountedModule, load_json
+from offload.sizing.hf_config import CountedModule, load_json
 
 
 _COUNT_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*$")
