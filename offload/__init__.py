@@ -26,7 +26,7 @@ _LAZY = {
     "CheckpointError": ("offload.checkpoint_io", "CheckpointError"),
     "WeightsError": ("offload.engine.weights", "WeightsError"),
     "EngineClosedError": ("offload.engine.closed", "EngineClosedError"),
-    "TierBudgetError": ("offload.partition.accounting", "TierBudgetError"),
+    "TierBudgetError": ("offload.accounting", "TierBudgetError"),
     "SwapStoreError": ("offload.aio.errors", "SwapStoreError"),
     "AioError": ("offload.aio.errors", "AioError"),
     "CorruptFileError": ("offload.aio.errors", "CorruptFileError"),

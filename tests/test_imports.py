@@ -1,6 +1,7 @@
 """The package's modules: none longer than 500 lines, and no import circle among
-them, every import counted, those inside functions and under TYPE_CHECKING too
-(a lazy import that closes a circle is still a circle a reader has to hold in mind)."""
+them or among its folders, every import counted, those inside functions and under
+TYPE_CHECKING too (a lazy import that closes a circle is still a circle a reader has
+to hold in mind)."""
 import ast
 from pathlib import Path
 
@@ -76,6 +77,38 @@ def test_the_package_has_no_import_circle():
     graph = {name: imported(name, path, known) for name, path in known.items()}
     assert graph["offload.engine.entry"] >= {"offload.engine.create", "offload.engine.deepspeed_api"}
     assert circles(graph) == []
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph seen folder by folder (offload.partition, offload.activations, ...;
+    a module at the package's top is a folder of its own)."""
+    def folder(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    out: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        out.setdefault(folder(name), set()).update(folder(t) for t in targets if folder(t) != folder(name))
+    for targets in list(out.values()):
+        for t in targets:
+            out.setdefault(t, set())
+    return out
+
+
+def test_no_folder_imports_one_that_imports_it_back():
+    """The folders are layers: memory accounting (offload/accounting.py) on the ground
+    floor, the activations above the parameter runtime, which reaches them only through
+    compile support; none in a circle with another."""
+    known = modules()
+    folders = folder_graph({name: imported(name, path, known) for name, path in known.items()})
+    assert "offload.partition" not in folders["offload.activations"]
+    assert circles(folders) == []
+
+
+def test_a_planted_folder_circle_is_found():
+    known = modules()
+    graph = {name: imported(name, path, known) for name, path in known.items()}
+    graph["offload.activations.saver"] = graph["offload.activations.saver"] | {"offload.partition.manager"}
+    assert ["offload.activations", "offload.partition"] in circles(folder_graph(graph))
 
 
 @pytest.mark.parametrize("planted", [("offload.optim.overlap", "offload.optim.sharded_adam")])

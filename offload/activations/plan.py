@@ -52,7 +52,7 @@ import torch
 
 from offload.activations.recompute import checkpointed_call
 from offload.activations.saver import ACTIVE, ActivationSaver
-from offload.partition.accounting import TierBudgetError
+from offload.accounting import TierBudgetError
 from offload.tiers import Tier
 
 log = logging.getLogger("offload")

@@ -104,7 +104,7 @@ import torch
 from offload.aio.buffer_pool import BufferPool
 from offload.aio.memory import round_up
 from offload.device import Event
-from offload.partition.accounting import MemoryAccount, TierBudgetError
+from offload.accounting import MemoryAccount, TierBudgetError
 from offload.tiers import Tier
 
 # The saver of the engine whose forward (or recomputation) is running, for

@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from offload.config import Config
-from offload.partition.accounting import TierBudgetError
+from offload.accounting import TierBudgetError
 from offload.placement import (DEVICE_SHARE, HOST_SHARE, Budgets, ParamSpec, Placement, plan_placement,
                                uniform)
 from offload.engine.update_policy import UpdatePolicy

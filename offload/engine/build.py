@@ -30,7 +30,7 @@ from offload.aio.memory import BufferCache, pin_host_home, pins
 from offload.aio.run_dir import RunDirectories
 from offload.config import Config
 from offload.device import DeviceLayer
-from offload.partition.accounting import MemoryAccount
+from offload.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.device_copies import CopyStreams
 from offload.partition.nvme_home import ParamStore

@@ -32,7 +32,7 @@ from offload.engine.memory import ProcessMemory, map_large_allocations, release_
 from offload.host_worker import HostWorker
 from offload.node import bind_kernel_threads, node_share
 from offload.optim.sharded_adam import ShardedAdam
-from offload.partition.accounting import MemoryAccount
+from offload.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.managed import manage, refuse_state_dict_larger_than_memory
 from offload.partition.manager import ParameterManager

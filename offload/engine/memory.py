@@ -35,7 +35,7 @@ import sys
 import psutil
 import torch
 
-from offload.partition.accounting import MemoryAccount
+from offload.accounting import MemoryAccount
 from offload.tiers import Tier
 
 

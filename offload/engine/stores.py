@@ -16,7 +16,7 @@ from offload.aio.run_dir import RunDirectories
 from offload.config import Config
 from offload.device import DeviceLayer
 from offload.partition import nvme_home
-from offload.partition.accounting import MemoryAccount
+from offload.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
 from offload.tiers import Tier
 

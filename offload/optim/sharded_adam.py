@@ -51,7 +51,7 @@ from offload.optim.overlap import DeferredUpdates, OverlappedUpdates
 from offload.optim.param_groups import check_group
 from offload.optim.state_access import StateAccess
 from offload.optim.state_stream import StateLayout, StateStream
-from offload.partition.accounting import MemoryAccount
+from offload.accounting import MemoryAccount
 from offload.partition.shard import Shard
 from offload.tiers import Tier
 from offload.timeline import Timeline

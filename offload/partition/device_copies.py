@@ -52,7 +52,7 @@ from offload.aio.memory import round_up
 from offload.partition.staging_ring import StagingRing
 from offload.device import DeviceLayer, Event
 from offload.host_worker import HostWorker
-from offload.partition.accounting import TierBudgetError
+from offload.accounting import TierBudgetError
 from offload.tiers import Tier
 
 GRADIENT_BUFFERS = 4  # the staging ring holds this many of the largest gradient

@@ -14,7 +14,7 @@ import torch
 from offload.aio.memory import BufferCache
 from offload.device import DeviceLayer
 from offload.device.cpu import CpuDevice
-from offload.partition.accounting import MemoryAccount
+from offload.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.device_copies import CopyStreams
 from offload.tiers import Tier

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import offload
-from offload.partition.accounting import TierBudgetError
+from offload.accounting import TierBudgetError
 from tests.engine.harness import engine_weights, lm_loss, make_config, run_reference
 from tests.engine.models import VOCAB, TinyGPT
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import offload
-from offload.partition.accounting import MemoryAccount, TierBudgetError
+from offload.accounting import MemoryAccount, TierBudgetError
 from offload.tiers import Tier
 from tests.engine.harness import batches, build, lm_loss, make_config, run_reference
 

@@ -13,7 +13,7 @@ from offload.config import Config
 import offload.device
 from offload.engine.build import build_shards
 from offload.optim.sharded_adam import ShardedAdam
-from offload.partition.accounting import MemoryAccount
+from offload.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
 from offload.tiers import Tier
 from offload.timeline import Timeline

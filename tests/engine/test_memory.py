@@ -18,7 +18,7 @@ import offload
 from offload.aio.swap_store import SwapStore
 from offload.aio.swap_config import SwapConfig
 from offload.engine.memory import TierLedger
-from offload.partition.accounting import MemoryAccount, Tier, TierBudgetError
+from offload.accounting import MemoryAccount, Tier, TierBudgetError
 from tests.engine.harness import make_config
 from tests.engine.models import Wide
 

@@ -145,7 +145,7 @@ def test_on_a_separate_device_masters_come_down_with_their_gradients(tmp_path, m
 
 def test_masters_stay_on_disk_without_room_on_the_device(tmp_path, monkeypatch):
     """A clone the device budget has no room for is not made: the stream reads the master."""
-    from offload.partition.accounting import TierBudgetError
+    from offload.accounting import TierBudgetError
 
     monkeypatch.setenv("OFFLOAD_DEVICE", "sim")
     model = build("tiny_gpt")

@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 import offload
 from offload.optim.state_stream import StateStream
 from offload.partition.gather_on_use import GatherOnUse
-from offload.partition.accounting import MemoryAccount, Tier
+from offload.accounting import MemoryAccount, Tier
 from offload.timeline import Timeline
 from tests.engine.harness import batches, build, lm_loss, make_config
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload.partition.accounting import MemoryAccount, TierBudgetError
+from offload.accounting import MemoryAccount, TierBudgetError
 from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.prefetch import PrefetchScheduler
 from offload.partition.shard import Shard
