@@ -77,7 +77,7 @@ bytes twice. A pageable copy is charged to the host tier while its holder
 lives, as on a CPU-only host. The device copy unpack makes is charged to
 the device tier while it lives.
 
-The waits (WAITS; tests/engine/test_sim_activation_checkpointing.py removes each alone
+The waits (WAITS; tests/activations/test_sim_checkpointing.py removes each alone
 and the simulator raises at the racing access, naming the buffer):
 
   input-d2h-after-compute   the d2h stream waits the compute stream before it

@@ -29,7 +29,7 @@ WORDS = ("setup", "tests", "cuda_tests", "suite", "bench_67m", "bench_1b")
 SETUP = ("setup_deepspeed", "setup_project", "setup_ds_ops")
 # CPU test mode: a small subset of the suite (GPU_CHECK_SUITE_ARGS replaces it)
 CPU_SUITE_ARGS = ('-m "not slow" tests/config/test_config.py tests/partition/test_state_machines.py '
-                  'tests/test_estimate.py')
+                  'tests/sizing/test_estimate.py')
 
 
 class Refused(Exception):
