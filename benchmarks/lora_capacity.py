@@ -212,7 +212,7 @@ def run_ours(args, shape: dict, cfg: dict, nvme: Path) -> dict:
     import torch
 
     import offload
-    from offload.engine.memory import release_free_host_memory
+    from offload.process_memory import release_free_host_memory
     from offload.tiers import Tier
 
     res: dict = {"name": "offload", "rss_before": lora.vm_rss()}

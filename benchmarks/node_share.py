@@ -105,7 +105,7 @@ def worker(args) -> None:
             opt.step()
             opt.zero_grad()
             mine["torch_losses"].append(loss.item())
-    from offload.engine.memory import peak_rss_bytes
+    from offload.process_memory import peak_rss_bytes
 
     mine["peak_rss"] = peak_rss_bytes()
     everyone = [None] * world

@@ -381,3 +381,18 @@ def _gib(n: int) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} B"
+
+
+def nvme_state_buffers(part: int, itemsize: int, homes_on_nvme: bool) -> dict[str, int]:
+    """Host bytes the update of NVMe optimizer state keeps in flight, by what they are,
+    for `part`, the largest partition whose state is on NVMe: what initialize reserves
+    (engine/budgets.py) and what `offload estimate` counts (sizing/memory_model.py),
+    one function so the two cannot disagree."""
+    held = {"optimizer state buffers in flight": 3 * 12 * part,
+            # ShardedAdam.state_buffers: the idle ones kept within a step, up to its cap
+            # (measured: in flight and idle together reached 5.6 x 12 B x the largest).
+            "idle optimizer buffers kept within a step": 4 * 12 * part,
+            "fp32 masters taken from gathered parameters": 3 * 4 * part}
+    if itemsize != 4 and homes_on_nvme:  # the compute dtype's: bf16 or fp16
+        held["new parameter values on their way to NVMe"] = 3 * itemsize * part
+    return held

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 # Re-exported: a benchmark's peak RSS is the engine's own measure (VmHWM, else ru_maxrss).
-from offload.engine.memory import peak_rss_bytes  # noqa: F401
+from offload.process_memory import peak_rss_bytes  # noqa: F401
 
 # Decimal suffixes for element counts ("200M" params), binary ones for bytes ("4Mi").
 _SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}

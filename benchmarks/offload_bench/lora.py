@@ -185,7 +185,7 @@ def vm_rss(pid: int | str = "self") -> int | None:
 
 def reset_peak() -> bool:
     """VmHWM back to the current RSS, so the next phase's peak is its own."""
-    from offload.engine.memory import reset_peak_rss
+    from offload.process_memory import reset_peak_rss
 
     return reset_peak_rss()
 

@@ -403,7 +403,7 @@ def run_contender(name: str, spec: dict) -> dict:
         import torch.distributed as dist
 
         dist.destroy_process_group()
-    from offload.engine.memory import peak_rss_bytes  # after the run: the import adds nothing to its peak
+    from offload.process_memory import peak_rss_bytes  # after the run: the import adds nothing to its peak
 
     res["peak_rss_bytes"] = peak_rss_bytes()
     res["ru_maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -21,19 +21,19 @@ DeepSpeed's spelling because they are what users replace.
 from offload.checkpoint_io.manifest import CheckpointError
 
 
-def save_checkpoint(engine, save_dir, tag=None, client_state=None, async_save=False, save_latest=True,
+def save_checkpoint(view, save_dir, tag=None, client_state=None, async_save=False, save_latest=True,
                     exclude_frozen=False):
     """Starts (async_save) or performs a save; returns the SaveJob (finish() commits)."""
     from offload.checkpoint_io.save import SaveJob
 
-    return SaveJob(engine, save_dir, tag, client_state, async_save, save_latest, exclude_frozen)
+    return SaveJob(view, save_dir, tag, client_state, async_save, save_latest, exclude_frozen)
 
 
-def load_checkpoint(engine, load_dir, tag=None, **parts):
+def load_checkpoint(view, load_dir, tag=None, **parts):
     """(tag directory, client_state); parts: load.load_into's keywords."""
     from offload.checkpoint_io.load import load_into
 
-    return load_into(engine, load_dir, tag, **parts)
+    return load_into(view, load_dir, tag, **parts)
 
 
 def consolidate(ckpt_dir, out_path, tag=None, dtype=None, progress=True):

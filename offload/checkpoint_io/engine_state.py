@@ -163,21 +163,21 @@ def _plain(value):
     return repr(value)
 
 
-def configured_hyperparameters(engine) -> dict:
+def configured_hyperparameters(view) -> dict:
     """Flat {"optimizer.params.lr": 0.01, ...}: what the config (and initialize's parameter
     groups) set, which a load must not silently replace (Note [optimizer settings at load])."""
     out = {}
-    opt = engine.config.optimizer.to_dict()
+    opt = view.config.optimizer.to_dict()
     out["optimizer.type"] = opt["type"]
     out.update({f"optimizer.params.{k}": _plain(v) for k, v in opt["params"].items()})
-    sched = engine.config.scheduler
+    sched = view.config.scheduler
     if sched is not None:
         out["scheduler.type"] = _plain(sched.type)
         out.update({f"scheduler.params.{f.name}": _plain(getattr(sched.params, f.name))
                     for f in dataclasses.fields(sched.params)})
-    elif engine.lr_scheduler is not None:  # initialize(lr_scheduler=callable): the user's object
-        out["lr_scheduler.class"] = type(engine.lr_scheduler).__qualname__
-    for i, group in enumerate(engine._param_groups or []):
+    elif view.lr_scheduler is not None:  # initialize(lr_scheduler=callable): the user's object
+        out["lr_scheduler.class"] = type(view.lr_scheduler).__qualname__
+    for i, group in enumerate(view.param_group_names or []):
         out.update({f"param_groups[{i}].{k}": _plain(v) for k, v in group.items() if k != "params"})
     return out
 

@@ -27,12 +27,12 @@ from offload.checkpoint_io import manifest as mf
 EXCLUDED = "excluded"
 
 
-def frozen_fingerprint(engine) -> dict[str, dict]:
+def frozen_fingerprint(view) -> dict[str, dict]:
     """shard.index (as a string, JSON's keys) -> name, shape, dtype and checksum of this
     rank's partition, for every frozen shard (computed once, then kept: see the Note)."""
-    kept = engine.frozen_fingerprints
+    kept = view.frozen_fingerprints
     kind = files.kind()
-    for s in engine.shards:
+    for s in view.shards:
         if s.trainable or str(s.index) in kept:
             continue
         crc = checksum(kind, s.home_partition().contiguous())
@@ -42,16 +42,16 @@ def frozen_fingerprint(engine) -> dict[str, dict]:
     return dict(kept)
 
 
-def check_same_base(engine, saved: dict | None, saved_world: int) -> list[str]:
+def check_same_base(view, saved: dict | None, saved_world: int) -> list[str]:
     """Why a checkpoint saved without its frozen weights cannot load into `engine` (empty: it can):
     `saved` is its engine_state's frozen_fingerprint."""
     if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):
         return ["corrupt checkpoint: saved without its frozen weights but with no valid fingerprint of them"]
-    if saved_world != engine.pg.world_size:
+    if saved_world != view.pg.world_size:
         return [f"it was saved without its frozen weights by {saved_world} rank(s), and their "
                 f"fingerprint is per rank: resume at {saved_world} rank(s), or save with the frozen "
                 "weights (exclude_frozen_parameters=False) to resume at another world size"]
-    here = frozen_fingerprint(engine)
+    here = frozen_fingerprint(view)
     problems = []
     if saved.keys() != here.keys():
         names = {**{k: v["name"] for k, v in saved.items()}, **{k: v["name"] for k, v in here.items()}}

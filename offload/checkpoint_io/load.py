@@ -187,17 +187,17 @@ class SavedPartitions:
         return self.own.tensor(key) if key in self.own.keys else None
 
 
-def _missing(saved: SavedPartitions, engine, frozen_excluded: bool) -> list[str]:
+def _missing(saved: SavedPartitions, view, frozen_excluded: bool) -> list[str]:
     out = []
     for r, src in saved.files.items():
-        for s in engine.shards:
+        for s in view.shards:
             if not s.trainable and frozen_excluded:
                 continue  # Note [checkpoints without frozen weights]
             if src.param_source(s.index) is None:
                 out.append(f"corrupt checkpoint: rank {r} has no partition of parameter {s.name!r}")
             if s.trainable and src.state_source(s.index) is None:
                 out.append(f"corrupt checkpoint: rank {r} has no optimizer state of {s.name!r}")
-    for b in mf.describe_model(engine)["buffers"]:
+    for b in mf.describe_model(view)["buffers"]:
         if f"buffer.{b['name']}" not in saved.own.keys:
             out.append(f"corrupt checkpoint: buffer {b['name']!r} is missing")
     for name in ("engine_state.json", "client_state.pt"):
@@ -206,11 +206,11 @@ def _missing(saved: SavedPartitions, engine, frozen_excluded: bool) -> list[str]
     return out
 
 
-def _newly_trained(manifest: dict, engine) -> list[str]:
+def _newly_trained(manifest: dict, view) -> list[str]:
     """Parameters frozen when the checkpoint was saved and trainable here: they have no
     optimizer state to resume (Note [frozen parameters] in offload/placement.py)."""
     frozen = {p["name"] for p in manifest["model"]["parameters"] if p.get("state") is None}
-    names = [s.name for s in engine.shards if s.trainable and s.name in frozen]
+    names = [s.name for s in view.shards if s.trainable and s.name in frozen]
     if not names:
         return []
     return [f"parameters frozen when the checkpoint was saved are trainable in this engine, and have no "
@@ -218,14 +218,14 @@ def _newly_trained(manifest: dict, engine) -> list[str]:
             "(requires_grad=False before offload.initialize)"]
 
 
-def _verify(engine, load_dir, tag):
+def _verify(view, load_dir, tag):
     """(tag_dir, SavedPartitions, engine state, client_state) or raises; agreed over ranks."""
-    pg = engine.pg
+    pg = view.pg
     result, error = None, None
     try:
         tag_dir = mf.resolve_tag_dir(load_dir, tag)
         manifest = mf.read_manifest(tag_dir)  # its file list checked before any is touched
-        problems = mf.mismatches(manifest["model"], mf.describe_model(engine)) or _newly_trained(manifest, engine)
+        problems = mf.mismatches(manifest["model"], mf.describe_model(view)) or _newly_trained(manifest, view)
         saved_world = manifest["model"]["world_size"]
         frozen_excluded = manifest["model"].get("frozen") == EXCLUDED
         if not problems:
@@ -234,13 +234,13 @@ def _verify(engine, load_dir, tag):
         if problems:
             raise mf.CheckpointError("cannot load checkpoint: " + "; ".join(problems))
         saved = SavedPartitions(tag_dir, manifest, pg.rank, pg.world_size)
-        problems = _missing(saved, engine, frozen_excluded)
+        problems = _missing(saved, view, frozen_excluded)
         if problems:
             raise mf.CheckpointError("cannot load checkpoint: " + mf.first_few(problems, "; "))
         state = engine_state.from_json_bytes((saved.own.dir / "engine_state.json").read_bytes(),
                                              f"{saved.own.rel}engine_state.json")
         if frozen_excluded:
-            problems = check_same_base(engine, state.get("frozen_fingerprint"), saved_world)
+            problems = check_same_base(view, state.get("frozen_fingerprint"), saved_world)
             if problems:
                 raise mf.CheckpointError("cannot load checkpoint: " + "; ".join(problems))
         state["frozen_excluded"] = frozen_excluded
@@ -268,12 +268,12 @@ def _verify(engine, load_dir, tag):
     return result
 
 
-def _check_groups(engine, state) -> None:
+def _check_groups(view, state) -> None:
     """The optimizer's groups must be the saved ones (Note [parameter groups]): their
     hyperparameters and the LR schedule's per-group state are restored by position."""
     from offload.checkpoint_io.save import group_shards
 
-    here = group_shards(engine)
+    here = group_shards(view)
     saved = state.get("param_group_shards")  # absent from checkpoints older than parameter groups
     if saved is None:
         if len(state["param_groups"]) == len(here):
@@ -281,7 +281,7 @@ def _check_groups(engine, state) -> None:
         saved = [None] * len(state["param_groups"])
     if saved == here:
         return
-    names = {s.index: s.name for s in engine.shards}
+    names = {s.index: s.name for s in view.shards}
     detail = f"{len(saved)} in the checkpoint, {len(here)} in this engine"
     for i, (a, b) in enumerate(zip(saved, here)):
         if a is not None and a != b:
@@ -293,12 +293,12 @@ def _check_groups(engine, state) -> None:
                              "load_lr_scheduler_states=False (weights and counters only)")
 
 
-def _check_hyperparameters(engine, state, optimizer_states: bool, lr_scheduler_states: bool) -> None:
+def _check_hyperparameters(view, state, optimizer_states: bool, lr_scheduler_states: bool) -> None:
     """Note [optimizer settings at load]: refused, naming each difference, before anything changes."""
     prefixes = (("optimizer.", "param_groups[") if optimizer_states else ()) + \
         (("scheduler.", "lr_scheduler.") if lr_scheduler_states else ())
     differences = engine_state.hyperparameter_differences(
-        state["hyperparameters"], engine_state.configured_hyperparameters(engine), prefixes)
+        state["hyperparameters"], engine_state.configured_hyperparameters(view), prefixes)
     if differences:
         raise mf.CheckpointError(
             "optimizer settings differ from the checkpoint's (a load would replace the configured ones "
@@ -308,10 +308,10 @@ def _check_hyperparameters(engine, state, optimizer_states: bool, lr_scheduler_s
             "start the optimizer / the LR schedule afresh (docs/CONFIG.md, \"DeepSpeed drop-in\")")
 
 
-def _configured_groups(engine) -> list[dict]:
+def _configured_groups(view) -> list[dict]:
     """Each optimizer group's hyperparameters as initialize set them (the config's, with
     the parameter groups' own values over them)."""
-    opt, given = engine.optimizer, engine._param_groups
+    opt, given = view.optimizer, view.param_group_names
     out = []
     for i, _ in enumerate(opt.param_groups):
         own = {} if given is None else check_group(i, {**given[i], "params": []})[1]
@@ -319,9 +319,9 @@ def _configured_groups(engine) -> list[dict]:
     return out
 
 
-def _load_scheduler(engine, saved: dict, use_config: bool) -> None:
-    sched = engine.lr_scheduler
-    if engine.config.scheduler is None:  # the user's own object (initialize(lr_scheduler=...)): as torch
+def _load_scheduler(view, saved: dict, use_config: bool) -> None:
+    sched = view.lr_scheduler
+    if view.config.scheduler is None:  # the user's own object (initialize(lr_scheduler=...)): as torch
         sched.load_state_dict(saved)
         return
     # A config scheduler's settings stay the configured ones (checked equal unless use_config).
@@ -329,13 +329,13 @@ def _load_scheduler(engine, saved: dict, use_config: bool) -> None:
     sched.load_state_dict({**sched.state_dict(), **keep})
     if use_config:
         lrs = sched._get_closed_form_lr()  # the configured schedule at the saved step
-        for group, lr in zip(engine.optimizer.param_groups, lrs):
+        for group, lr in zip(view.optimizer.param_groups, lrs):
             group["lr"] = lr
         sched._last_lr = list(lrs)
 
 
 @torch.no_grad()
-def load_into(engine, load_dir, tag: str | None = None, *, optimizer_states: bool = True,
+def load_into(view, load_dir, tag: str | None = None, *, optimizer_states: bool = True,
               lr_scheduler_states: bool = True, module_only: bool = False,
               use_config_hyperparameters: bool = False):
     """Restores the engine from a checkpoint; returns (tag directory, the client_state it was saved with).
@@ -344,16 +344,16 @@ def load_into(engine, load_dir, tag: str | None = None, *, optimizer_states: boo
     per-shard step counts and the groups' hyperparameters; lr_scheduler_states: the schedule's
     state; module_only: the weights alone, no counters, RNG, loss scale or partial gradients
     (DeepSpeed's options); use_config_hyperparameters: Note [optimizer settings at load]."""
-    tag_dir, saved, state, client_state = _verify(engine, load_dir, tag)
+    tag_dir, saved, state, client_state = _verify(view, load_dir, tag)
     optimizer_states = optimizer_states and not module_only
     lr_scheduler_states = lr_scheduler_states and not module_only
     if optimizer_states or lr_scheduler_states:  # before anything changes
-        _check_groups(engine, state)
+        _check_groups(view, state)
         if not use_config_hyperparameters:
-            _check_hyperparameters(engine, state, optimizer_states, lr_scheduler_states)
-    engine.manager.release_all()  # nothing gathered or being fetched while homes are rewritten
-    opt = engine.optimizer
-    for s in engine.shards:
+            _check_hyperparameters(view, state, optimizer_states, lr_scheduler_states)
+    view.manager.release_all()  # nothing gathered or being fetched while homes are rewritten
+    opt = view.optimizer
+    for s in view.shards:
         if not s.trainable and state["frozen_excluded"]:
             continue  # the same frozen base, checked by its fingerprint
         part = saved.param(s)
@@ -364,31 +364,28 @@ def load_into(engine, load_dir, tag: str | None = None, *, optimizer_states: boo
         else:
             s.ctx.param_store.write(s, part.contiguous()).wait()
         if not s.trainable:
-            engine.frozen_fingerprints.pop(str(s.index), None)  # its home was rewritten
+            view.frozen_fingerprints.pop(str(s.index), None)  # its home was rewritten
         elif optimizer_states:
             opt.load_state_tensors(s, *saved.state(s))
         else:  # the fp32 weights, with this engine's moments (DeepSpeed keeps them too)
             opt.set_master(s, saved.master(s))
-    for b in mf.describe_model(engine)["buffers"]:
-        engine.module.get_buffer(b["name"]).copy_(saved.own.tensor(f"buffer.{b['name']}"))
+    for b in mf.describe_model(view)["buffers"]:
+        view.module.get_buffer(b["name"]).copy_(saved.own.tensor(f"buffer.{b['name']}"))
     if optimizer_states:
         opt.shard_steps.update({int(k): v for k, v in state["shard_steps"].items()})
-        groups = _configured_groups(engine) if use_config_hyperparameters else state["param_groups"]
+        groups = _configured_groups(view) if use_config_hyperparameters else state["param_groups"]
         for group, values in zip(opt.param_groups, groups):
             group.update(values)
-    if lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
-        _load_scheduler(engine, state["lr_scheduler"], use_config_hyperparameters)
-    engine._zero_grads()
+    if lr_scheduler_states and view.lr_scheduler is not None and state["lr_scheduler"] is not None:
+        _load_scheduler(view, state["lr_scheduler"], use_config_hyperparameters)
+    view.step.zero_grads()
     in_window = 0 if module_only else state["micro_in_window"]
     if not module_only:
-        if engine.loss_scaler is not None and state["loss_scaler"] is not None:
-            engine.loss_scaler.load_state_dict(state["loss_scaler"])
-        if engine.pg.rank < saved.saved_world:  # a rank the saved run did not have keeps its own
+        if view.pg.rank < saved.saved_world:  # a rank the saved run did not have keeps its own
             engine_state.restore_rng(state["rng"])
-        for s in engine.shards if in_window else ():  # Note [saving inside an accumulation window]
+        for s in view.shards if in_window else ():  # Note [saving inside an accumulation window]
             _restore_grad(s, saved.grad(s))
-    engine.counters.load_state_dict(state, backward_passes=engine.manager.backward_passes, window=bool(in_window),
-                                    steps=not module_only)
+    view.step.load_state_dict(state, window=bool(in_window), steps=not module_only, loss_scale=not module_only)
     return tag_dir, client_state
 
 

@@ -85,11 +85,11 @@ def write_latest(root: Path, tag: str) -> None:
     files.replace_durably(tmp, root / LATEST)
 
 
-def describe_model(engine) -> dict:
+def describe_model(view) -> dict:
     """What a checkpoint must match to be loaded into this engine (and what consolidation needs)."""
-    index_of = {id(s.param): s.index for s in engine.shards}
+    index_of = {id(s.param): s.index for s in view.shards}
     state_dict, buffers = [], []
-    for key, value in engine.module.state_dict(keep_vars=True).items():
+    for key, value in view.module.state_dict(keep_vars=True).items():
         if id(value) in index_of:
             state_dict.append([key, "param", index_of[id(value)]])
         else:
@@ -97,15 +97,15 @@ def describe_model(engine) -> dict:
             buffers.append({"name": key, "dtype": str(value.dtype).removeprefix("torch."),
                             "shape": list(value.shape)})
     return {
-        "world_size": engine.pg.world_size,
-        "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
+        "world_size": view.pg.world_size,
+        "compute_dtype": str(view.compute_dtype).removeprefix("torch."),
         # Where the state was: informative (a run resumes into its own plan's tiers).
-        "optimizer_tier": "/".join(sorted(t.value for t in engine.optimizer.state_tiers)),
+        "optimizer_tier": "/".join(sorted(t.value for t in view.optimizer.state_tiers)),
         # "state": None for a frozen parameter (Note [frozen parameters] in offload/placement.py).
         "parameters": [{"index": s.index, "name": s.name, "shape": list(s.shape),
                         "part_numel": s.part_numel, "home": s.home.value,
-                        "state": engine.optimizer.state_tier(s).value if s.trainable else None}
-                       for s in engine.shards],
+                        "state": view.optimizer.state_tier(s).value if s.trainable else None}
+                       for s in view.shards],
         "buffers": buffers,
         "state_dict": state_dict,
     }

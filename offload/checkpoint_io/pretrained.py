@@ -28,12 +28,12 @@ from offload.checkpoint_io.files import SafetensorsStream
 from offload.config.base import parse_bytes
 
 
-def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype: torch.dtype | None = None,
+def save_pretrained(view, save_dir, *, max_shard_size="5GB", dtype: torch.dtype | None = None,
                     master: bool = False) -> Path:
-    model = engine.module
+    model = view.module
     limit = parse_bytes(max_shard_size, "max_shard_size")
     # master=True: a trained parameter is read from its fp32 master, one at a time too.
-    trained = {id(s.param): s for s in engine.shards if s.param.requires_grad} if master else {}
+    trained = {id(s.param): s for s in view.shards if s.param.requires_grad} if master else {}
     entries, seen = [], set()
     for key, value in model.state_dict(keep_vars=True).items():
         if id(value) in seen:
@@ -53,7 +53,7 @@ def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype: torch.dtyp
     files.append(current)
 
     save_dir = Path(save_dir)
-    writer = engine.pg.rank == 0
+    writer = view.pg.rank == 0
     if writer:
         save_dir.mkdir(parents=True, exist_ok=True)
     names = (["model.safetensors"] if len(files) == 1 else
@@ -68,7 +68,7 @@ def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype: torch.dtyp
             for key, value, out_dtype in group:
                 with torch.no_grad():
                     if id(value) in trained:
-                        tensor = engine.full_value(trained[id(value)], master=True).to(out_dtype)
+                        tensor = view.full_value(trained[id(value)], master=True).to(out_dtype)
                     else:
                         tensor = value.detach().to(out_dtype)  # an offloaded parameter: read alone
                 if stream is not None:
@@ -98,11 +98,11 @@ def save_pretrained(engine, save_dir, *, max_shard_size="5GB", dtype: torch.dtyp
     return save_dir
 
 
-def save_state_dict(engine, path, *, dtype: torch.dtype, exclude_frozen: bool = False, streamed: bool) -> None:
+def save_state_dict(view, path, *, dtype: torch.dtype, exclude_frozen: bool = False, streamed: bool) -> None:
     """engine.save_16bit_model: the model's state_dict keys, floating tensors in `dtype`, in one file
     written by rank 0. streamed: one safetensors file, one tensor at a time (tied weights once);
     else DeepSpeed's torch.save of the whole dict (every tied name), refused when it does not fit."""
-    model = engine.module
+    model = view.module
     entries, seen = [], set()
     for key, value in model.state_dict(keep_vars=True).items():
         if exclude_frozen and isinstance(value, torch.nn.Parameter) and not value.requires_grad:
@@ -112,7 +112,7 @@ def save_state_dict(engine, path, *, dtype: torch.dtype, exclude_frozen: bool = 
         seen.add(id(value))
         entries.append((key, value, dtype if value.is_floating_point() else value.dtype))
     path = Path(path)
-    writer = engine.pg.rank == 0
+    writer = view.pg.rank == 0
     if writer:
         path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")

@@ -17,7 +17,7 @@ waits until the writer has read every tensor (not for the fsyncs or the
 commit). Forward and backward of the next steps overlap with the write.
 Updates that run during backward or under the next forward wait for it too:
 the engine calls the same hook before it lets the first of them start
-(Engine._before_update); tests/checkpoint_io/test_checkpoint.py checks the snapshot
+(EngineCheckpoints.before_update, engine/checkpoints.py); tests/checkpoint_io/test_checkpoint.py checks the snapshot
 is unchanged by steps run while it is written.
 
 The commit (manifest, rename, `latest`; Note [checkpoint layout]) needs every
@@ -59,42 +59,41 @@ from offload.checkpoint_io.frozen import EXCLUDED, frozen_fingerprint
 from offload.tiers import Tier
 
 
-def capture_engine_state(engine, exclude_frozen: bool = False) -> bytes:
+def capture_engine_state(view, exclude_frozen: bool = False) -> bytes:
     """The small state as JSON (Note [no code from a checkpoint]), serialized now so later
     changes (by training or the caller) cannot leak in; without the frozen weights, their
     fingerprint (Note [checkpoints without frozen weights] in checkpoint_io/frozen.py)."""
-    opt = engine.optimizer
+    opt = view.optimizer
     state = {
         # Note [step counters]; Note [saving inside an accumulation window]
-        **engine.counters.state_dict(),
+        **view.step.state_dict(),  # the counters and the loss scale
         "shard_steps": dict(opt.shard_steps),
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-        "param_group_shards": group_shards(engine),
-        "lr_scheduler": scheduler_state(engine),
-        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+        "param_group_shards": group_shards(view),
+        "lr_scheduler": scheduler_state(view),
         "rng": engine_state.capture_rng(),
-        "hyperparameters": engine_state.configured_hyperparameters(engine),
+        "hyperparameters": engine_state.configured_hyperparameters(view),
     }
     if exclude_frozen:
-        state["frozen_fingerprint"] = frozen_fingerprint(engine)
+        state["frozen_fingerprint"] = frozen_fingerprint(view)
     return engine_state.to_json_bytes(state)
 
 
-def scheduler_state(engine) -> dict | None:
+def scheduler_state(view) -> dict | None:
     """The LR scheduler's state_dict; a config scheduler's settings (its `params`) are not
     state: they are the config's, compared at load (Note [optimizer settings at load])."""
-    if engine.lr_scheduler is None:
+    if view.lr_scheduler is None:
         return None
-    state = engine.lr_scheduler.state_dict()
-    if engine.config.scheduler is not None:
+    state = view.lr_scheduler.state_dict()
+    if view.config.scheduler is not None:
         state.pop("params", None)
     return state
 
 
-def group_shards(engine) -> list[list[int]]:
+def group_shards(view) -> list[list[int]]:
     """Each optimizer group's shard indices, in order (Note [parameter groups])."""
-    index = {id(s.param): s.index for s in engine.shards}
-    return [[index[id(p)] for p in g["params"]] for g in engine.optimizer.param_groups]
+    index = {id(s.param): s.index for s in view.shards}
+    return [[index[id(p)] for p in g["params"]] for g in view.optimizer.param_groups]
 
 
 class _Item:
@@ -111,11 +110,11 @@ def _home_view(shard):
     return shard.home_partition()
 
 
-def plan_items(engine, exclude_frozen: bool = False) -> list[_Item]:
+def plan_items(view, exclude_frozen: bool = False) -> list[_Item]:
     """Per shard: its home partition and optimizer state, in shard order; a frozen shard's
     home alone, or nothing with exclude_frozen (Note [checkpoints without frozen weights])."""
-    opt, items = engine.optimizer, []
-    for s in engine.shards:
+    opt, items = view.optimizer, []
+    for s in view.shards:
         n = (s.part_numel,)
         if not s.trainable:
             if exclude_frozen:
@@ -148,35 +147,22 @@ def plan_items(engine, exclude_frozen: bool = False) -> list[_Item]:
     return items
 
 
-def check_can_save(engine) -> None:
-    """Note [saving inside an accumulation window]: after any engine.step(), not between a
-    backward and the step() that counts it."""
-    if engine.steps.updating_in_backward or (engine.gradients_pending and (
-            engine.counters.micro_in_window == 0 or engine.manager.backward_passes != engine.counters.passes_at_step)):
-        raise RuntimeError(
-            f"save_checkpoint between a backward and the engine.step() that counts it (micro-step "
-            f"{engine.micro_steps}, gradient_accumulation_steps {engine.gradient_accumulation_steps()}): "
-            "call engine.step() first. Inside an accumulation window a save after step() keeps the "
-            "gradients accumulated so far; with your own loop (loss.backward(), optimizer.step()), "
-            "save after optimizer.step()")
-
-
 class SaveJob:
     """One checkpoint being written by this rank (Note [consistent async checkpoint])."""
 
-    def __init__(self, engine, save_dir, tag: str | None, client_state, async_save: bool,
+    def __init__(self, view, save_dir, tag: str | None, client_state, async_save: bool,
                  save_latest: bool = True, exclude_frozen: bool = False):
-        check_can_save(engine)
-        self.pg = engine.pg
+        view.step.refuse_save_mid_step()  # Note [saving inside an accumulation window]
+        self.pg = view.pg
         self.save_latest = save_latest
         self.root = Path(save_dir)
         if self.root.exists() and not self.root.is_dir():
             raise mf.CheckpointError(f"save_checkpoint: {self.root} is a file; give a directory (it is made "
                                      "where missing), under which each checkpoint is a tag's directory")
-        self.tag = mf.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+        self.tag = mf.check_tag(tag if tag is not None else f"global_step{view.step.counters.global_steps}")
         self.tmp = mf.tmp_dir(self.root, self.tag)
-        self.model = mf.describe_model(engine)
-        exclude_frozen = exclude_frozen and any(not sh.trainable for sh in engine.shards)
+        self.model = mf.describe_model(view)
+        exclude_frozen = exclude_frozen and any(not sh.trainable for sh in view.shards)
         if exclude_frozen:
             self.model["frozen"] = EXCLUDED  # Note [checkpoints without frozen weights]
         self.kind = files.kind()
@@ -185,13 +171,13 @@ class SaveJob:
         (self.rank_dir / "nvme").mkdir(parents=True, exist_ok=True)
         # Swap writes still in flight would race the copies; the optimizer step
         # waits for its own, this makes sure of it.
-        for store in engine.swap_stores:
+        for store in view.swap_stores:
             store.wait_all()
-        self.state_bytes = capture_engine_state(engine, exclude_frozen)
+        self.state_bytes = capture_engine_state(view, exclude_frozen)
         self.client_bytes = engine_state.client_state_bytes(client_state)
-        self.model_buffers = [(b["name"], engine.module.get_buffer(b["name"]).detach().to("cpu", copy=True))
+        self.model_buffers = [(b["name"], view.module.get_buffer(b["name"]).detach().to("cpu", copy=True))
                         for b in self.model["buffers"]]
-        self.items = plan_items(engine, exclude_frozen)
+        self.items = plan_items(view, exclude_frozen)
         self.entries: dict[str, tuple[int, int]] = {}
         self._writing: Path | None = None  # the file being written (Note [checkpoint free space])
         self.error: BaseException | None = None

@@ -10,9 +10,9 @@ import torch
 
 from offload.config import Config
 from offload.accounting import TierBudgetError
-from offload.placement import (DEVICE_SHARE, HOST_SHARE, Budgets, ParamSpec, Placement, plan_placement,
-                               uniform)
-from offload.engine.update_policy import UpdatePolicy
+from offload.placement import (DEVICE_SHARE, HOST_SHARE, Budgets, ParamSpec, Placement, nvme_state_buffers,
+                               plan_placement, uniform)
+from offload.step.update_policy import UpdatePolicy
 from offload.tiers import Tier, grad_tier_of
 
 
@@ -109,22 +109,9 @@ def tier_needs(planned: list, config: Config, dtype: torch.dtype,
     nvme_state = [s.part_numel for s in planned if s.state is Tier.NVME]
     if nvme_state:
         homes_on_nvme = any(s.home is Tier.NVME for s in planned)
-        for what, nbytes in nvme_state_buffers(max(nvme_state), dtype, homes_on_nvme).items():
+        for what, nbytes in nvme_state_buffers(max(nvme_state), dtype.itemsize, homes_on_nvme).items():
             add(Tier.HOST, what, nbytes)
     return need
-
-
-def nvme_state_buffers(part: int, dtype: torch.dtype, homes_on_nvme: bool) -> dict[str, int]:
-    """Host bytes the update of NVMe optimizer state keeps in flight, by what they are,
-    for `part`, the largest partition whose state is on NVMe."""
-    held = {"optimizer state buffers in flight": 3 * 12 * part,
-            # ShardedAdam.state_buffers: the idle ones kept within a step, up to its cap
-            # (measured: in flight and idle together reached 5.6 x 12 B x the largest).
-            "idle optimizer buffers kept within a step": 4 * 12 * part,
-            "fp32 masters taken from gathered parameters": 3 * 4 * part}
-    if dtype != torch.float32 and homes_on_nvme:
-        held["new parameter values on their way to NVMe"] = 3 * dtype.itemsize * part
-    return held
 
 
 def build_reserve(config: Config, largest_part: int, *, separate_memory: bool) -> int:
@@ -135,7 +122,7 @@ def build_reserve(config: Config, largest_part: int, *, separate_memory: bool) -
     clipping): they grow with the whole model, unknown yet; initialize moves what
     they leave no room for."""
     dtype = config.precision.dtype
-    reserve = sum(nvme_state_buffers(largest_part, dtype, homes_on_nvme=True).values())
+    reserve = sum(nvme_state_buffers(largest_part, dtype.itemsize, homes_on_nvme=True).values())
     reserve += PLAN_SLACK * largest_part
     policy = UpdatePolicy.of(config, separate_memory=separate_memory)
     if policy.updates_free_gradients:
@@ -299,7 +286,7 @@ def lazy_gradients(config: Config, state_tiers, *, separate_memory: bool) -> boo
     NVMe, and beside a device with memory of its own where each update runs during
     backward and ends its gradient's life (UpdatePolicy.updates_free_gradients).
     There a host-state update reads its gradient from the pinned staging buffer
-    (Note [updates from the staging buffer] in engine/gradients.py), so a partition
+    (Note [updates from the staging buffer] in step/gradients.py), so a partition
     kept for the whole run would be 4 bytes a parameter of host memory never read:
     25.7 GiB for a 6.9B model, the difference between its state fitting the
     host and a sixth of it spilling to NVMe."""

@@ -474,7 +474,7 @@ def _home_pinner(pinned: PinnedLedger, layer: DeviceLayer) -> Callable[[Shard], 
 
 
 def _host_ledger(account: MemoryAccount):
-    from offload.engine.memory import TierLedger
+    from offload.process_memory import TierLedger
 
     return TierLedger(account, Tier.HOST)
 

@@ -36,7 +36,7 @@ class EngineClosedError(RuntimeError):
 
 # The run's facts stay readable (logging after training): the model, the
 # config, the step counters. Everything else raises.
-ANSWERED_AFTER_CLOSE = frozenset({"close", "module", "config", "counters", "global_steps", "micro_steps", "skipped_steps",
+ANSWERED_AFTER_CLOSE = frozenset({"close", "module", "config", "global_steps", "micro_steps", "skipped_steps",
                                   "placement"})
 
 _closed_classes: dict[type, type] = {}

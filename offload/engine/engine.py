@@ -1,10 +1,11 @@
 """The Engine: a user's model, its parameters spread over device, host and NVMe.
 
-Built here (the shards, the optimizer, the manager, at initialize), with its
-parts in bases of their own: the training step (engine/training_step.py, where
-one step's flow is described), DeepSpeed's methods (engine/deepspeed_methods.py),
-checkpoints (engine/checkpoint_methods.py) and what close gives back
-(engine/teardown.py). See docs/ARCHITECTURE.md for the whole picture.
+Built here (the shards, the optimizer, the manager, at initialize), and composed
+of objects that each own their state: the step runner (offload/step/runner.py,
+where one step's flow is described), the checkpoints (engine/checkpoints.py),
+the manager's hooks (engine/hooks.py); what close gives back is
+engine/teardown.py. DeepSpeed's method names are DeepSpeedMethods
+(engine/deepspeed_methods.py). See docs/ARCHITECTURE.md for the whole picture.
 """
 from __future__ import annotations
 
@@ -16,19 +17,19 @@ import offload.device
 from offload.aio.run_dir import RunDirectories
 from offload.config import Config, Precision
 from offload.engine.build import build_shards
-from offload.engine.checkpoint_methods import CheckpointMethods
+from offload.checkpoint_io.view import CheckpointView
+from offload.engine import teardown
+from offload.engine.checkpoints import EngineCheckpoints
 from offload.engine.closed import EngineClosedError, close_off, weak_callback
 from offload.engine.deepspeed_methods import DeepSpeedMethods
-from offload.engine.gradients import NormTerms
-from offload.engine.step_counters import StepCounters
-from offload.engine.step_phase import StepPhases
-from offload.engine.teardown import Teardown
+from offload.engine.hooks import EngineHooks
 from offload.partition.compiled import (blocks_to_compile, compile_blocks, compile_forwards, gathered_at_once,
                                         uncompile_blocks)
-from offload.engine.training_step import TrainingStep
-from offload.engine.update_policy import UpdatePolicy
-from offload.engine.loss_scaler import LossScaler
-from offload.engine.memory import ProcessMemory, map_large_allocations, release_free_host_memory
+from offload.step.loss_scaler import LossScaler
+from offload.step.phase import StepPhase
+from offload.step.runner import StepRunner
+from offload.step.update_policy import UpdatePolicy
+from offload.process_memory import ProcessMemory, map_large_allocations, release_free_host_memory
 from offload.host_worker import HostWorker
 from offload.node import bind_kernel_threads, node_share
 from offload.optim.sharded_adam import ShardedAdam
@@ -46,7 +47,13 @@ from offload.timeline import Timeline
 log = logging.getLogger("offload")
 
 
-class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
+class Engine(DeepSpeedMethods):
+    """A model trained with its parameters, gradients and optimizer state spread over
+    device, host and NVMe; `offload.initialize(model, config)` makes one. Call it as
+    the model, then backward(loss) and step() (or drive engine.optimizer from your own
+    loop); save_checkpoint / load_checkpoint / save_pretrained; close() gives the
+    model its values back."""
+
     def __init__(self, model: torch.nn.Module, config: Config, *, builder=None, weights=None,
                  param_groups: list[dict] | None = None):
         """builder: the offload.init ModelBuilder the model was built in (its shards
@@ -85,12 +92,15 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
         self._host_worker = None
         self._placed = []
         self.activation_checkpointing = None
+        self.step_runner: StepRunner | None = None
+        self.checkpoints = EngineCheckpoints(self)
+        self._closed = False
         try:
             self._build(model, config)
         except BaseException:
             # Ctrl-C or an error part way: leave no swap files and no hooks
             # behind, and give the model its values back where we can.
-            self._abort()
+            teardown.abort(self)
             raise
         release_free_host_memory()  # the build's temporaries (Note [engine bytes and the OS])
         if self._placement.uses(Tier.NVME):
@@ -124,22 +134,18 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
         # Weak: no cycle through the engine (Note [a closed engine] in engine/closed.py).
         # Note [the host worker] (offload/host_worker.py): gradients taken in and updates run there.
         self._host_worker = HostWorker()
-        self.manager = ParameterManager(model, self.shards, on_grad=weak_callback(self._take_grad),
+        self.manager = ParameterManager(model, self.shards, EngineHooks(self),
                                         host_worker=self._host_worker,
                                         prefetch=prefetch_scheduler(config.zero_optimization, self.shards,
                                                                     device_budget=config.memory.device_budget,
                                                                     unit=gathered_at_once(blocks, self.shards)),
                                         timeline=self._timeline,
-                                        reduce_bucket_elems=config.zero_optimization.reduce_bucket_size,
-                                        on_forward=weak_callback(self._before_forward),  # model(x) too
-                                        on_edit=weak_callback(self._on_edit))
+                                        reduce_bucket_elems=config.zero_optimization.reduce_bucket_size)
         self.activation_checkpointing.attach(self.manager)
-        if self.manager.to_host is not None:  # Note [masters down with their gradients]
-            self.manager.to_host.brings_master = weak_callback(self._brings_master)
 
         bind_kernel_threads(self.node, self._host_worker)
-        # Note [when updates run] (engine/update_policy.py): the same answers the budgets had.
-        self.update_policy = UpdatePolicy.of(config, separate_memory=self.device_layer.separate_memory)
+        # Note [when updates run] (step/update_policy.py): the same answers the budgets had.
+        policy = UpdatePolicy.of(config, separate_memory=self.device_layer.separate_memory)
         trainable = [s.part_numel for s, p in zip(self.shards, built.placement.shards) if p.state is not None]
         opt = config.optimizer
         groups = None
@@ -154,13 +160,31 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
             device=self.device, account=self.account, state_store=built.state_store,
             param_store=built.param_writer,
             sub_group_size=config.zero_optimization.sub_group_size, timeline=self._timeline,
-            pending_grad_elems=self.update_policy.pending_cap(max(trainable, default=1)), param_groups=groups,
+            pending_grad_elems=policy.pending_cap(max(trainable, default=1)), param_groups=groups,
             overlap_threads=overlap_threads(config.zero_optimization.offload_optimizer.cpuadam_cores_perc,
                                             device_apart=self.device_layer.separate_memory,
                                             cores=self.node.threads),
             step_threads=self.node.threads,
             host_worker=self._host_worker,
             driver=weak_callback(self._update))  # optimizer.step() from the user's loop: the whole update
+        lr_scheduler = None
+        if config.scheduler is not None:
+            from offload.schedulers import build_scheduler
+
+            lr_scheduler = build_scheduler(self.optimizer, config.scheduler)
+        loss_scaler = None
+        if config.precision is Precision.FP16:
+            fp16 = config.fp16
+            loss_scaler = LossScaler(
+                static_scale=fp16.loss_scale, initial_scale_power=fp16.initial_scale_power,
+                window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
+                min_scale=fp16.min_loss_scale)
+        # The step's one owner (offload/step/runner.py): its phase, counters, norm, schedule.
+        self.step_runner = StepRunner(
+            config=config, shards=self.shards, pg=self.pg, device=self.device, account=self.account,
+            timeline=self._timeline, manager=self.manager, optimizer=self.optimizer, policy=policy,
+            stores=self._stores, uses_nvme=built.placement.uses(Tier.NVME), loss_scaler=loss_scaler,
+            lr_scheduler=lr_scheduler, before_update=self.checkpoints.before_update)
         built.place(self.optimizer.init_state)  # the parameters move home here, one at a time
         # Reads outside a forward see real values, edits go through offload.gathered
         # (Note [reading a parameter outside the engine] in partition/managed.py).
@@ -171,43 +195,138 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
         # checkpoint_io/frozen.py), computed at the first save or load that needs them.
         self.frozen_fingerprints: dict[str, dict] = {}
         self._state_dict_guard = refuse_state_dict_larger_than_memory(model, self.shards)
-        self.lr_scheduler = None
-        if config.scheduler is not None:
-            from offload.schedulers import build_scheduler
 
-            self.lr_scheduler = build_scheduler(self.optimizer, config.scheduler)
-        self.loss_scaler = None
-        if config.precision is Precision.FP16:
-            fp16 = config.fp16
-            self.loss_scaler = LossScaler(
-                static_scale=fp16.loss_scale, initial_scale_power=fp16.initial_scale_power,
-                window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
-                min_scale=fp16.min_loss_scale)
-        self.counters = StepCounters()  # Note [step counters] (engine/step_counters.py)
-        self._in_engine_step = False
-        # Note [norm terms during backward] (engine/gradients.py): this backward's terms, if taken.
-        self._norm_terms: NormTerms | None = None
-        self._norm_scratch: NormTerms | None = None
-        # DeepSpeed's methods (deepspeed_methods.py): set_gradient_accumulation_boundary (None: by micro_steps),
-        # was_step_applied, get_global_grad_norm; step() calls since the last update (or skipped one).
-        self._boundary, self._step_applied, self._global_grad_norm = None, False, None
-        self._grad_norm_pending = False  # Note [global gradient norm]: left to sum once its updates ran
-        self._closed = False
-        self._checkpoint_job = None  # an async save in progress (offload/checkpoint_io)
-        # Note [step phases] (engine/step_phase.py); a failed update's (error, clipped norm)
-        # is kept there until retried or a checkpoint is loaded (Note [a failed step]).
-        self.steps = StepPhases()
-
-    # DeepSpeed's attributes, read and set by scripts: the counters' (Note [step counters]).
-    global_steps = property(lambda self: self.counters.global_steps,
-                            lambda self, v: setattr(self.counters, "global_steps", v),
+    # DeepSpeed's attributes, read and set by scripts: the step runner's (Note [step counters]);
+    # the counters answer after close too (engine/closed.py: ANSWERED_AFTER_CLOSE).
+    global_steps = property(lambda self: self.__dict__["step_runner"].counters.global_steps,
+                            lambda self, v: setattr(self.step_runner.counters, "global_steps", v),
                             doc="Optimizer steps taken (skipped fp16 overflow steps included), as DeepSpeed counts.")
-    micro_steps = property(lambda self: self.counters.micro_steps,
-                           lambda self, v: setattr(self.counters, "micro_steps", v),
+    micro_steps = property(lambda self: self.__dict__["step_runner"].counters.micro_steps,
+                           lambda self, v: setattr(self.step_runner.counters, "micro_steps", v),
                            doc="Micro-batches through backward so far.")
-    skipped_steps = property(lambda self: self.counters.skipped_steps,
-                             lambda self, v: setattr(self.counters, "skipped_steps", v),
+    skipped_steps = property(lambda self: self.__dict__["step_runner"].counters.skipped_steps,
+                             lambda self, v: setattr(self.step_runner.counters, "skipped_steps", v),
                              doc="Steps skipped for an fp16 overflow (the loss scale lowered instead).")
+    lr_scheduler = property(lambda self: self.step_runner.lr_scheduler,
+                            lambda self, v: setattr(self.step_runner, "lr_scheduler", v),
+                            doc="The LR schedule stepped after each update (the config's, or DeepSpeed's "
+                                "initialize(lr_scheduler=...)); None without one.")
+    loss_scaler = property(lambda self: self.step_runner.loss_scaler,
+                           doc="fp16's dynamic (or static) loss scaler; None in fp32 and bf16.")
+
+    # ---- the training loop -------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        """model(*args, **kwargs), timed: the model's own hooks gather its parameters
+        (Note [the model is the interface] in partition/manager.py)."""
+        self._check_open()
+        with self._timeline.span("forward"):
+            return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of a scalar loss, scaled by 1 / gradient_accumulation_steps (and the fp16
+        loss scale); at the window's last micro-batch the optimizer update may start during
+        it, and step() completes it. Returns the loss as given."""
+        self._check_open()
+        return self.step_runner.backward(loss)
+
+    def step(self) -> None:
+        """DeepSpeed's step: counts a micro-step; at the end of an accumulation window
+        applies the update (as engine.optimizer.step()) and clears the gradients.
+        After an update that raised, step() again (no new backward) retries it."""
+        self._check_open()
+        self.step_runner.step()
+
+    @property
+    def gradients_pending(self) -> bool:
+        """Whether a backward since the last optimizer step left gradients not yet applied."""
+        return self.step_runner.gradients_pending
+
+    def _update(self) -> None:
+        """The optimizer's driver: engine.step() at a boundary, and engine.optimizer.step()
+        from a user's loop (Note [the optimizer users drive] in optim/sharded_adam.py)."""
+        self._check_open()
+        self.step_runner.update()
+
+    def _forward_starts(self) -> None:
+        """As a forward opens (the manager's hooks): unfreezing, the step's refusals, the activation plan."""
+        self._check_open()
+        self._unfreeze_if_asked()
+        self.step_runner.forward_starts()
+        if self.activation_checkpointing.plan is not None:
+            self.activation_checkpointing.plan.begin_forward(
+                model_checkpoints=bool(getattr(self.module, "is_gradient_checkpointing", False)))
+
+    # ---- checkpoints (engine/checkpoints.py; the work in offload/checkpoint_io) ----
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state=None, save_latest: bool = True, *,
+                        async_save: bool = False, exclude_frozen_parameters: bool = False) -> str:
+        """Saves every tier's state under save_dir/tag (default tag: global_step{N}); returns the tag.
+
+        Crash-safe: the checkpoint appears complete or not at all, and `latest`
+        names it only then (save_latest=False: `latest` is left alone).
+        async_save=True returns once the small state is captured; tensors are
+        written while training goes on (the next optimizer update waits until
+        they are read). wait_checkpoint(), the next save and close() wait for
+        it. A collective with several ranks.
+        exclude_frozen_parameters=True: the trainable state alone, with a fingerprint of
+        the frozen weights; it loads only into an engine on the same frozen base, at the
+        same world size (Note [checkpoints without frozen weights] in checkpoint_io/frozen.py).
+        """
+        self._check_open()
+        return self.checkpoints.save(save_dir, tag, client_state, save_latest, async_save,
+                                     exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None, *,
+                        use_config_hyperparameters: bool = False):
+        """Restores what save_checkpoint saved (tag default: `latest`); returns DeepSpeed's
+        (load_path, client_state), load_path being the tag's directory.
+
+        The checkpoint is verified first (manifest, sizes, checksums, model,
+        parameter groups, optimizer settings against the config); a bad one raises
+        CheckpointError and changes nothing. Saved at another world size, it is
+        re-partitioned (Note [resuming at another world size] in checkpoint_io/load.py).
+        use_config_hyperparameters: keep the moments, apply the config's optimizer and
+        scheduler settings where they differ (else refused: Note [optimizer settings at load]).
+        load_dir: the root save_checkpoint wrote (tag: the one to load, default `latest`)
+        or one tag's directory itself. (None, None), as DeepSpeed, where load_dir is an
+        empty directory: nothing was saved there yet. A path that does not exist, a file,
+        or a directory holding something else raises CheckpointError, naming it. The options:
+        docs/CONFIG.md, "DeepSpeed drop-in".
+        """
+        self._check_open()
+        return self.checkpoints.load(load_dir, tag, load_module_strict, load_optimizer_states,
+                                     load_lr_scheduler_states, load_module_only, custom_load_fn,
+                                     use_config_hyperparameters)
+
+    def wait_checkpoint(self) -> None:
+        """Waits for an async save to be written and committed; raises its error, if any."""
+        self.checkpoints.wait()
+
+    def save_pretrained(self, save_dir, *, max_shard_size="5GB", dtype: torch.dtype | None = None,
+                        master: bool = False):
+        """The model in Hugging Face's layout (sharded safetensors, index, config), streamed one
+        tensor at a time, so a model larger than RAM is saved too; `from_pretrained(save_dir)`
+        loads it (Note [streamed pretrained save]). dtype: of floating tensors (default: as they
+        are). master=True: the trained parameters' fp32 master weights (what a bf16 run's
+        optimizer holds) instead of their compute-dtype copies; frozen parameters have no
+        master and are written as they are held, in the compute dtype (Note [frozen
+        parameters] in offload/placement.py). A collective with several ranks; rank 0 writes."""
+        from offload.checkpoint_io.pretrained import save_pretrained
+
+        self._check_open()
+        return save_pretrained(self.checkpoint_view(), save_dir, max_shard_size=max_shard_size, dtype=dtype,
+                               master=master)
+
+    def checkpoint_view(self) -> CheckpointView:
+        """What checkpoints read of this engine (offload/checkpoint_io/view.py)."""
+        return CheckpointView(module=self.module, config=self.config, shards=self.shards, optimizer=self.optimizer,
+                              step=self.step_runner, manager=self.manager, pg=self.pg,
+                              compute_dtype=self.compute_dtype, swap_stores=self.swap_stores,
+                              param_group_names=self._param_groups, frozen_fingerprints=self.frozen_fingerprints,
+                              full_value=self.full_value)
 
     def train(self, mode: bool = True) -> "Engine":
         """The model's train(mode), as nn.Module.train: dropout and the like on (or off)."""
@@ -298,12 +417,12 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
             return
         try:
             self.wait_checkpoint()  # it may still be copying swap files
-            if self.steps.updating_in_backward:
+            if self.step_runner.phase is StepPhase.UPDATING_IN_BACKWARD:
                 self.optimizer.update()
         finally:
             self._closed = True
             self.manager.release_all()
-            given_back = self._give_values_back()  # before the optimizer and the files go
+            given_back = teardown.give_values_back(self)  # before the optimizer and the files go
             if not given_back:
                 self.manager.closed = True  # reads of its parameters now raise, naming why
             self.optimizer.close()
@@ -314,9 +433,9 @@ class Engine(TrainingStep, DeepSpeedMethods, CheckpointMethods, Teardown):
             self.manager.remove_hooks()
             self.activation_checkpointing.remove()
             uncompile_blocks(self.compiled_blocks)  # Note [compiled blocks]
-            self._remove_swap_files()
+            teardown.remove_swap_files(self)
             self.pg.release()  # Note [releasing the process group] in partition/collectives.py
-            self._close_device()
+            teardown.close_device(self)
             self.account.drop_callbacks()
             reason = ("the model's parameters hold their values (engine.module)" if given_back else
                       "the parameters did not fit in memory and were not given back: save before closing "

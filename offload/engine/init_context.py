@@ -74,7 +74,7 @@ from offload.config import Config
 from offload.engine.budgets import default_host_budget
 from offload.engine.build import HomePolicy, discard_home, shard_context
 from offload.engine.stores import open_swap_store
-from offload.engine.memory import release_free_host_memory
+from offload.process_memory import release_free_host_memory
 from offload.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.managed import manage, unmanage

@@ -217,7 +217,7 @@ def open_store(swap_config, account: MemoryAccount, run_dirs: RunDirectories):
     `nvme_path/offload-<host>-<pid>-<random>/rank{r}/` (Note [run directories]
     in offload/aio/run_dir.py); stores on one nvme_path share it."""
     from offload.aio.swap_store import SwapStore
-    from offload.engine.memory import TierLedger
+    from offload.process_memory import TierLedger
 
     run_dir = run_dirs.open(swap_config.nvme_path)
     swap_config = dataclasses.replace(swap_config, nvme_path=str(run_dir.path))

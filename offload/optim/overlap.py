@@ -34,7 +34,7 @@ beside it. Each update computes exactly what step() would have computed, on
 the same gradient: the results are the same bits; no copy of any state is
 kept, so the memory cost is nil (the gradients are held until their update,
 as they were). Only where nothing in the update can fail on a file: state
-and homes on the host or the device (UpdatePolicy.under_next_forward, Note
+and homes on the host or the device (UpdatePolicy.deferred, Note
 [when updates run]). A device home's
 update runs on the host worker too where its new value goes up the bus right
 after it (Note [device homes' new values] in sharded_adam.py); step() runs
@@ -80,7 +80,7 @@ class OverlappedStep:
     updates: dict[int, ShardUpdate] = field(default_factory=dict)  # by shard.index, in arrival order
     backlog: deque = field(default_factory=deque)  # ShardUpdate queued behind the caller, maybe running
     backlog_elems: int = 0
-    failed: bool = False  # an update raised: the later ones are skipped (Note [a failed step])
+    stopped: bool = False  # an update raised: the later ones are skipped (Note [a failed step]); not a phase
 
 
 class TakenInAndUpdated:
@@ -174,9 +174,9 @@ class OverlappedUpdates:
         self.worker = worker
         self.pending_grad_elems = pending_grad_elems
         self.step: OverlappedStep | None = None
-        # The step leave_running ended while its gradients were still going down
+        # The step carry() ended while its gradients were still going down
         # (Note [head first after backward]): theirs is this one's, until the next begins.
-        self.trailing: OverlappedStep | None = None
+        self.carried: OverlappedStep | None = None
         self.arrival_order: list[Shard] | None = None  # the last overlapped step's gradients, in order
         # Shards whose shared master the last overlapped backward brought from
         # the gathered parameter (Note [shared fp32 master]): not read again.
@@ -201,17 +201,17 @@ class OverlappedUpdates:
             opt.beside_compute(False)  # no step in progress: a later backward may start one
             raise
         self.step = OverlappedStep(groups=[dict(g) for g in opt.param_groups], stream=stream)
-        self.trailing = None
+        self.carried = None
 
-    def submit(self, shard: Shard, *, trailing: bool = False, master: torch.Tensor | None = None) -> None:
+    def submit(self, shard: Shard, *, carried: bool = False, master: torch.Tensor | None = None) -> None:
         """The shard's gradient is final: update it on the host worker (at once when called there).
-        trailing: it went down in a backward whose updates may outlast it (the step
-        in progress, or the one leave_running ended). master: its shared master, come
+        carried: it went down in a backward whose updates may outlast it (the step
+        in progress, or the one carry() ended). master: its shared master, come
         down with the gradient (Note [masters down with their gradients] in
         partition/device_copies.py): taken by the update at once, on this thread."""
         st, opt = self.step, self.optimizer
-        if st is None and trailing:
-            st = self.trailing
+        if st is None and carried:
+            st = self.carried
         if shard.index in st.updates:
             # Its update already ran with the gradient it had: a second one
             # would be lost. Autograd accumulates a parameter once per backward.
@@ -290,11 +290,11 @@ class OverlappedUpdates:
             self.masters_from_gather = frozenset(i for i, u in st.updates.items() if u.master_from_gather)
             opt.flush_publishes()  # the shards updated, failed step or not
 
-    def leave_running(self, followed: list[Shard]) -> None:
+    def carry(self, followed: list[Shard]) -> None:
         """step() after a backward whose updates go on under the next forward (Note [head
         first after backward]): the step ends here; DeferredUpdates.settle waits for them.
         followed: the shards whose gradients went down, in the order they came."""
-        self.step, self.trailing = None, self.step
+        self.step, self.carried = None, self.step
         seen = {s.index for s in followed}
         self.arrival_order = followed + [s for s in self.optimizer.shards if s.index not in seen]
         self.masters_from_gather = frozenset()
@@ -309,12 +309,12 @@ class OverlappedUpdates:
         """charged: `master` is a host copy charged to the host tier, credited here."""
         opt = self.optimizer
         try:
-            if st.failed:  # Note [a failed step]: left, with its gradient, for the retry
+            if st.stopped:  # Note [a failed step]: left, with its gradient, for the retry
                 return
             try:
                 opt.update_shard(shard, group, st.stream, master)
             except BaseException:
-                st.failed = True
+                st.stopped = True
                 raise
         finally:
             if charged:

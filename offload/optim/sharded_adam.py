@@ -374,7 +374,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
     # failure the overlapped updates not yet started are skipped, so a corrupt
     # file stops the step. update() again, after rewriting the kept values,
     # updates exactly the shards left: the result equals an uninterrupted step
-    # (the engine's retry: Engine.step, offload/engine/training_step.py).
+    # (the engine's retry: StepRunner.step, offload/step/runner.py).
 
     @property
     def overlapping(self) -> bool:

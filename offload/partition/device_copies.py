@@ -49,6 +49,7 @@ import torch
 
 from offload.aio.buffer_pool import BufferPool
 from offload.aio.memory import round_up
+from offload.partition.hooks import NO_PLAN, BackwardPlan
 from offload.partition.staging_ring import StagingRing
 from offload.device import DeviceLayer, Event
 from offload.host_worker import HostWorker
@@ -65,9 +66,10 @@ removed_waits: set[str] = set()
 
 # Note [head first after backward]
 # Where each update follows its gradient's take-in on the host worker and
-# may go on under the next forward (UpdatePolicy.past_backward), the end of
-# backward does not wait for the worker: every gradient put in the ring is
-# `gated` (the engine's DeferredUpdates.follow sets the shard's
+# may be carried under the next forward (UpdatePolicy.carried: Note [update
+# names] in step/update_policy.py), the end of backward does not wait for the
+# worker: the backward's BackwardPlan (partition/hooks.py) says so, every
+# gradient put in the ring is `carried` (DeferredUpdates.follow sets the shard's
 # in_flight.update to "taken in and updated", so any read of its home waits,
 # and settle() waits for all), and step() leaves them running and turns the
 # worker head first: the records not yet taken in go newest first. The
@@ -178,8 +180,8 @@ class GradientCopy:
     buffer: torch.Tensor  # its piece of the ring, released once delivered
     host: torch.Tensor  # the gradient's view of it
     copied: Event
-    taken_in: Future  # done once delivered (or dropped); a gated delivery's error is its exception
-    gated: bool  # Note [head first after backward]: its error goes to taken_in alone
+    taken_in: Future  # done once delivered (or dropped); a carried delivery's error is its exception
+    carried: bool  # Note [head first after backward]: its error goes to taken_in alone
     # Note [masters down with their gradients]: the parameter's partition, cloned on the
     # device (freed once copied), and its view in the same piece of the ring; or None.
     master_on_device: torch.Tensor | None = None
@@ -193,15 +195,16 @@ class GradientsToHost:
     ring, valid during the call), to add into the shard's partition. It runs
     on the host worker (Note [the host worker] in offload/host_worker.py),
     after the copy's event: autograd's thread only starts copies.
-    gate(shard, taken_in): set by the engine for a backward whose updates may
-    outlast it (Note [head first after backward]); called as each copy starts,
-    whose delivery is then deliver(shard, grad, trailing=True).
-    brings_master(shard): set by the engine; whether the parameter's own partition
-    goes down with its gradient (Note [masters down with their gradients]), then
-    delivered as deliver(shard, grad, master=...)."""
+    plan: the backward's BackwardPlan (partition/hooks.py), handed in by
+    begin_backward: where its updates are carried under the next forward (Note
+    [head first after backward]), plan.follow(shard, taken_in) is called as each
+    copy starts, whose delivery is then deliver(shard, grad, carried=True).
+    brings_master(shard): given at construction (the step's hooks); whether the
+    parameter's own partition goes down with its gradient (Note [masters down with
+    their gradients]), then delivered as deliver(shard, grad, master=...)."""
 
     def __init__(self, streams: CopyStreams, largest_bytes: int, deliver, worker: HostWorker,
-                 ledger=None, pin: bool = False):
+                 brings_master=None, ledger=None, pin: bool = False):
         self.streams = streams
         self.layer = streams.layer
         self._deliver = deliver
@@ -209,14 +212,14 @@ class GradientsToHost:
         # The bytes four of the largest gradient's buffers took (Note [gradient staging ring]).
         self.ring = StagingRing(GRADIENT_BUFFERS * max(largest_bytes, 4096), pin=pin, ledger=ledger,
                                 layer=self.layer, what="gradient staging ring")
-        self.gate = None
-        self.brings_master = None
+        self.plan = NO_PLAN
+        self.brings_master = brings_master
         self._lock = threading.Condition()
         self._queue: deque[GradientCopy] = deque()  # started, not yet picked up by the worker
         self._head_first = False
         self._in_flight = 0  # started and not yet delivered (or dropped)
         self._deliver_now = True  # False after a failed backward: what is in flight is dropped
-        self._error: BaseException | None = None  # the first ungated delivery that raised
+        self._error: BaseException | None = None  # the first delivery not carried that raised
 
     def put(self, shard, grad: torch.Tensor) -> None:
         """Starts the copy of `grad`, which compute just wrote, to the host. Waits
@@ -235,7 +238,7 @@ class GradientsToHost:
             copied = self.layer.copy(host, on_device, self.streams.d2h)
             if master is not None:  # behind the gradient on the same stream: one event for both
                 copied = self.layer.copy(master, master_on_device, self.streams.d2h)
-            record = GradientCopy(shard, on_device, buf, host, copied, Future(), self.gate is not None,
+            record = GradientCopy(shard, on_device, buf, host, copied, Future(), self.plan.carried,
                                   master_on_device, master)
         except BaseException:
             self.ring.release(buf)  # no copy started: nothing will take it in
@@ -245,8 +248,8 @@ class GradientsToHost:
         with self._lock:
             self._in_flight += 1
             self._queue.append(record)
-        if self.gate is not None:
-            self.gate(shard, record.taken_in)
+        if self.plan.carried:
+            self.plan.follow(shard, record.taken_in)
         self.worker.submit(self._take_next)
 
     def _clone_master(self, shard) -> torch.Tensor | None:
@@ -275,6 +278,11 @@ class GradientsToHost:
             self.layer.free(clone)
         finally:
             shard.ctx.account.credit(Tier.DEVICE, shard.part_numel * 4)
+
+    def begin_backward(self, plan: BackwardPlan) -> None:
+        """The plan of the backward starting now (NO_PLAN: its gradients are all in
+        before step() reads them)."""
+        self.plan = plan
 
     def head_first(self) -> None:
         """The records not yet taken in go newest first (Note [head first after backward])."""
@@ -324,8 +332,8 @@ class GradientsToHost:
             if self._deliver_now and self._error is None:
                 view = self.layer.lend(record.host, write=False)
                 extra = {} if record.master is None else {"master": self.layer.lend(record.master, write=False)}
-                if record.gated:  # its update belongs to the step that gated it, over or not
-                    self._deliver(record.shard, view, trailing=True, **extra)
+                if record.carried:  # its update belongs to the step that carried it, over or not
+                    self._deliver(record.shard, view, carried=True, **extra)
                 else:
                     self._deliver(record.shard, view, **extra)
         except BaseException as exc:  # noqa: BLE001 - raised on autograd's side, by drain
@@ -342,11 +350,11 @@ class GradientsToHost:
             finally:
                 self.ring.release(record.buffer)
                 with self._lock:
-                    if error is not None and not record.gated:
+                    if error is not None and not record.carried:
                         self._error = self._error or error
                     self._in_flight -= 1
                     self._lock.notify_all()
-                if error is not None and record.gated:
+                if error is not None and record.carried:
                     record.taken_in.set_exception(error)
                 else:
                     record.taken_in.set_result(None)

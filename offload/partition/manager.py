@@ -58,6 +58,7 @@ from offload.host_worker import HostWorker
 from offload.partition.device_copies import GradientsToHost
 from offload.partition.gather_ahead import start_all_gather_ahead
 from offload.partition.grad_buckets import GradientBuckets
+from offload.partition.hooks import StepHooks
 from offload.partition.prefetch import PrefetchScheduler
 from offload.partition.shard import Shard
 from offload.partition.compiled import warn_compiled_model
@@ -79,27 +80,26 @@ class _SavedParamView:
 
 
 class ParameterManager:
-    def __init__(self, module: torch.nn.Module, shards: list[Shard], on_grad,
+    def __init__(self, module: torch.nn.Module, shards: list[Shard], hooks: StepHooks,
                  prefetch: PrefetchScheduler | None = None, timeline: Timeline | None = None,
-                 reduce_bucket_elems: int | None = None, host_worker: HostWorker | None = None,
-                 on_forward=None, on_edit=None):
-        """on_grad(shard, grad, owned=False): called with each parameter's final gradient,
-        this rank's partition averaged over ranks (with one rank, the gradient itself,
-        owned=True: autograd's tensor, which no one else holds); beside a
+                 reduce_bucket_elems: int | None = None, host_worker: HostWorker | None = None):
+        """hooks: the step's side (partition/hooks.py). hooks.take_grad gets each parameter's
+        final gradient, this rank's partition averaged over ranks (with one rank, the gradient
+        itself, owned=True: autograd's tensor, which no one else holds); beside a
         separate device, on host_worker once its copy to the host is done (Note [the
-        host worker] in offload/host_worker.py).
+        host worker] in offload/host_worker.py). hooks.forward_starts() as a forward pass
+        opens (the engine's checks; Note [the model is the interface]); hooks.edited(shard,
+        fp32 value) with an edited partition's value for the optimizer's master
+        (offload.gathered with modifier_rank; Note [reading a parameter outside the engine]).
         prefetch: reads ahead in the learned order (Note [prefetch order]);
         None reads on demand.
         reduce_bucket_elems: gradient elements per reduce-scatter with several ranks
-        (Note [gradient buckets]); None: the largest padded parameter.
-        on_forward(): called as a forward pass opens (the engine's checks; Note [the
-        model is the interface]). on_edit(shard, fp32 value): an edited partition's
-        value for the optimizer's master (offload.gathered with modifier_rank; Note
-        [reading a parameter outside the engine])."""
+        (Note [gradient buckets]); None: the largest padded parameter."""
         self.module = module
         self.shards = shards
         self.shard_of = {id(s.param): s for s in shards}
-        self._on_grad = on_grad
+        self.hooks = hooks
+        on_grad = hooks.take_grad
         # On a device with memory of its own each gradient (each rank's reduced
         # partition) is copied to the host on the d2h stream (Note [copy streams]),
         # unless the shard's optimizer state, and so its gradient, is on the device.
@@ -110,9 +110,10 @@ class ParameterManager:
             if host_worker is None:
                 raise ValueError("gradients copied to the host need the host worker that takes them in")
             self.to_host = GradientsToHost(ctx.streams, max(s.part_numel for s in going_down) * 4, on_grad,
-                                           host_worker, ledger=ctx.account.pinned, pin=ctx.layer.page_locks)
+                                           host_worker, brings_master=hooks.brings_master,
+                                           ledger=ctx.account.pinned, pin=ctx.layer.page_locks)
             on_grad = self._route_grad  # a reduced partition goes down as well
-        self.grad_buckets: GradientBuckets | None = None  # one rank: gradients go straight to on_grad
+        self.grad_buckets: GradientBuckets | None = None  # one rank: gradients go straight to take_grad
         if ctx is not None and ctx.pg.world_size > 1:
             largest = max(s.padded_numel for s in shards)
             self.grad_buckets = GradientBuckets(ctx.pg, reduce_bucket_elems or largest, on_grad)
@@ -123,9 +124,6 @@ class ParameterManager:
         self.compile_warned = False  # Note [compiled models]
         self._on_demand: list[Shard] = []
         self._backward_holds: dict[Shard, int] = {}
-        # Note [the model is the interface]
-        self.on_edit = on_edit
-        self.on_forward = on_forward
         self._module_depth = 0  # module calls under way
         self._opened: list[tuple[int, contextlib.ExitStack]] = []  # (depth, context) opened by module hooks
         self._context_depth = 0  # forward contexts open (module-opened or explicit)
@@ -268,11 +266,11 @@ class ParameterManager:
 
     def _route_grad(self, shard: Shard, grad: torch.Tensor, owned: bool = False) -> None:
         """A final gradient (one rank's reduced partition with several) goes down to
-        the host, or straight to on_grad where the shard's gradient stays on the device."""
+        the host, or straight to hooks.take_grad where the shard's gradient stays on the device."""
         if self.to_host is not None and shard.grad_tier is not Tier.DEVICE:
             self.to_host.put(shard, grad)
         else:
-            self._on_grad(shard, grad, owned=owned)
+            self.hooks.take_grad(shard, grad, owned=owned)
 
     # ---- the outermost module call opens the forward context ---------------
     def _enter_module(self, module, args) -> None:
@@ -308,7 +306,7 @@ class ParameterManager:
         if not self._backward_tasks:  # the outermost (a reentrant checkpoint's inner one ends first)
             if self.grad_buckets is not None:
                 self.grad_buckets.flush()  # Note [gradient buckets]
-            if self.to_host is not None and self.to_host.gate is None:
+            if self.to_host is not None and not self.to_host.plan.carried:
                 # Every gradient in its partition before the optimizer reads them, unless
                 # their updates go on (Note [head first after backward] in device_copies.py).
                 self.to_host.drain()
@@ -336,8 +334,8 @@ class ParameterManager:
         self._internal = True
         try:
             shard.write_home()
-            if self.on_edit is not None:
-                self.on_edit(shard, shard.gathered_partition().float())
+            if self.hooks is not None:
+                self.hooks.edited(shard, shard.gathered_partition().float())
         finally:
             self._internal = False
 
@@ -394,8 +392,8 @@ class ParameterManager:
         if new_pass:
             if self._backward_tasks and torch._C._current_graph_task_id() == -1:
                 self.abandon_backward()  # a backward that raised left its holds
-            if self.on_forward is not None:
-                self.on_forward()
+            if self.hooks is not None:
+                self.hooks.forward_starts()
             self._end_pass()
             self.prefetch.begin_pass((self.module.training, torch.is_grad_enabled()))
         active = contextlib.nullcontext() if self.activations is None else self.activations.active()
@@ -497,4 +495,4 @@ class ParameterManager:
         if self._account is not None:
             self._account.remove_reclaimer(Tier.DEVICE)
         # Closing: no cycles left through what it attached (Note [a closed engine] in offload/engine/closed.py).
-        self.activations = self.on_edit = self.on_forward = None
+        self.activations = self.hooks = None

@@ -66,7 +66,7 @@ class Shard(ShardGradient):
         self.grad_tier: Tier = ctx.grad_tier
         self.grad_part: torch.Tensor | None = None
         # Whether grad_part is charged to the account: not a staging buffer lent for one
-        # update (Note [updates from the staging buffer] in engine/gradients.py).
+        # update (Note [updates from the staging buffer] in step/gradients.py).
         self._grad_charged = False
         # Whether any gradient arrived since the last optimizer step: like
         # torch.optim, a parameter whose .grad stayed None is not stepped.

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from offload.config import AUTO, Config, ConfigError, Precision, Tier
-from offload.placement import DEVICE_SHARE, HOST_SHARE, Budgets, ParamSpec, Placement, plan_placement
+from offload.placement import (DEVICE_SHARE, HOST_SHARE, Budgets, ParamSpec, Placement, nvme_state_buffers,
+                               plan_placement)
 from offload.tiers import grad_tier_of
 from offload.sizing.hf_config import CountedModel
 from offload.sizing.model_shapes import counted_model
@@ -265,9 +266,9 @@ def estimate_from(num_params, *, model_config, config, largest_layer_params, per
     if p_dev is Tier.NVME:
         breakdown["host"][f"parameter NVMe bounce buffers (2 x largest layer, {prec})"] = \
             2 * largest_layer_params * c
-    if o_dev is Tier.NVME:
-        group = min(zero.sub_group_size, trainable_shard)
-        breakdown["host"][f"optimizer NVMe swap buffers (2 x {group} elements x 16 B)"] = 2 * group * 16
+    if o_dev is Tier.NVME:  # what the update keeps in flight, as initialize reserves it (engine/budgets.py)
+        for what, nbytes in nvme_state_buffers(-(-largest_trainable // world_size), c, p_dev is Tier.NVME).items():
+            breakdown["host"][what] = nbytes
     placement = None
     if zero.offload_param.auto or zero.offload_optimizer.auto:
         placement = _auto_plan(cfg, zero, num_params, trainable_params, largest_layer_params, largest_trainable,
@@ -301,10 +302,11 @@ def estimate_from(num_params, *, model_config, config, largest_layer_params, per
         if any(s.home is Tier.NVME for s in placement.shards):
             breakdown["host"][f"parameter NVMe bounce buffers (2 x largest layer, {prec})"] = \
                 2 * largest_layer_params * c
-        if any(s.state is Tier.NVME for s in placement.shards):
-            layer = "largest trainable layer" if frozen else "largest layer"
-            breakdown["host"][f"optimizer state in flight ({_STATE_IN_FLIGHT} B x {layer})"] = \
-                _STATE_IN_FLIGHT * largest_trainable
+        nvme_state = [s.part_numel for s in placement.shards if s.state is Tier.NVME]
+        if nvme_state:  # as initialize reserves it (engine/budgets.py: tier_needs)
+            homes_on_nvme = any(s.home is Tier.NVME for s in placement.shards)
+            for what, nbytes in nvme_state_buffers(max(nvme_state), c, homes_on_nvme).items():
+                breakdown["host"][what] = nbytes
     totals = {t: sum(breakdown[t].values()) for t in TIERS}
     per_node = world_size // num_nodes
     return Estimate(
@@ -314,12 +316,6 @@ def estimate_from(num_params, *, model_config, config, largest_layer_params, per
         minimum_device=totals["device"], minimum_host=totals["host"] * per_node,
         minimum_nvme=totals["nvme"] * per_node, notes=tuple(notes), placement=placement,
         auto_param=zero.offload_param.auto, auto_optimizer=zero.offload_optimizer.auto)
-
-
-# An auto plan's NVMe optimizer state in flight on the host: three of the
-# largest partitions' state (12 B/param) and their masters (4), as initialize
-# reserves them (offload/engine/budgets.py).
-_STATE_IN_FLIGHT = 3 * 16
 
 
 def _auto_plan(cfg, zero, num_params, trainable_params, largest, largest_trainable, persistent, world_size,
@@ -370,7 +366,10 @@ def _auto_plan(cfg, zero, num_params, trainable_params, largest, largest_trainab
     # gradients (of the trainable ones) and the bounce buffers on the host, the
     # gathered layers on the device.
     trainable_shard = -(-trainable_params // world_size)
-    host -= trainable_shard * 4 + 2 * largest * itemsize + _STATE_IN_FLIGHT * largest_trainable
+    # NVMe state in flight as initialize reserves it, for the largest trainable partition
+    # (were its state to go to NVMe; the plan decides), homes on NVMe or not alike.
+    in_flight = sum(nvme_state_buffers(-(-largest_trainable // world_size), itemsize, homes_on_nvme=True).values())
+    host -= trainable_shard * 4 + 2 * largest * itemsize + in_flight
     device = max(0, int(DEVICE_SHARE * (mem.device_budget or 0)) - persistent * itemsize)
     if mem.device_budget is None:
         notes.append("auto placement: no memory.device_budget, so no parameter is planned on the device "

@@ -99,7 +99,7 @@ def test_async_save_snapshot_is_unchanged_by_steps_run_while_it_is_written(tmp_p
         runs.train(e, 3)
         at_save = runs.engine_state(e)
         e.save_checkpoint(tmp_path / "ck", client_state={"at": 3}, async_save=True)
-        job = e._checkpoint_job
+        job = e.checkpoints.job
         assert job is not None and not job._snapshot_done.is_set(), "save did not return before writing"
         assert not (tmp_path / "ck" / "latest").exists()
         runs.train(e, 4)  # forward/backward overlap the write; each update waits for the snapshot

@@ -16,7 +16,7 @@ import sys
 import torch
 
 import offload
-from offload.engine import memory
+from offload import process_memory as memory
 # What the engine imports on first use (Note [engine bytes and the OS]), so
 # that the baseline below is taken after it, as the engine's own is.
 import offload.aio.swap_store  # noqa: F401,E402

@@ -104,7 +104,7 @@ def test_clipping_is_triggered_and_its_terms_are_taken_on_the_host_worker(tmp_pa
     during backward]), none on the compute thread."""
     import threading
 
-    from offload.engine import gradients
+    from offload.step import gradients
 
     monkeypatch.setenv("OFFLOAD_DEVICE", "sim")
     threads = []
@@ -175,11 +175,11 @@ def test_a_users_own_loop_with_clipping_on_the_sim_equals_the_cpu_engine(tmp_pat
                 opt.step()
                 opt.zero_grad()
                 losses.append(loss.detach())
-            return torch.stack(losses), engine_weights(engine), engine.steps.phase
+            return torch.stack(losses), engine_weights(engine), engine.step_runner.phase
 
     losses_cpu, weights_cpu, _ = run("cpu")
     losses_sim, weights_sim, phase = run("sim")
-    assert phase.value == "updating under the next forward"
+    assert phase.value == "updates deferred under the next forward"
     torch.testing.assert_close(losses_sim, losses_cpu, rtol=0, atol=0)
     for name, value in weights_cpu.items():
         torch.testing.assert_close(weights_sim[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import offload
-from offload.engine.step_phase import StepPhase
+from offload.step.phase import StepPhase
 from offload.optim.sharded_adam import ShardedAdam
 from offload.partition.device_copies import GradientsToHost
 from offload.partition.shard import Shard
@@ -63,7 +63,7 @@ def test_updates_go_on_under_the_next_forward_head_first_with_the_same_bits(tmp_
             engine.backward(loss)
             engine.step()
             state["stepped"] = True
-            assert engine.steps.phase is StepPhase.UPDATING_UNDER_FORWARD
+            assert engine.step_runner.phase is StepPhase.UPDATING_DEFERRED
             losses.append(loss.detach().float())
             engine.optimizer.deferred.settle()  # the step's updates, all of them, before the next
             late = [i for i, stepped in log if stepped]

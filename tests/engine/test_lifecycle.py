@@ -54,7 +54,7 @@ def test_every_public_method_refuses_after_close(closed, name):
 def test_instance_attributes_refuse_after_close(closed):
     _, engine, _, _ = closed
     public = sorted(k for k in vars(engine) if not k.startswith("_") and k not in ANSWERED_AFTER_CLOSE)
-    assert {"optimizer", "manager", "shards", "account", "pg", "lr_scheduler"} <= set(public)
+    assert {"optimizer", "manager", "shards", "account", "pg", "step_runner", "checkpoints"} <= set(public)
     for name in public:
         with pytest.raises(EngineClosedError, match=CLOSED):
             getattr(engine, name)

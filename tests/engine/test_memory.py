@@ -4,7 +4,7 @@ the process RSS the OS reports.
 The RSS tests run the training in a fresh process (tests/engine/rss_run.py):
 RSS belongs to the whole process, so earlier tests' imports and heaps would
 be counted. Each measures from a baseline taken after the imports the engine
-needs (Note [engine bytes and the OS] in offload/engine/memory.py)."""
+needs (Note [engine bytes and the OS] in offload/process_memory.py)."""
 import json
 import os
 import subprocess
@@ -17,7 +17,7 @@ import torch
 import offload
 from offload.aio.swap_store import SwapStore
 from offload.aio.swap_config import SwapConfig
-from offload.engine.memory import TierLedger
+from offload.process_memory import TierLedger
 from offload.accounting import MemoryAccount, Tier, TierBudgetError
 from tests.engine.harness import make_config
 from tests.engine.models import Wide

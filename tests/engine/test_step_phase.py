@@ -1,10 +1,10 @@
-"""The engine's step phases (Note [step phases] in offload/engine/step_phase.py):
+"""The engine's step phases (Note [step phases] in offload/step/phase.py):
 each transition checks where it starts, and a run goes through the phases
 the Note names, beside the sim device as beside the CPU."""
 import pytest
 
 import offload
-from offload.engine.step_phase import StepPhase, StepPhases
+from offload.step.phase import StepPhase, StepPhases
 
 from tests.engine.harness import batches, build, lm_loss, make_config
 
@@ -13,7 +13,7 @@ def test_a_transition_from_the_wrong_phase_is_refused():
     steps = StepPhases()
     steps.to_updating_in_backward()
     with pytest.raises(AssertionError, match="updating in backward"):
-        steps.to_updating_under_forward()
+        steps.to_updating_deferred()
     steps.to_failed(OSError("disk full"), 1.5)
     assert steps.failed and steps.failure[1] == 1.5
     with pytest.raises(AssertionError, match="failed"):
@@ -29,8 +29,8 @@ def test_a_transition_from_the_wrong_phase_is_refused():
 @pytest.mark.parametrize("layer,clip,after_backward,after_step", [
     ("cpu", 0.0, StepPhase.READY, StepPhase.READY),  # host Adam beside a CPU backward: in step
     # during backward, then on under the next forward (Note [head first after backward])
-    ("sim", 0.0, StepPhase.UPDATING_IN_BACKWARD, StepPhase.UPDATING_UNDER_FORWARD),
-    ("sim", 0.05, StepPhase.READY, StepPhase.UPDATING_UNDER_FORWARD),
+    ("sim", 0.0, StepPhase.UPDATING_IN_BACKWARD, StepPhase.UPDATING_DEFERRED),
+    ("sim", 0.05, StepPhase.READY, StepPhase.UPDATING_DEFERRED),
 ])
 def test_a_run_goes_through_the_phases(tmp_path, monkeypatch, layer, clip, after_backward, after_step):
     monkeypatch.setenv("OFFLOAD_DEVICE", layer)
@@ -38,15 +38,15 @@ def test_a_run_goes_through_the_phases(tmp_path, monkeypatch, layer, clip, after
         for per_rank in batches(2, seed=3):
             x, y = per_rank[0]
             engine.backward(lm_loss(engine(x), y))
-            assert engine.steps.phase is after_backward
+            assert engine.step_runner.phase is after_backward
             engine.step()
-            assert engine.steps.phase is after_step
+            assert engine.step_runner.phase is after_step
 
 
 def test_the_step_counters_save_and_load_as_one_object():
     """Note [step counters]: what a checkpoint keeps, and the pass marks taken from this
     process's count at load (a window not restored starts afresh)."""
-    from offload.engine.step_counters import StepCounters
+    from offload.step.counters import StepCounters
 
     saved = StepCounters(global_steps=7, micro_steps=15, skipped_steps=1, micro_in_window=1, scaled_passes=1,
                          passes_at_step=40, passes_at_update=39).state_dict()

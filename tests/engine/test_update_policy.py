@@ -1,8 +1,8 @@
-"""Note [when updates run] (offload/engine/update_policy.py): one policy answers when
+"""Note [when updates run] (offload/step/update_policy.py): one policy answers when
 updates run and what they hold, for the engine and the budgets alike."""
 import offload
 from offload.config import Config
-from offload.engine.update_policy import UpdatePolicy
+from offload.step.update_policy import UpdatePolicy
 from offload.tiers import Tier
 from tests.engine.harness import build, make_config
 
@@ -23,9 +23,9 @@ def test_when_updates_run():
     assert not policy().during_backward(host, at_boundary=False)
     for blocked in (policy(clip=1.0), policy(precision="fp16"), policy(overlap=False)):
         assert not blocked.during_backward(nvme, at_boundary=True)
-    assert policy(clip=1.0).under_next_forward(host, [Tier.HOST, Tier.DEVICE])
-    assert not policy(clip=1.0).under_next_forward(host, [Tier.NVME])  # a home's write could fail
-    assert not policy(clip=1.0).under_next_forward(host | nvme, [Tier.HOST])
+    assert policy(clip=1.0).deferred(host, [Tier.HOST, Tier.DEVICE])
+    assert not policy(clip=1.0).deferred(host, [Tier.NVME])  # a home's write could fail
+    assert not policy(clip=1.0).deferred(host | nvme, [Tier.HOST])
     assert policy().updates_free_gradients and not policy(gas=2).updates_free_gradients
     assert not policy(clip=1.0).updates_free_gradients and not policy(precision="fp16").updates_free_gradients
 
@@ -37,4 +37,4 @@ def test_the_optimizers_cap_and_the_budgets_bound_agree(tmp_path, monkeypatch):
     assert p.backlog_bound(300) == 1000 + 600
     with offload.initialize(build("tiny_gpt"), make_config("cpu", "nvme", tmp_path)) as engine:
         largest = max(s.part_numel for s in engine.optimizer.shards)
-        assert engine.optimizer.overlap.pending_grad_elems == engine.update_policy.pending_cap(largest)
+        assert engine.optimizer.overlap.pending_grad_elems == engine.step_runner.policy.pending_cap(largest)

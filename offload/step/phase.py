@@ -5,7 +5,7 @@ Note [step phases]
   UPDATING_IN_BACKWARD    a backward that ends an accumulation window started the updates
                           (Note [optimizer overlap] in optim/overlap.py): step() must come next,
                           and nothing but it (or a failed backward's abandon) ends them
-  UPDATING_UNDER_FORWARD  step() left the updates running on the host worker (Note [updates
+  UPDATING_DEFERRED  step() left the updates running on the host worker (Note [updates
                           under the next forward]): each read of a shard waits for its own
                           update; the next backward settles them all
   FAILED                  an update raised (Note [a failed step]): step() retries it,
@@ -22,7 +22,7 @@ import enum
 class StepPhase(enum.Enum):
     READY = "ready"
     UPDATING_IN_BACKWARD = "updating in backward"
-    UPDATING_UNDER_FORWARD = "updating under the next forward"
+    UPDATING_DEFERRED = "updates deferred under the next forward"
     FAILED = "failed"
 
 
@@ -51,9 +51,9 @@ class StepPhases:
         self._leave(StepPhase.READY)
         self.phase = StepPhase.UPDATING_IN_BACKWARD
 
-    def to_updating_under_forward(self) -> None:
-        self._leave(StepPhase.READY, StepPhase.UPDATING_UNDER_FORWARD)  # a step without a backward between
-        self.phase = StepPhase.UPDATING_UNDER_FORWARD
+    def to_updating_deferred(self) -> None:
+        self._leave(StepPhase.READY, StepPhase.UPDATING_DEFERRED)  # a step without a backward between
+        self.phase = StepPhase.UPDATING_DEFERRED
 
     def to_failed(self, error: BaseException, clipped_norm: float | None) -> None:
         self._leave(StepPhase.READY, StepPhase.UPDATING_IN_BACKWARD, StepPhase.FAILED)

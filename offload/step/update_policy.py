@@ -1,5 +1,21 @@
 """When the optimizer's updates run, decided in one place.
 
+Note [update names]
+An update runs at one of three times, each with one name, used everywhere:
+  in backward   started as each final gradient arrives, during the backward
+                that ends an accumulation window; step() completes them
+                (OverlappedUpdates, UpdatePolicy.during_backward, phase
+                UPDATING_IN_BACKWARD)
+  deferred      started by step() and left running under the next forward
+                (DeferredUpdates, UpdatePolicy.deferred, phase UPDATING_DEFERRED)
+  carried       in-backward updates that step() does not wait for: carried
+                under the next forward, each following its gradient's take-in
+                (UpdatePolicy.carried, BackwardPlan.carried, OverlappedUpdates.carry,
+                take_grad(carried=True), phase UPDATING_DEFERRED once step() ran)
+Otherwise the update runs in step() (ShardedAdam.update). Head first
+(GradientsToHost.head_first) is not a kind of update but the order in which
+carried gradients are taken in.
+
 Note [when updates run]
 An update needs its shard's final gradient. It runs:
   during backward        as each gradient becomes final, on the host worker
@@ -21,7 +37,7 @@ An update needs its shard's final gradient. It runs:
 Updates started during backward go on under the next forward too, head
 first, where each follows its gradient's take-in on the host worker: one
 rank, host state beside a separate device, nothing on NVMe or in the
-device's state, one micro-batch a step (`past_backward`; Note [head first
+device's state, one micro-batch a step (`carried`; Note [head first
 after backward] in partition/device_copies.py).
 While updates run during backward, the final gradients waiting for theirs
 are capped (`pending_cap`: reduce_bucket_size, else two of the largest
@@ -73,14 +89,14 @@ class UpdatePolicy:
         worth_it = Tier.NVME in state_tiers or (Tier.HOST in state_tiers and self.separate_memory)
         return worth_it and self.overlap_comm and at_boundary and not self.needs_every_gradient_first
 
-    def under_next_forward(self, state_tiers, homes) -> bool:
+    def deferred(self, state_tiers, homes) -> bool:
         """Whether step() may leave its updates running beside the next forward."""
         return (Tier.HOST in state_tiers and Tier.NVME not in state_tiers and self.separate_memory
                 and self.overlap_comm and all(home is not Tier.NVME for home in homes))
 
-    def past_backward(self, state_tiers, homes, *, world_size: int) -> bool:
+    def carried(self, state_tiers, homes, *, world_size: int) -> bool:
         """Whether updates started during backward may go on under the next forward."""
-        return (self.updates_free_gradients and self.under_next_forward(state_tiers, homes)
+        return (self.updates_free_gradients and self.deferred(state_tiers, homes)
                 and Tier.DEVICE not in state_tiers and world_size == 1)
 
     @property
@@ -100,7 +116,7 @@ class UpdatePolicy:
 
     def from_staging(self, shard, grad: torch.Tensor, optim_tier) -> bool:
         """Whether `grad`, just taken in from its pinned staging buffer during backward, is
-        updated from it (Note [updates from the staging buffer] in engine/gradients.py)."""
+        updated from it (Note [updates from the staging buffer] in step/gradients.py)."""
         return (shard.ctx.streams is not None and not shard.has_grad and optim_tier is Tier.HOST
                 and shard.home is not Tier.NVME and grad.dtype in (torch.float32, torch.bfloat16)
                 and grad.dim() == 1 and grad.numel() == shard.part_numel and grad.is_contiguous())

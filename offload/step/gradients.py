@@ -1,10 +1,10 @@
 """Step-wide checks over every gradient partition: the fp16 overflow check and
-clipping by the global norm (the engine's update in step(): TrainingStep._update,
-engine/training_step.py).
+clipping by the global norm (the update in step(): StepRunner.update,
+step/runner.py).
 
 Note [norm terms during backward]
 Beside a separate device, a clipped step's per-shard sum of squares is taken
-on the host worker as each final gradient is taken in (Engine._take_grad),
+on the host worker as each final gradient is taken in (StepRunner.take_grad),
 while backward goes on; step() then only adds the terms, in shard order, as
 it would have computed them, and the coefficient is applied by each shard's
 update on the host worker (DeferredUpdates.start). The same tensors and the
@@ -95,4 +95,4 @@ def clip_by_global_norm(shards, max_norm: float, device: torch.device, pg) -> fl
 # the host and no home on NVMe, so the update cannot fail and leave the
 # gradient in a buffer about to be reused (and if it did not run, the
 # gradient goes into the partition after all).
-# UpdatePolicy.from_staging (engine/update_policy.py) decides it.
+# UpdatePolicy.from_staging (step/update_policy.py) decides it.
