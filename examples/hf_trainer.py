@@ -6,8 +6,8 @@ Needs transformers and accelerate: `pip install transformers accelerate`, then
 
 The route (docs/guide/huggingface.md says why it is this one):
 
-    engine, *_ = offload.initialize(model=model, model_parameters=decay_groups(model),
-                                    config=config)          # parameters and Adam state on NVMe
+    engine = offload.initialize(model, config,               # parameters and Adam state on NVMe
+                                param_groups=decay_groups(model))
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       optimizers=(engine.optimizer, scheduler))
     trainer.train(); trainer.save_model(out)                 # real weights; from_pretrained loads them
@@ -134,8 +134,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="offload-hf-trainer-") as tmp:
         # Trainer's own parameter groups (no weight decay on biases and norms), so the
         # engine's update is the one plain Trainer would make: DeepSpeed's form of initialize.
-        engine, _, _, _ = offload.initialize(model=model, model_parameters=decay_groups(model),
-                                             config=offload_config(args, args.nvme_path or tmp))
+        engine = offload.initialize(model, offload_config(args, args.nvme_path or tmp),
+                                    param_groups=decay_groups(model))
         with engine:
             schedule = transformers.get_linear_schedule_with_warmup(engine.optimizer, 0, args.steps)
             trainer = transformers.Trainer(model=model, args=training_args(args, out / "trainer", engine.device),

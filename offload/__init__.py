@@ -1,14 +1,15 @@
 """offload: train PyTorch models larger than the GPU, and larger than RAM.
 
-    engine = offload.initialize(model, config)   # also offload.engine.initialize
-    engine, optimizer, loader, sched = offload.initialize(model=model, config=config, ...)  # DeepSpeed's form
+    engine = offload.initialize(model, config)   # an Engine, always (also offload.engine.initialize)
+    import offload.deepspeed as deepspeed        # DeepSpeed's surface: its initialize, its 4-tuple
     with offload.init(config): model = Big()      # built straight into its home tiers
     loss = loss_fn(engine(inputs)); engine.backward(loss); engine.step()
 
 Parts: the engine (offload.engine), the partitioned parameter manager
 (offload.partition), the fused CPU Adam (offload.ops, offload.optim), async
-NVMe I/O (offload.aio), the DeepSpeed-compatible config (offload.config) and
-the `offload` CLI. See docs/ARCHITECTURE.md.
+NVMe I/O (offload.aio), the DeepSpeed-compatible config (offload.config),
+DeepSpeed's calling conventions (offload.deepspeed) and the `offload` CLI.
+See docs/ARCHITECTURE.md.
 """
 __version__ = "0.1.0"
 
@@ -30,10 +31,11 @@ _LAZY = {
     "SwapStoreError": ("offload.aio.errors", "SwapStoreError"),
     "AioError": ("offload.aio.errors", "AioError"),
     "CorruptFileError": ("offload.aio.errors", "CorruptFileError"),
-    # DeepSpeed's names, so `import offload as deepspeed` runs its scripts (offload/engine/deepspeed_api.py)
-    "add_config_arguments": ("offload.engine.deepspeed_api", "add_config_arguments"),
-    "init_distributed": ("offload.engine.deepspeed_api", "init_distributed"),
 }
+
+# DeepSpeed's module functions live in its surface, offload.deepspeed: a script
+# that imported offload as deepspeed is told where.
+_DEEPSPEED_NAMES = frozenset({"add_config_arguments", "init_distributed", "zero", "DeepSpeedEngine"})
 
 
 def __getattr__(name):
@@ -43,10 +45,16 @@ def __getattr__(name):
 
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
+    if name == "deepspeed":  # the DeepSpeed surface, a subpackage: offload.deepspeed.initialize(...)
+        import importlib
+
+        return importlib.import_module("offload.deepspeed")
+    if name in _DEEPSPEED_NAMES:
+        raise AttributeError(f"offload.{name} is DeepSpeed's: it is offload.deepspeed.{name} "
+                             "(`import offload.deepspeed as deepspeed`, not `import offload as deepspeed`)")
     raise AttributeError(f"module 'offload' has no attribute {name!r}")
 
 
 __all__ = ["initialize", "init", "Engine", "Config", "estimate", "checkpoint", "consolidate", "gathered",
            "ConfigError", "CheckpointError", "WeightsError", "EngineClosedError", "TierBudgetError",
-           "SwapStoreError", "AioError", "CorruptFileError",
-           "add_config_arguments", "init_distributed", "__version__"]
+           "SwapStoreError", "AioError", "CorruptFileError", "__version__"]

@@ -75,7 +75,7 @@ def test_the_package_has_no_import_circle():
     known = modules()
     assert len(known) > 50  # the walk found the package
     graph = {name: imported(name, path, known) for name, path in known.items()}
-    assert graph["offload.engine.entry"] >= {"offload.engine.create", "offload.engine.deepspeed_api"}
+    assert graph["offload.engine.entry"] >= {"offload.engine.create", "offload.optim.param_groups"}
     assert circles(graph) == []
 
 
@@ -102,6 +102,37 @@ def test_no_folder_imports_one_that_imports_it_back():
     folders = folder_graph({name: imported(name, path, known) for name, path in known.items()})
     assert "offload.partition" not in folders["offload.activations"]
     assert circles(folders) == []
+
+
+# The folders (and top-level modules) by layer, the ground floor first: each imports only
+# from its own layer or those below (docs/ARCHITECTURE.md, "Layers").
+LAYERS = (
+    ("offload", "offload.tiers", "offload.timeline", "offload.host_worker", "offload.requirements",
+     "offload.device", "offload._native"),  # the root package imports nothing eagerly
+    ("offload.accounting", "offload.simd", "offload.torch_release", "offload.aio", "offload.placement",
+     "offload.config", "offload.schedulers", "offload.ops"),  # memory accounting, I/O, config
+    ("offload.activations", "offload.node"),
+    ("offload.partition",),  # shards and their runtime, copies, NVMe homes, compile support
+    ("offload.process_memory", "offload.optim"),  # the update's arithmetic and state
+    ("offload.step",),  # the step and its one owner
+    ("offload.checkpoint_io",),
+    ("offload.engine",),  # construction
+    ("offload.deepspeed", "offload.sizing", "offload.report", "offload.cli", "offload.__main__"),
+)
+
+
+def upward(folders: dict[str, set[str]]) -> list[tuple[str, str]]:
+    layer = {name: i for i, names in enumerate(LAYERS) for name in names}
+    return sorted((a, b) for a, targets in folders.items() for b in targets if layer[b] > layer[a])
+
+
+def test_no_folder_imports_one_above_it():
+    known = modules()
+    folders = folder_graph({name: imported(name, path, known) for name, path in known.items()})
+    assert set(folders) == {name for names in LAYERS for name in names}, "a folder missing from LAYERS"
+    assert upward(folders) == []
+    folders["offload.optim"] = folders["offload.optim"] | {"offload.step"}  # planted: found
+    assert upward(folders) == [("offload.optim", "offload.step")]
 
 
 def test_a_planted_folder_circle_is_found():

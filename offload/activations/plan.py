@@ -245,3 +245,15 @@ def planned_call(module: torch.nn.Module, fn, args: tuple, kwargs: dict):
     if plan is None or plan.idle or torch._C._current_graph_task_id() != -1:
         return fn(*args, **kwargs)
     return plan.call(fn, args, kwargs)
+
+
+def plan_budget(layer, config) -> tuple[int, str] | None:
+    """What the activation plan keeps within: the device budget, else on a device that
+    says its free memory, that (nothing of the engine's is there yet, at initialize);
+    None: no budget to plan for (a device sharing the host's memory)."""
+    if not layer.separate_memory:
+        return None
+    if config.memory.device_budget is not None:
+        return config.memory.device_budget, "memory.device_budget"
+    free = layer.free_memory()
+    return None if free is None else (free, "the device's free memory at initialize")

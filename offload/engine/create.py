@@ -1,6 +1,6 @@
 """create_engine: a model and its config made into an Engine, the one way both
-forms of `initialize` (offload/engine/entry.py, offload/engine/deepspeed_api.py)
-make one."""
+initializes make one (offload's, offload/engine/entry.py, and DeepSpeed's,
+offload/deepspeed/api.py)."""
 from __future__ import annotations
 
 import logging

@@ -4,8 +4,8 @@ Built here (the shards, the optimizer, the manager, at initialize), and composed
 of objects that each own their state: the step runner (offload/step/runner.py,
 where one step's flow is described), the checkpoints (engine/checkpoints.py),
 the manager's hooks (engine/hooks.py); what close gives back is
-engine/teardown.py. DeepSpeed's method names are DeepSpeedMethods
-(engine/deepspeed_methods.py). See docs/ARCHITECTURE.md for the whole picture.
+engine/teardown.py. DeepSpeed's own methods are an adapter around it
+(offload/deepspeed/engine.py). See docs/ARCHITECTURE.md for the whole picture.
 """
 from __future__ import annotations
 
@@ -14,17 +14,19 @@ import psutil
 import torch
 
 import offload.device
+from offload.activations import ActivationCheckpointing
+from offload.activations.plan import plan_budget
 from offload.aio.run_dir import RunDirectories
-from offload.config import Config, Precision
+from offload.config import Config
 from offload.engine.build import build_shards
 from offload.checkpoint_io.view import CheckpointView
 from offload.engine import teardown
 from offload.engine.checkpoints import EngineCheckpoints
 from offload.engine.closed import EngineClosedError, close_off, weak_callback
-from offload.engine.deepspeed_methods import DeepSpeedMethods
 from offload.engine.hooks import EngineHooks
+from offload.engine.unfreeze import unfreeze_if_asked
 from offload.partition.compiled import (blocks_to_compile, compile_blocks, compile_forwards, gathered_at_once,
-                                        uncompile_blocks)
+                                        prefetch_by_blocks, uncompile_blocks)
 from offload.step.loss_scaler import LossScaler
 from offload.step.phase import StepPhase
 from offload.step.runner import StepRunner
@@ -32,7 +34,8 @@ from offload.step.update_policy import UpdatePolicy
 from offload.process_memory import ProcessMemory, map_large_allocations, release_free_host_memory
 from offload.host_worker import HostWorker
 from offload.node import bind_kernel_threads, node_share
-from offload.optim.sharded_adam import ShardedAdam
+from offload.engine.make_optimizer import make_optimizer
+from offload.schedulers import build_scheduler
 from offload.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.managed import manage, refuse_state_dict_larger_than_memory
@@ -41,18 +44,19 @@ from offload.partition.prefetch import prefetch_scheduler
 from offload.partition.shard_context import ShardContext
 from offload.placement import Placement
 from offload.tiers import Tier
-from offload.simd import overlap_threads
 from offload.timeline import Timeline
 
 log = logging.getLogger("offload")
 
 
-class Engine(DeepSpeedMethods):
+class Engine:
     """A model trained with its parameters, gradients and optimizer state spread over
     device, host and NVMe; `offload.initialize(model, config)` makes one. Call it as
     the model, then backward(loss) and step() (or drive engine.optimizer from your own
     loop); save_checkpoint / load_checkpoint / save_pretrained; close() gives the
     model its values back."""
+
+    compiled_blocks: tuple = ()  # Note [compiled blocks] in partition/compiled.py
 
     def __init__(self, model: torch.nn.Module, config: Config, *, builder=None, weights=None,
                  param_groups: list[dict] | None = None):
@@ -108,15 +112,13 @@ class Engine(DeepSpeedMethods):
 
     def _build(self, model: torch.nn.Module, config: Config) -> None:
         # First, so a class name missing from the model fails before anything moves.
-        from offload.activations import ActivationCheckpointing
-
         # Note [the node's share] (offload/node.py): this rank's cores and pinned memory, among its
         # host's ranks (asked of every rank: a collective, made by all in the same place).
         self.node = node_share(self.pg)
 
         self.activation_checkpointing = ActivationCheckpointing(
             model, config.activation_checkpointing, self.account, self.device,
-            plan_budget=self._activation_budget(config), local_ranks=self.node.local_ranks)
+            plan_budget=plan_budget(self.device_layer, config), local_ranks=self.node.local_ranks)
         blocks, forwards = [], []  # Note [compiled blocks]: checked here, put in place once managed
         if config.compile.at_initialize:
             blocks = blocks_to_compile(model, config.compile.modules or None)
@@ -146,51 +148,23 @@ class Engine(DeepSpeedMethods):
         bind_kernel_threads(self.node, self._host_worker)
         # Note [when updates run] (step/update_policy.py): the same answers the budgets had.
         policy = UpdatePolicy.of(config, separate_memory=self.device_layer.separate_memory)
-        trainable = [s.part_numel for s, p in zip(self.shards, built.placement.shards) if p.state is not None]
-        opt = config.optimizer
-        groups = None
-        if self._param_groups is not None:  # names -> the parameters build_shards settled on
-            by_name = {s.name: s.param for s in self.shards}
-            groups = [{**g, "params": [by_name[n] for n in g["params"]]} for g in self._param_groups]
-        self.optimizer = ShardedAdam(
-            self.shards, lr=opt.lr, betas=opt.betas, eps=opt.eps,
-            weight_decay=opt.weight_decay, adamw_mode=opt.decoupled_weight_decay,
-            tier=config.zero_optimization.offload_optimizer.device,
-            state_tiers={s.index: p.state for s, p in zip(self.shards, built.placement.shards)},
-            device=self.device, account=self.account, state_store=built.state_store,
-            param_store=built.param_writer,
-            sub_group_size=config.zero_optimization.sub_group_size, timeline=self._timeline,
-            pending_grad_elems=policy.pending_cap(max(trainable, default=1)), param_groups=groups,
-            overlap_threads=overlap_threads(config.zero_optimization.offload_optimizer.cpuadam_cores_perc,
-                                            device_apart=self.device_layer.separate_memory,
-                                            cores=self.node.threads),
-            step_threads=self.node.threads,
-            host_worker=self._host_worker,
-            driver=weak_callback(self._update))  # optimizer.step() from the user's loop: the whole update
-        lr_scheduler = None
-        if config.scheduler is not None:
-            from offload.schedulers import build_scheduler
-
-            lr_scheduler = build_scheduler(self.optimizer, config.scheduler)
-        loss_scaler = None
-        if config.precision is Precision.FP16:
-            fp16 = config.fp16
-            loss_scaler = LossScaler(
-                static_scale=fp16.loss_scale, initial_scale_power=fp16.initial_scale_power,
-                window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
-                min_scale=fp16.min_loss_scale)
-        # The step's one owner (offload/step/runner.py): its phase, counters, norm, schedule.
-        self.step_runner = StepRunner(
-            config=config, shards=self.shards, pg=self.pg, device=self.device, account=self.account,
-            timeline=self._timeline, manager=self.manager, optimizer=self.optimizer, policy=policy,
-            stores=self._stores, uses_nvme=built.placement.uses(Tier.NVME), loss_scaler=loss_scaler,
-            lr_scheduler=lr_scheduler, before_update=self.checkpoints.before_update)
+        self.optimizer = make_optimizer(config, self.shards, built, policy, device_layer=self.device_layer,
+                                        account=self.account, timeline=self._timeline, node=self.node,
+                                        host_worker=self._host_worker, param_groups=self._param_groups,
+                                        driver=weak_callback(self._update))  # optimizer.step(): the whole update
         built.place(self.optimizer.init_state)  # the parameters move home here, one at a time
         # Reads outside a forward see real values, edits go through offload.gathered
         # (Note [reading a parameter outside the engine] in partition/managed.py).
         manage(self.manager, self.shards)
         if blocks:
             self.compiled_blocks = tuple(compile_blocks(self.manager, blocks, forwards))
+        lr_scheduler = None if config.scheduler is None else build_scheduler(self.optimizer, config.scheduler)
+        # The step's one owner (offload/step/runner.py): its phase, counters, norm, schedule.
+        self.step_runner = StepRunner(
+            config=config, shards=self.shards, pg=self.pg, device=self.device, account=self.account,
+            timeline=self._timeline, manager=self.manager, optimizer=self.optimizer, policy=policy,
+            stores=self._stores, uses_nvme=built.placement.uses(Tier.NVME), loss_scaler=LossScaler.of(config),
+            lr_scheduler=lr_scheduler, before_update=self.checkpoints.before_update)
         # Fingerprints of the frozen partitions (Note [checkpoints without frozen weights] in
         # checkpoint_io/frozen.py), computed at the first save or load that needs them.
         self.frozen_fingerprints: dict[str, dict] = {}
@@ -252,11 +226,77 @@ class Engine(DeepSpeedMethods):
     def _forward_starts(self) -> None:
         """As a forward opens (the manager's hooks): unfreezing, the step's refusals, the activation plan."""
         self._check_open()
-        self._unfreeze_if_asked()
+        unfreeze_if_asked(self)  # Note [unfreezing] (engine/unfreeze.py)
         self.step_runner.forward_starts()
         if self.activation_checkpointing.plan is not None:
             self.activation_checkpointing.plan.begin_forward(
                 model_checkpoints=bool(getattr(self.module, "is_gradient_checkpointing", False)))
+
+    def __iter__(self):
+        raise TypeError("offload.initialize returns the Engine alone, not DeepSpeed's 4-tuple: "
+                        "`engine = offload.initialize(model, config)`, or offload.deepspeed.initialize for "
+                        "(engine, optimizer, dataloader, lr_scheduler)")
+
+    # ---- the step's settings and figures (the step runner's) ----------------
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (the config's gradient_accumulation_steps)."""
+        return self.config.gradient_accumulation_steps
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Overrides whether the next engine.step() applies the update (and whether the next
+        backward may overlap it); None goes back to counting micro-steps. As DeepSpeed, set it
+        before each forward/backward of the window; the loss is still divided by
+        gradient_accumulation_steps."""
+        self.step_runner.boundary = None if is_boundary is None else bool(is_boundary)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next engine.step() applies the update."""
+        return self.step_runner.is_boundary()
+
+    def was_step_applied(self) -> bool:
+        """Whether the last engine.step() updated the parameters (False inside an accumulation
+        window and after an fp16 overflow skip)."""
+        return self.step_runner.step_applied
+
+    def get_lr(self) -> list[float]:
+        """Each parameter group's learning rate now."""
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The 2-norm of the gradients the last update applied, before clipping; None before
+        the first (Note [global gradient norm] in step/grad_norm.py)."""
+        norm = self.step_runner.grad_norm
+        norm.settle()
+        return norm.value
+
+    def zero_grad(self) -> None:
+        """Forgets the gradients accumulated since the last update (DeepSpeed sets each
+        param.grad to None, which here clears the gradient partitions)."""
+        self._check_open()
+        self.optimizer.zero_grad()
+
+    def compile(self, backend="inductor", compile_kwargs=None, schedule=None, modules=None) -> None:
+        """DeepSpeed's engine.compile(), done block by block: each block's own forward
+        compiled with torch.compile(backend=..., **compile_kwargs), its parameters gathered
+        at its boundary (Note [compiled blocks] in partition/compiled.py). modules: the
+        block classes' names; by default the class of the largest nn.ModuleList's children."""
+        self._check_open()
+        if schedule is not None:
+            raise ValueError("compile(schedule=...) is DeepCompile's, DeepSpeed's own; offload compiles each "
+                             "block instead: engine.compile(modules=[...])")
+        if self.compiled_blocks:
+            raise RuntimeError(f"compile: this engine's {len(self.compiled_blocks)} blocks are compiled already (by "
+                               "the config's compile section, or an earlier engine.compile())")
+        blocks = blocks_to_compile(self.module, modules)
+        forwards = compile_forwards(blocks, backend=backend, **(compile_kwargs or {}))
+        prefetch_by_blocks(self.manager, self.shards, self.config, self.account, self.compute_dtype.itemsize,
+                           gathered_at_once(blocks, self.shards))
+        self.compiled_blocks = tuple(compile_blocks(self.manager, blocks, forwards))
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether the model's blocks are compiled (engine.compile() or the config's compile)."""
+        return bool(self.compiled_blocks)
 
     # ---- checkpoints (engine/checkpoints.py; the work in offload/checkpoint_io) ----
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state=None, save_latest: bool = True, *,
@@ -386,18 +426,6 @@ class Engine(DeepSpeedMethods):
         report["os"] = self._process_memory.report(self.account, self.device)
         return report
 
-    def _activation_budget(self, config: Config) -> tuple[int, str] | None:
-        """What the activation plan keeps within (Note [activations in the plan]): the
-        device budget, else on a device that says its free memory, that (nothing of the
-        engine's is there yet); None: no budget to plan for."""
-        layer = self.device_layer
-        if not layer.separate_memory:
-            return None
-        if config.memory.device_budget is not None:
-            return config.memory.device_budget, "memory.device_budget"
-        free = layer.free_memory()
-        return None if free is None else (free, "the device's free memory at initialize")
-
     def activation_report(self) -> dict:
         """Saved-activation bytes on the device tier now, and with activation_checkpointing.profile
         the time spent in checkpointed forwards and recomputations; under "plan", what the
@@ -447,21 +475,6 @@ class Engine(DeepSpeedMethods):
         """A parameter edited outside training (offload.gathered): its master takes the value."""
         self.frozen_fingerprints.pop(str(shard.index), None)
         self.optimizer.set_master(shard, master)
-
-    def _unfreeze_if_asked(self) -> None:
-        """At a forward's start: a parameter frozen when the engine was built (Note [frozen
-        parameters] in offload/placement.py) and set trainable since trains from this
-        forward (Note [unfreezing] in engine/unfreeze.py). One trainable when built may
-        stop and start training freely: while requires_grad is False it gets no gradient,
-        so no update, as in plain PyTorch."""
-        # Read through ManagedParameter (1.4 ms a forward for 292 parameters on 2 loaded cores): a
-        # whole model under torch.compile traces this hook, and reading the flags past it
-        # (engine_access) sent that trace into a recursion (tests/engine/test_compiled_model.py).
-        unfrozen = [s for s in self.shards if s.param.requires_grad and not s.trainable]
-        if unfrozen:
-            from offload.engine.unfreeze import unfreeze
-
-            unfreeze(self, unfrozen)
 
     def _check_open(self) -> None:
         if self._closed:  # engine.optimizer.step() reaches _update through its driver

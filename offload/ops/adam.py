@@ -269,7 +269,7 @@ def adam_step(
     num_threads: kernel threads (default torch.get_num_threads()).
     sum_grad_squares: also return the sum of grad's squares (a term of the global
     gradient norm), taken by the kernel as it reads the gradient: no second pass
-    over it (Note [global gradient norm] in offload/engine/deepspeed_methods.py). Not
+    over it (Note [global gradient norm] in offload/step/grad_norm.py). Not
     bit for bit any torch reduction's: its summation order is the kernel's.
     """
     _check_tensor("master", master, (torch.float32,), None)

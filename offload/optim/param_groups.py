@@ -33,3 +33,43 @@ def check_group(gi: int, param_group) -> tuple[list, dict]:
                 raise ValueError(f"parameter group {gi}: {key} must be a number >= 0, got {value!r}")
             hyper[key] = float(value)
     return params, hyper
+
+
+def torch_param_groups(model, model_parameters) -> list[dict] | None:
+    """torch's param groups (or an iterable of the model's parameters) as the engine's,
+    {"params": [names], hyperparameters...} (Note [parameter groups] in
+    offload/optim/sharded_adam.py); None for None. Every trainable parameter must be listed."""
+    if model_parameters is None:
+        return None
+    if isinstance(model_parameters, torch.nn.Module):
+        raise TypeError("model_parameters: an iterable of parameters or of param-group dicts, not a module")
+    entries = list(model_parameters)
+    if not entries:
+        raise ValueError("model_parameters is empty")
+    if all(isinstance(e, dict) for e in entries):
+        groups = entries
+    elif any(isinstance(e, dict) for e in entries):
+        raise TypeError("model_parameters mixes parameters and param-group dicts; give one kind")
+    else:
+        groups = [{"params": entries}]
+    names = {id(p): n for n, p in model.named_parameters()}
+    out, listed = [], set()
+    for gi, group in enumerate(groups):
+        params = group.get("params") if isinstance(group, dict) else None
+        if params is None:
+            raise TypeError(f"model_parameters group {gi}: a dict with a 'params' list")
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            if id(p) not in names:
+                raise ValueError(f"model_parameters group {gi}: a tensor of shape {tuple(p.shape)} that is not "
+                                 "a parameter of the model")
+        listed.update(id(p) for p in params)
+        out.append({**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in params]})
+    left = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in listed]
+    if left:
+        shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+        raise ValueError(
+            f"model_parameters leaves out {len(left)} trainable parameter(s): {shown}. DeepSpeed would compute "
+            "their gradients and never apply them; set requires_grad=False on them for the same training "
+            "without the wasted gradients, or list them")
+    return out

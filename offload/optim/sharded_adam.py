@@ -397,7 +397,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
     def update_shard(self, shard: Shard, group: dict, stream: StateStream | None,
                       master_value: torch.Tensor | None = None) -> None:
         with self.timeline.span("optimizer", shard.name):
-            # Note [global gradient norm] (engine/deepspeed_methods.py): the gradients this update applies,
+            # Note [global gradient norm] (step/grad_norm.py): the gradients this update applies,
             # summed by the kernel as it reads them (added once it is applied: Note [a failed step]).
             if self.state_tier(shard) is not Tier.NVME:
                 master, m, v = self._states[shard.index]

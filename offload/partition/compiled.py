@@ -64,6 +64,8 @@ import warnings
 
 import torch
 
+from offload.tiers import Tier
+
 COMPILED_MODEL_WARNING = (
     "offload: torch.compile is tracing a model this engine manages: its parameter gathers and hooks "
     "break the graph and force recompiles, so the compiled step runs slower than eager (4x measured), "
@@ -164,3 +166,24 @@ def gathered_at_once(blocks, shards) -> int:
 def uncompile_blocks(blocks) -> None:
     for block in blocks:
         vars(block).pop("forward", None)
+
+
+def prefetch_by_blocks(manager, shards, config, account, itemsize: int, unit: int) -> None:
+    """Note [blocks as the unit of prefetch], for blocks compiled after initialize
+    (engine.compile()): refused where the device budget has no room for a block gathered whole."""
+    from offload.partition.prefetch import prefetch_limits, working_set_elems
+
+    zero = config.zero_optimization
+    gathered = [s.padded_numel for s in shards if s.gathers_to_a_buffer]
+    if unit <= max(gathered, default=0):
+        return  # no block gathers more than its largest parameter: nothing changes
+    device = account.usage(Tier.DEVICE)
+    need = working_set_elems(zero, gathered, any(s.reads_ahead for s in shards), unit, unit) * itemsize
+    if device.budget is not None and device.now + need > device.budget:
+        raise MemoryError(  # as initialize's own check of the budgets (engine/budgets.py)
+            f"compile: a block gathers {unit * itemsize / 2**20:.1f} MiB of parameters at "
+            f"once, so the step needs {need / 2**20:.1f} MiB of them gathered beside the "
+            f"{device.now / 2**20:.1f} MiB the device tier holds now, past memory.device_budget "
+            f"({device.budget / 2**20:.1f} MiB). Name the blocks in the config's compile section, so that "
+            "initialize plans for them, or compile smaller modules (modules=[...])")
+    manager.prefetch.resize(prefetch_limits(zero, unit))

@@ -11,10 +11,21 @@ from __future__ import annotations
 
 import logging
 
+from offload.config import Precision
+
 log = logging.getLogger("offload")
 
 
 class LossScaler:
+    @classmethod
+    def of(cls, config) -> "LossScaler | None":
+        """The config's fp16 loss scaler; None unless it trains in fp16."""
+        if config.precision is not Precision.FP16:
+            return None
+        fp16 = config.fp16
+        return cls(static_scale=fp16.loss_scale, initial_scale_power=fp16.initial_scale_power,
+                   window=fp16.loss_scale_window, hysteresis=fp16.hysteresis, min_scale=fp16.min_loss_scale)
+
     def __init__(self, *, static_scale: float = 0.0, initial_scale_power: int = 16,
                  window: int = 1000, hysteresis: int = 2, min_scale: float = 1.0):
         self.dynamic = static_scale == 0.0

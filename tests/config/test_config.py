@@ -576,8 +576,12 @@ def test_any_two_batch_sizes_give_the_third_at_initialize_as_deepspeed(given, wa
     import offload
 
     cfg = {**given, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3}}
-    with offload.initialize(torch.nn.Linear(4, 4), cfg) as engine:
+    import offload.deepspeed
+
+    engine, *_ = offload.deepspeed.initialize(model=torch.nn.Linear(4, 4), config=cfg)
+    with engine:
         got = (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps())
+    assert engine.config.train_batch_size == want[0]  # the Engine's config holds the three
     assert got == want
 
 

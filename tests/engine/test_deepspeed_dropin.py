@@ -1,6 +1,6 @@
-"""A script written for DeepSpeed runs with only its import changed (`import offload
+"""A script written for DeepSpeed runs with only its import changed (`import offload.deepspeed
 as deepspeed`), and trains like plain PyTorch; parameter groups, the DeepSpeedEngine
-methods scripts call, and each refusal (offload/engine/deepspeed_api.py)."""
+methods scripts call, and each refusal (offload/deepspeed)."""
 import argparse
 import copy
 import functools
@@ -110,7 +110,7 @@ def torch_reference(model, data, *, epochs, gas=2, clip=1.0):
 
 
 def test_a_deepspeed_script_runs_with_offload_as_deepspeed_and_trains_like_pytorch(tmp_path):
-    deepspeed = offload  # the script's only change: import offload as deepspeed
+    import offload.deepspeed as deepspeed  # the script's only change: its import
     config_path = tmp_path / "ds_config.json"
     config_path.write_text(json.dumps(ds_config(tmp_path / "nvme")))
     model, data = net(), trainset()
@@ -143,7 +143,7 @@ def test_the_dataloader_is_deepspeeds(tmp_path):
         return torch.stack(x) * 2, torch.stack(y)
 
     data = trainset()
-    engine, opt, loader, sched = offload.initialize(model=net(), config=cfg, training_data=data, collate_fn=collate)
+    engine, opt, loader, sched = offload.deepspeed.initialize(model=net(), config=cfg, training_data=data, collate_fn=collate)
     with engine:
         assert opt is engine.optimizer and sched is None
         assert isinstance(loader.sampler, torch.utils.data.DistributedSampler) and loader.batch_size == 4
@@ -151,14 +151,14 @@ def test_the_dataloader_is_deepspeeds(tmp_path):
         first_x, _ = next(iter(loader))
         torch.testing.assert_close(first_x, torch.stack([data[i][0] for i in order[:4]]) * 2)
         assert [len(b[0]) for b in loader] == [4, 4, 4, 4, 4, 2]
-    engine, _, loader, _ = offload.initialize(model=net(), config={**cfg, "dataloader_drop_last": True},
+    engine, _, loader, _ = offload.deepspeed.initialize(model=net(), config={**cfg, "dataloader_drop_last": True},
                                               training_data=data)
     with engine:
         assert [len(b[0]) for b in loader] == [4, 4, 4, 4, 4]
 
 
 def test_backward_returns_the_loss_and_global_samples_counts_the_batches(tmp_path):
-    engine, *_ = offload.initialize(model=net(), config=ds_config(tmp_path))
+    engine, *_ = offload.deepspeed.initialize(model=net(), config=ds_config(tmp_path))
     with engine:
         data = trainset()
         for step in range(2):
@@ -171,13 +171,21 @@ def test_backward_returns_the_loss_and_global_samples_counts_the_batches(tmp_pat
             assert engine.global_steps == step + 1 and engine.global_samples == 8 * (step + 1)
 
 
-def test_the_offload_form_still_returns_one_engine(tmp_path):
+def test_offload_initialize_returns_one_engine_and_deepspeeds_its_tuple(tmp_path):
     engine = offload.initialize(net(), ds_config(tmp_path))
     with engine:
         assert isinstance(engine, offload.Engine)
-    out = offload.initialize(model=net(), config_params=ds_config(tmp_path))  # DeepSpeed's old name
+        with pytest.raises(TypeError, match="offload.deepspeed.initialize"):
+            _, _, _, _ = engine  # a DeepSpeed habit on the plain form: told where the tuple is
+    model = net()
+    assert offload.initialize(model=model, config=ds_config(tmp_path)).close() is None  # keywords: an Engine too
+    out = offload.deepspeed.initialize(model=net(), config_params=ds_config(tmp_path))  # DeepSpeed's old name
     assert isinstance(out, tuple) and len(out) == 4
+    assert isinstance(out[0], offload.deepspeed.DeepSpeedEngine) and isinstance(out[0].engine, offload.Engine)
     out[0].close()
+    import offload as deepspeed  # the old drop-in line: each DeepSpeed name says where it went
+    with pytest.raises(AttributeError, match="import offload.deepspeed as deepspeed"):
+        deepspeed.add_config_arguments
 
 
 # ---- parameter groups against torch.optim.AdamW with the same groups ------------------------------
@@ -216,7 +224,7 @@ def test_each_group_trains_with_its_own_lr_and_weight_decay_like_adamw(tmp_path,
                                                                       scheduler_fn=schedule)
     model = copy.deepcopy(model)
     cfg = make_config(param, optim, tmp_path, gas=gas, clip=clip)
-    engine, opt, _, sched = offload.initialize(model=model, config=cfg, model_parameters=groups_of(model),
+    engine, opt, _, sched = offload.deepspeed.initialize(model=model, config=cfg, model_parameters=groups_of(model),
                                                lr_scheduler=schedule)
     with engine:
         assert isinstance(sched, torch.optim.lr_scheduler.LambdaLR) and engine.lr_scheduler is sched
@@ -243,7 +251,7 @@ def test_a_torch_adamw_given_without_an_optimizer_section_is_adopted(tmp_path):
     cfg = make_config("cpu", "cpu", tmp_path)
     del cfg["optimizer"]
     torch_opt = torch.optim.AdamW(groups_of(model), lr=1e-2, weight_decay=0.01)
-    engine, opt, _, _ = offload.initialize(model=model, config=cfg, optimizer=torch_opt)
+    engine, opt, _, _ = offload.deepspeed.initialize(model=model, config=cfg, optimizer=torch_opt)
     with engine:
         assert opt is engine.optimizer and opt is not torch_opt
         losses = []
@@ -265,7 +273,7 @@ def test_deepspeed_schedules_drive_every_group(tmp_path):
     cfg = make_config("cpu", "cpu", tmp_path, scheduler={"type": "WarmupCosineLR", "params": params})
     ref = torch.optim.AdamW(groups_of(copy.deepcopy(model)), lr=1e-2)
     ref_sched = WarmupCosineLR(ref, **params)
-    engine, _, _, sched = offload.initialize(model=model, config=cfg, model_parameters=groups_of(model))
+    engine, _, _, sched = offload.deepspeed.initialize(model=model, config=cfg, model_parameters=groups_of(model))
     with engine:
         assert sched is engine.lr_scheduler
         for (x, y), in batches(5):
@@ -281,7 +289,7 @@ def make_engine(tmp_path, groups=True, seed=0):
     model = build("tiny_gpt", seed=seed)
     cfg = make_config("cpu", "nvme", tmp_path / "swap", scheduler={"type": "WarmupLR",
                                                                      "params": {"warmup_num_steps": 3}})
-    engine, *_ = offload.initialize(model=model, config=cfg,
+    engine, *_ = offload.deepspeed.initialize(model=model, config=cfg,
                                     model_parameters=groups_of(model) if groups else model.parameters())
     return engine
 
@@ -381,7 +389,7 @@ def test_set_gradient_accumulation_boundary_steps_where_the_script_says(tmp_path
             opt.step()
             opt.zero_grad()
     model = copy.deepcopy(model)
-    engine, *_ = offload.initialize(model=model, config=make_config(param, optim, tmp_path, gas=3))
+    engine, *_ = offload.deepspeed.initialize(model=model, config=make_config(param, optim, tmp_path, gas=3))
     with engine:
         applied = []
         for i, ((x, y),) in enumerate(data):
@@ -398,7 +406,7 @@ def test_set_gradient_accumulation_boundary_steps_where_the_script_says(tmp_path
 
 def test_zero_grad_forgets_the_accumulated_gradients(tmp_path):
     model, data = build("tiny_gpt"), batches(3, seed=2)
-    engine, *_ = offload.initialize(model=copy.deepcopy(model), config=make_config("cpu", "cpu", tmp_path, gas=2))
+    engine, *_ = offload.deepspeed.initialize(model=copy.deepcopy(model), config=make_config("cpu", "cpu", tmp_path, gas=2))
     with engine:
         (x, y), = data[0]
         engine.backward(lm_loss(engine(x), y))
@@ -410,7 +418,7 @@ def test_zero_grad_forgets_the_accumulated_gradients(tmp_path):
 @pytest.mark.parametrize("filename", ["pytorch_model.bin", "model.safetensors"])
 def test_save_16bit_model_writes_the_weights_in_the_compute_dtype(tmp_path, filename):
     model = build("tiny_gpt")
-    engine, *_ = offload.initialize(model=model, config=make_config("nvme", "nvme", tmp_path, precision="bf16"))
+    engine, *_ = offload.deepspeed.initialize(model=model, config=make_config("nvme", "nvme", tmp_path, precision="bf16"))
     with engine:
         train(engine, batches(2))
         assert engine.save_16bit_model(tmp_path / "out", filename) is True
@@ -486,14 +494,16 @@ def test_initialize_refuses_what_it_cannot_honour(tmp_path, what):
     kwargs.setdefault("config", cfg)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(error, match=message):
-        offload.initialize(model=model, **kwargs)
+        offload.deepspeed.initialize(model=model, **kwargs)
     for k, v in model.state_dict().items():  # the model is left as it was, usable
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
 
 
-def test_positional_model_with_deepspeed_keywords_is_refused(tmp_path):
-    with pytest.raises(TypeError, match="takes model= as a keyword"):
+def test_deepspeed_keywords_on_offload_initialize_name_the_deepspeed_surface(tmp_path):
+    with pytest.raises(TypeError, match=r"\['model_parameters'\].*offload.deepspeed.initialize"):
         offload.initialize(net(), ds_config(tmp_path), model_parameters=[])
+    with pytest.raises(TypeError, match="offload.deepspeed.initialize"):
+        offload.initialize(model=net(), config=ds_config(tmp_path), training_data=trainset())
 
 
 def test_engine_refusals(tmp_path):
@@ -510,12 +520,12 @@ def test_deepspeeds_positional_order_and_its_argument_parser(tmp_path):
     real = pytest.importorskip("deepspeed")  # the peer's own parser is the reference
 
     argv = ["--deepspeed", "--deepspeed_config", "ds.json"]
-    ours = offload.add_config_arguments(argparse.ArgumentParser()).parse_args(argv)
+    ours = offload.deepspeed.add_config_arguments(argparse.ArgumentParser()).parse_args(argv)
     theirs = real.add_config_arguments(argparse.ArgumentParser()).parse_args(argv)
     assert vars(ours) == vars(theirs)
     config_path = tmp_path / "ds.json"
     config_path.write_text(json.dumps(ds_config(tmp_path)))
     args = argparse.Namespace(deepspeed_config=str(config_path))
-    engine, opt, loader, sched = offload.initialize(args, net(), None, None, trainset())  # DeepSpeed's order
+    engine, opt, loader, sched = offload.deepspeed.initialize(args, net(), None, None, trainset())  # DeepSpeed's order
     with engine:
         assert opt is engine.optimizer and loader.batch_size == 4 and sched is None

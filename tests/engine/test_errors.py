@@ -91,12 +91,12 @@ def test_eval_under_no_grad_and_train_again(tmp_path):
 
 
 def test_interrupted_initialize_leaves_no_files_and_restores_the_model(tmp_path, monkeypatch):
-    import offload.schedulers
+    import offload.engine.engine
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt("simulated Ctrl-C at the end of initialize")
 
-    monkeypatch.setattr(offload.schedulers, "build_scheduler", interrupted)
+    monkeypatch.setattr(offload.engine.engine, "build_scheduler", interrupted)
     cfg = make_config("nvme", "nvme", tmp_path, scheduler={"type": "WarmupLR", "params": {}})
     model = build("shared_param")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

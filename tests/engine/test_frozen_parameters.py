@@ -229,7 +229,7 @@ def test_unfreezing_a_parameter_no_group_lists_is_refused_by_name_and_training_g
     would never step it, so unfreezing it is refused at the next forward, before anything changes."""
     model, data = lora_gpt(), batches(3, seed=1)
     groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": 1e-2}]
-    engine, *_ = offload.initialize(model=model, model_parameters=groups, config=config("cpu", "cpu", tmp_path))
+    engine = offload.initialize(model, config("cpu", "cpu", tmp_path), param_groups=groups)
     with engine:
         train_engine(engine, data[:1])
         before = engine_weights(engine)
@@ -260,8 +260,8 @@ def test_deepspeeds_form_with_frozen_parameters_listed_or_left_out_trains_like_p
     ref_model, ref_losses = reference(model, data, "fp32")
     model = copy.deepcopy(model)
     params = [p for p in model.parameters() if p.requires_grad] if listed == "trainable" else model.parameters()
-    engine, optimizer, _, _ = offload.initialize(model=model, model_parameters=params,
-                                                 config=config("nvme", "cpu", tmp_path))
+    engine, optimizer, _, _ = offload.deepspeed.initialize(model=model, model_parameters=params,
+                                                           config=config("nvme", "cpu", tmp_path))
     with engine:
         losses = train_engine(engine, data)
         weights = engine_weights(engine)

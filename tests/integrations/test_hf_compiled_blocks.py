@@ -42,7 +42,7 @@ def test_trainer_with_the_config_compile_section_matches_plain_trainer_compiled_
     model = _model()
     cfg = _nvme_config(tmp_path / "nvme")
     cfg["compile"] = {"modules": ["LlamaDecoderLayer"], "backend": BACKEND}
-    engine, *_ = offload.initialize(model=model, model_parameters=_decay_groups(model), config=cfg)
+    engine = offload.initialize(model, cfg, param_groups=_decay_groups(model))
     with engine:
         assert len(engine.compiled_blocks) == len(_layers(model)) == 2
         schedule = transformers.get_linear_schedule_with_warmup(engine.optimizer, 0, 8)

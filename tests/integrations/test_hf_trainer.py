@@ -80,7 +80,7 @@ def _train(tmp_path, name, resume=None, stop_after=None):
     model = _model()
     cfg = _nvme_config(tmp_path / f"nvme-{name}")
     groups = _decay_groups(model)  # Trainer's own split, as examples/hf_trainer.py passes it
-    engine, *_ = offload.initialize(model=model, model_parameters=groups, config=cfg)
+    engine = offload.initialize(model, cfg, param_groups=groups)
     with engine:
         schedule = transformers.get_linear_schedule_with_warmup(engine.optimizer, 0, 8)
         callbacks = [] if stop_after is None else [_StopAt(stop_after)]

@@ -196,8 +196,8 @@ def test_trainer_with_a_lora_equals_plain_trainer(tmp_path):
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in named if n in decay], "weight_decay": WD},
               {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
-    engine, optimizer, _, _ = offload.initialize(model=model, model_parameters=groups,
-                                                 config=config("nvme", tmp_path / "nvme"))
+    engine, optimizer, _, _ = offload.deepspeed.initialize(model=model, model_parameters=groups,
+                                                           config=config("nvme", tmp_path / "nvme"))
     with engine:
         schedule = transformers.get_linear_schedule_with_warmup(optimizer, 0, 4)
         trainer = transformers.Trainer(model=model, args=trainer_args(tmp_path / "run"),

@@ -1,13 +1,5 @@
-"""DeepSpeed's calling conventions on the engine: a script written for DeepSpeed runs
-with only its import changed (`import offload as deepspeed`).
-
-    model_engine, optimizer, trainloader, lr_scheduler = deepspeed.initialize(
-        args=args, model=net, model_parameters=net.parameters(), training_data=trainset)
-
-Here: the keyword form of `initialize` (returning DeepSpeed's 4-tuple),
-`add_config_arguments` and `init_distributed`; the DeepSpeedEngine methods
-scripts, Trainer and Accelerate call are `DeepSpeedMethods`, a base of Engine
-(offload/engine/deepspeed_methods.py).
+"""DeepSpeed's module functions: its initialize (keywords, 4-tuple), add_config_arguments
+and init_distributed (offload/deepspeed/__init__.py says what the surface is).
 What is honoured and what is refused, with the reasons: docs/CONFIG.md,
 "DeepSpeed drop-in".
 """
@@ -20,7 +12,9 @@ import os
 import torch
 
 import offload.device
+from offload.deepspeed.engine import DeepSpeedEngine
 from offload.engine.create import create_engine
+from offload.optim.param_groups import torch_param_groups
 
 log = logging.getLogger("offload")
 
@@ -75,7 +69,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                  backend)
 
 
-def initialize_deepspeed(*positional, **kw):
+def initialize(*positional, **kw):
     """DeepSpeed's initialize(args=None, model=None, optimizer=None, model_parameters=None,
     training_data=None, lr_scheduler=None, distributed_port=29500, mpu=None,
     dist_init_required=None, collate_fn=None, config=None, mesh_param=None,
@@ -116,7 +110,7 @@ def initialize_deepspeed(*positional, **kw):
         if config.scheduler is not None:
             raise ValueError("initialize(lr_scheduler=...) and the config's 'scheduler' section both give a "
                              "schedule; keep one")
-    engine = create_engine(model, config, param_groups=groups)
+    engine = DeepSpeedEngine(create_engine(model, config, param_groups=groups))
     if hasattr(a["args"], "local_rank"):
         a["args"].local_rank = engine.local_rank  # as DeepSpeed aligns it
     try:
@@ -145,7 +139,7 @@ def _config_source(args, config, config_params):
         config = from_args
     if config is None:
         raise ValueError("initialize needs a config: config= (a dict or a JSON path), or "
-                         "args.deepspeed_config (--deepspeed_config, offload.add_config_arguments)")
+                         "args.deepspeed_config (--deepspeed_config, offload.deepspeed.add_config_arguments)")
     return config
 
 
@@ -157,40 +151,7 @@ def _param_groups(model, model_parameters, optimizer, config):
         # Its groups, as DeepSpeed steps a client optimizer over its own (model_parameters unused).
         keep = ("params", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
         model_parameters = [{k: v for k, v in g.items() if k in keep} for g in optimizer.param_groups]
-    if model_parameters is None:
-        return None, config
-    if isinstance(model_parameters, torch.nn.Module):
-        raise TypeError("model_parameters: an iterable of parameters or of param-group dicts, not a module")
-    entries = list(model_parameters)
-    if not entries:
-        raise ValueError("model_parameters is empty")
-    if all(isinstance(e, dict) for e in entries):
-        groups = entries
-    elif any(isinstance(e, dict) for e in entries):
-        raise TypeError("model_parameters mixes parameters and param-group dicts; give one kind")
-    else:
-        groups = [{"params": entries}]
-    names = {id(p): n for n, p in model.named_parameters()}
-    out, listed = [], set()
-    for gi, group in enumerate(groups):
-        params = group.get("params") if isinstance(group, dict) else None
-        if params is None:
-            raise TypeError(f"model_parameters group {gi}: a dict with a 'params' list")
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for p in params:
-            if id(p) not in names:
-                raise ValueError(f"model_parameters group {gi}: a tensor of shape {tuple(p.shape)} that is not "
-                                 "a parameter of the model")
-        listed.update(id(p) for p in params)
-        out.append({**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in params]})
-    left = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in listed]
-    if left:
-        shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
-        raise ValueError(
-            f"model_parameters leaves out {len(left)} trainable parameter(s): {shown}. DeepSpeed would compute "
-            "their gradients and never apply them; set requires_grad=False on them for the same training "
-            "without the wasted gradients, or list them")
-    return out, config
+    return torch_param_groups(model, model_parameters), config
 
 
 def _adopt_optimizer(optimizer, config):
