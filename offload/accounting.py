@@ -7,6 +7,12 @@ TierBudgetError naming the tier, the request and what is held: the budget is
 a promise made at initialize, and breaking it mid-step is a bug to surface,
 not to hide.
 
+One ledger shape: whatever counts bytes against a budget takes
+`charge(nbytes, what)` and `credit(nbytes)` and answers `usage()` with a
+TierUsage (now, peak, budget): a tier of the account (`account.ledger(tier)`,
+what the I/O layer is handed) and the engine's page-locked bytes
+(offload/aio/buffer_pool.py PinnedLedger, part of the host tier) alike.
+
 Reclaimers (`add_reclaimer`) hold bytes the step can do without (the
 prefetcher's reads ahead and parameters kept for reuse): a charge that would
 pass the budget first asks them to give bytes back, then is tried once more
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Protocol
 
 from offload.tiers import Tier
 
@@ -31,6 +38,19 @@ class TierUsage:
     now: int = 0
     peak: int = 0
     budget: int | None = None
+
+
+class Ledger(Protocol):
+    """The one shape of a byte count kept within a budget."""
+
+    def charge(self, nbytes: int, what: str) -> None:
+        """Counts nbytes more, for `what`; TierBudgetError where the budget has no room."""
+
+    def credit(self, nbytes: int) -> None:
+        """Counts nbytes freed."""
+
+    def usage(self) -> TierUsage:
+        """Now, peak and budget."""
 
 
 class MemoryAccount:
@@ -123,7 +143,26 @@ class MemoryAccount:
         for page-locked host bytes (already counted in "host"): budget is
         memory.pinned_budget, None when unset."""
         report = {tier.value: vars(self.usage(tier)) for tier in Tier}
-        pinned = self.pinned
-        report["pinned"] = (vars(TierUsage()) if pinned is None else
-                            vars(TierUsage(now=pinned.now, peak=pinned.peak, budget=pinned.budget)))
+        report["pinned"] = vars(TierUsage() if self.pinned is None else self.pinned.usage())
         return report
+
+    def ledger(self, tier: Tier) -> "TierLedger":
+        """One tier of this account as a Ledger: what the I/O layer is handed, so it needs
+        no knowledge of tiers."""
+        return TierLedger(self, tier)
+
+
+class TierLedger:
+    """A Ledger charging one tier of a MemoryAccount."""
+
+    def __init__(self, account: MemoryAccount, tier: Tier):
+        self.account, self.tier = account, tier
+
+    def charge(self, nbytes: int, what: str) -> None:
+        self.account.charge(self.tier, nbytes, what)
+
+    def credit(self, nbytes: int) -> None:
+        self.account.credit(self.tier, nbytes)
+
+    def usage(self) -> TierUsage:
+        return self.account.usage(self.tier)

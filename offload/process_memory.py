@@ -178,17 +178,3 @@ class ProcessMemory:
             "engine_bytes": engine_bytes,
             "unaccounted": rss - self.baseline_rss - engine_bytes,
         }
-
-
-class TierLedger:
-    """Charges one tier of a MemoryAccount: the interface offload.aio's buffer
-    pool takes, so the I/O layer needs no knowledge of tiers."""
-
-    def __init__(self, account: MemoryAccount, tier: Tier):
-        self.account, self.tier = account, tier
-
-    def charge(self, nbytes: int, what: str) -> None:
-        self.account.charge(self.tier, nbytes, what)
-
-    def credit(self, nbytes: int) -> None:
-        self.account.credit(self.tier, nbytes)

@@ -26,7 +26,7 @@ import torch
 
 from offload import simd
 import offload.device
-from tests.layer_under_test import TEST_DEVICE_ENV, test_layer
+from tests.support.layer_under_test import TEST_DEVICE_ENV, test_layer
 
 def pytest_configure(config):
     layer = test_layer()

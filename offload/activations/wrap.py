@@ -101,7 +101,7 @@ class ActivationCheckpointing:
         for module in model.modules():
             cls = type(module)
             if cls.__name__ in wanted and cls not in _CHECKPOINTED.values():
-                module.__class__ = _checkpointed_class(cls)
+                module.__class__ = _checkpointed_class(cls)  # names kept: Note [checkpointed modules]
                 self._swapped.append((module, cls))
         self.planned = 0  # blocks whose checkpointing the plan decides
         self._plan_budget = None
@@ -110,7 +110,7 @@ class ActivationCheckpointing:
             classes = {type(b) for b in blocks}
             if len(classes) == 1 and not any("forward" in vars(b) for b in blocks):
                 for block in blocks:
-                    block.__class__ = _planned_class(type(block))
+                    block.__class__ = _planned_class(type(block))  # as above: Note [checkpointed modules]
                     self._swapped.append((block, original_class(block)))
                 self.planned = len(blocks)
                 self._plan_budget = (plan_budget, classes.pop().__name__)
@@ -150,4 +150,4 @@ class ActivationCheckpointing:
         self.planned = 0
         while self._swapped:
             module, cls = self._swapped.pop()
-            module.__class__ = cls
+            module.__class__ = cls  # its own class back (Note [checkpointed modules])

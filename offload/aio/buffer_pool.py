@@ -34,6 +34,7 @@ import threading
 
 import torch
 
+from offload.accounting import TierBudgetError, TierUsage
 from offload.aio.memory import ALIGN, aligned_empty, round_up
 
 
@@ -169,8 +170,8 @@ class BufferPool:
 
 
 class PinnedLedger:
-    """Page-locked host bytes of one engine: charged to `host` (its host-tier
-    ledger: pinned bytes are host bytes) and kept within `budget`
+    """Page-locked host bytes of one engine, a Ledger (offload/accounting.py): charged to
+    `host` (its host-tier ledger: pinned bytes are host bytes) and kept within `budget`
     (memory.pinned_budget; None: no bound)."""
 
     def __init__(self, host, budget: int | None):
@@ -183,7 +184,7 @@ class PinnedLedger:
         home pinned after it was made): counted against the pinned budget only."""
         with self._lock:
             if self.budget is not None and self.now + nbytes > self.budget:
-                raise MemoryError(f"memory.pinned_budget exceeded allocating {nbytes} pinned bytes for {what}: "
+                raise TierBudgetError(f"memory.pinned_budget exceeded allocating {nbytes} pinned bytes for {what}: "
                                   f"{self.now} of {self.budget} bytes already pinned")
             if not host_charged:
                 self._host.charge(nbytes, what)
@@ -194,6 +195,10 @@ class PinnedLedger:
         with self._lock:
             self.now -= nbytes
             self._host.credit(nbytes)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(now=self.now, peak=self.peak, budget=self.budget)
 
     def reset_peak(self) -> None:
         with self._lock:

@@ -130,8 +130,15 @@ class OffloadOptimizerConfig(_OffloadSection):
     # beside a separate device, one beside a CPU backward (Note [optimizer
     # threads] in offload/simd.py).
     cpuadam_cores_perc: float | None = None
+    # Ours: whether optimizer updates run beside backward and the next forward (in backward,
+    # deferred, carried: Note [update names] in offload/step/update_policy.py). null: as
+    # zero_optimization.overlap_comm, DeepSpeed's gradient-reduction overlap, which turned
+    # them on before this key existed.
+    overlap_updates: bool | None = None
 
     def __post_init__(self):
+        if self.overlap_updates is not None:
+            _bool(self._key("overlap_updates"), self.overlap_updates)
         self._set("buffer_count", _int(self._key("buffer_count"), self.buffer_count, lo=1, none=True))
         self._set("cpuadam_cores_perc", _float(self._key("cpuadam_cores_perc"), self.cpuadam_cores_perc,
                                                lo=0.0, hi=1.0, lo_open=True, none=True))

@@ -15,6 +15,7 @@ import offload.device
 from offload.deepspeed.engine import DeepSpeedEngine
 from offload.engine.create import create_engine
 from offload.optim.param_groups import torch_param_groups
+from offload.config import Config
 
 log = logging.getLogger("offload")
 
@@ -97,7 +98,6 @@ def initialize(*positional, **kw):
     init_distributed(distributed_port=a["distributed_port"] or 29500, dist_init_required=a["dist_init_required"],
                      verbose=False)
     config = _config_source(a["args"], a["config"], a["config_params"])
-    from offload.config import Config
 
     config = Config.load(config)
     groups, config = _param_groups(model, a["model_parameters"], a["optimizer"], config)

@@ -14,6 +14,8 @@ from offload.placement import (DEVICE_SHARE, HOST_SHARE, Budgets, ParamSpec, Pla
                                plan_placement, uniform)
 from offload.step.update_policy import UpdatePolicy
 from offload.tiers import Tier, grad_tier_of
+from offload.node import node_share
+from offload.partition.prefetch import working_set_elems
 
 
 def gathers_to_a_buffer(pl, separate_memory: bool, world_size: int) -> bool:
@@ -70,7 +72,6 @@ def tier_needs(planned: list, config: Config, dtype: torch.dtype,
     what its update keeps in flight (docs/ARCHITECTURE.md, "Memory budget").
     Saved activations are the model's and depend on the inputs: they get what
     the device budget leaves, which the returned line states."""
-    from offload.partition.prefetch import working_set_elems
 
     need = {Tier.DEVICE: {}, Tier.HOST: {}}
     if staging_bytes:
@@ -198,7 +199,6 @@ def auto_budgets(config: Config, layer, pg, host: int | None = None) -> Budgets:
     mem = config.memory
     zero = config.zero_optimization
     if host is None:
-        from offload.node import node_share
 
         host = default_host_budget(config, node_share(pg).local_ranks)
     device = 0

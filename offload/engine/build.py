@@ -408,7 +408,7 @@ def _open_shared(planned: list[_Planned], placement: Placement, configs: dict, s
     zero = config.zero_optimization
     dtype = config.precision.dtype
     stores = {role: open_store(c, account, run_dirs) for role, c in configs.items()}
-    pinned = account.pinned = PinnedLedger(_host_ledger(account), config.memory.pinned_budget)
+    pinned = account.pinned = PinnedLedger(account.ledger(Tier.HOST), config.memory.pinned_budget)
     # Pinned: buffers that feed a device with memory of its own (page-locked on cuda,
     # tracked as pinned by the simulator: Note [device layer]).
     pin = pins(cuda=layer.separate_memory, pin_memory=zero.offload_param.pin_memory)
@@ -416,7 +416,7 @@ def _open_shared(planned: list[_Planned], placement: Placement, configs: dict, s
     if staging:
         buffer_bytes, depth = staging
         staging_pool = BufferPool(buffer_bytes * depth, pin=pin and layer.page_locks, buffer_bytes=buffer_bytes,
-                                  ledger=pinned if pin else _host_ledger(account),
+                                  ledger=pinned if pin else account.ledger(Tier.HOST),
                                   what="parameter staging buffer" + (" (pinned)" if pin else ""),
                                   register=layer.register_pinned if pin else None)
         staging_pool.fill()
@@ -473,10 +473,6 @@ def _home_pinner(pinned: PinnedLedger, layer: DeviceLayer) -> Callable[[Shard], 
     return pin_home
 
 
-def _host_ledger(account: MemoryAccount):
-    from offload.process_memory import TierLedger
-
-    return TierLedger(account, Tier.HOST)
 
 
 def _set_buffers(model: torch.nn.Module, plan, dtype: torch.dtype, device: torch.device) -> None:

@@ -13,6 +13,9 @@ import weakref
 
 import torch
 
+from offload.checkpoint_io import consolidate, load_checkpoint, save_checkpoint
+from offload.checkpoint_io.manifest import LATEST, MANIFEST, CheckpointError
+
 log = logging.getLogger("offload")
 
 
@@ -25,7 +28,6 @@ class EngineCheckpoints:
 
     def save(self, save_dir, tag, client_state, save_latest: bool, async_save: bool,
              exclude_frozen: bool) -> str:
-        from offload.checkpoint_io import save_checkpoint
 
         engine = self._engine
         engine.step_runner.refuse_after_failed_step("save_checkpoint")  # the files may hold half-written values
@@ -45,7 +47,6 @@ class EngineCheckpoints:
         if engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save and engine.pg.rank == 0:
             # DeepSpeed's key: the consolidated 16-bit weights beside the checkpoint,
             # one safetensors file streamed from every rank's files (offload.consolidate).
-            from offload.checkpoint_io import consolidate
 
             dtype = engine.compute_dtype if engine.compute_dtype != torch.float32 else torch.bfloat16
             save_dir = os.fspath(job.save_dir)
@@ -54,7 +55,6 @@ class EngineCheckpoints:
 
     def load(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
              load_module_only, custom_load_fn, use_config_hyperparameters):
-        from offload.checkpoint_io import load_checkpoint
 
         where = where_to_load(load_dir, tag, load_module_strict, custom_load_fn)
         if where is None:
@@ -91,7 +91,6 @@ def where_to_load(load_dir, tag, load_module_strict, custom_load_fn):
     saved there (DeepSpeed's (None, None)). load_dir may be the root (with or without
     tag) or a tag's directory itself; a path that is not a directory, or that does not
     exist, is refused: a run asked to resume never silently starts over."""
-    from offload.checkpoint_io.manifest import LATEST, MANIFEST, CheckpointError
 
     if not load_module_strict:
         raise ValueError("load_checkpoint(load_module_strict=False) is not supported: the checkpoint is "

@@ -56,6 +56,8 @@ def close_off(obj, what: str, reason: str) -> None:
             "__getattribute__": _refuse_public, "__call__": _refuse_call, "__enter__": _refuse_enter,
             "__repr__": lambda self: f"<closed {base.__name__}>"})
     obj.__dict__["_closed_as"] = (what, reason)
+    # A class swap: attribute lookup, the instance's own attributes included, goes through
+    # the class's __getattribute__; a flag checked in every method would miss those.
     obj.__class__ = closed
 
 

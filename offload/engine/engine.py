@@ -45,6 +45,7 @@ from offload.partition.shard_context import ShardContext
 from offload.placement import Placement
 from offload.tiers import Tier
 from offload.timeline import Timeline
+from offload.checkpoint_io.pretrained import save_pretrained
 
 log = logging.getLogger("offload")
 
@@ -354,7 +355,6 @@ class Engine:
         optimizer holds) instead of their compute-dtype copies; frozen parameters have no
         master and are written as they are held, in the compute dtype (Note [frozen
         parameters] in offload/placement.py). A collective with several ranks; rank 0 writes."""
-        from offload.checkpoint_io.pretrained import save_pretrained
 
         self._check_open()
         return save_pretrained(self.checkpoint_view(), save_dir, max_shard_size=max_shard_size, dtype=dtype,

@@ -11,13 +11,16 @@ import tempfile
 
 import torch
 
-from offload.aio.memory import pins
+from offload.accounting import MemoryAccount
+from offload.aio.memory import ALIGN, pins, round_up
 from offload.aio.run_dir import RunDirectories
+from offload.aio.swap_config import SwapConfig
+from offload.aio.swap_store import SwapStore, SwapStoreError
 from offload.config import Config
 from offload.device import DeviceLayer
 from offload.partition import nvme_home
-from offload.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
+from offload.partition.prefetch import prefetch_limits
 from offload.tiers import Tier
 
 
@@ -28,8 +31,6 @@ def staging_plan(planned: list, config: Config, dtype: torch.dtype, layer: Devic
     Buffers hold the largest NVMe partition; depth: nvme_home.staging_depth, cut
     to what memory.pinned_budget holds when they are pinned. A pinned budget that
     cannot hold MIN_STAGING_DEPTH of them is refused here, before anything moves."""
-    from offload.aio.memory import round_up
-    from offload.partition.prefetch import prefetch_limits
 
     nvme = [pl for pl in planned if pl.home is Tier.NVME]
     if not nvme or not nvme_home.stages_reads(world_size, layer.separate_memory):
@@ -100,8 +101,6 @@ def _swap_config(nvme_path, sizes, staging_bytes, config: Config, pg: ProcessGro
     of the largest files up to 32 MiB: the engine's own transfers are aligned
     and skip staging (Note [direct transfers]); staging carries headers, small
     tensors and the first write of each parameter."""
-    from offload.aio.memory import ALIGN
-    from offload.aio.swap_config import SwapConfig
 
     # atomic=False: swap files are scratch, written and read back by this
     # process and removed at close; overwriting in place skips a rename and a
@@ -127,7 +126,6 @@ def check_free_space(swap_configs: dict, pg=None) -> None:
     ranks (pg) the sum is over every rank of this host whose files go to the same file
     system (Note [the node's share] in offload/node.py): ranks sharing a disk each
     fitted alone and filled it together."""
-    from offload.aio.swap_store import SwapStoreError
 
     what = {"param": "parameters", "state": "optimizer state"}
     by_device: dict[int, list] = {}
@@ -191,7 +189,6 @@ def _check_can_make(nvme_path, at: str) -> None:
     """Refuses an nvme_path whose folders cannot be made: its nearest existing part is a
     file, or a folder this process may not write (a read-only mount, /proc), before the
     free space of a place no file can go is reported."""
-    from offload.aio.swap_store import SwapStoreError
 
     if not os.path.isdir(at):
         raise SwapStoreError(errno.ENOTDIR, f"nvme_path {nvme_path}: {at} is a file, not a folder; point "
@@ -216,12 +213,10 @@ def open_store(swap_config, account: MemoryAccount, run_dirs: RunDirectories):
     """The store's files go to this process's own directory under nvme_path,
     `nvme_path/offload-<host>-<pid>-<random>/rank{r}/` (Note [run directories]
     in offload/aio/run_dir.py); stores on one nvme_path share it."""
-    from offload.aio.swap_store import SwapStore
-    from offload.process_memory import TierLedger
 
     run_dir = run_dirs.open(swap_config.nvme_path)
     swap_config = dataclasses.replace(swap_config, nvme_path=str(run_dir.path))
-    return SwapStore(swap_config, ledger=TierLedger(account, Tier.HOST))
+    return SwapStore(swap_config, ledger=account.ledger(Tier.HOST))
 
 
 def open_swap_store(nvme_path, sizes, staging_bytes, config: Config, pg: ProcessGroupInfo,

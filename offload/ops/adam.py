@@ -154,7 +154,7 @@ def describe_reference() -> str:
 # matching CUDA's would mean copying one nvcc release's contractions, and
 # would still differ from its foreach kernel. What it costs on a GPU: losses
 # and weights equal plain torch on the same GPU to fp32 rounding (the CUDA
-# tests compare at that tolerance, `exact()` in tests/layer_under_test.py).
+# tests compare at that tolerance, `exact()` in tests/support/layer_under_test.py).
 # `offload report` shows it (adam_equals).
 
 

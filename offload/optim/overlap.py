@@ -216,8 +216,8 @@ class OverlappedUpdates:
             # Its update already ran with the gradient it had: a second one
             # would be lost. Autograd accumulates a parameter once per backward.
             raise RuntimeError(f"parameter {shard.name} received a second gradient in one backward "
-                               "after its overlapped update started; set zero_optimization.overlap_comm "
-                               "to false for this model")
+                               "after its overlapped update started; set "
+                               "zero_optimization.offload_optimizer.overlap_updates to false for this model")
         group = st.groups[opt.group_index(shard)]  # the error of a shard in no group is raised here
         inline = self.worker.on_worker()
         if not inline:

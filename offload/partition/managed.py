@@ -326,6 +326,9 @@ def manage(manager, shards) -> None:
     for shard in shards:
         p = shard.param
         if type(p) is torch.nn.Parameter:
+            # The same object (the model, the user's optimizer and their param groups hold it), another
+            # class: torch dispatches __torch_function__ by the tensor's class (Note [reading a parameter
+            # outside the engine]).
             p.__class__ = ManagedParameter
         p._offload_shard = shard
         p._offload_manager = manager
@@ -357,7 +360,7 @@ def unmanage(shards) -> None:
     for shard in shards:
         p = shard.param
         if type(p) is ManagedParameter:
-            p.__class__ = torch.nn.Parameter
+            p.__class__ = torch.nn.Parameter  # the swap above, undone
         for attr in ("_offload_shard", "_offload_manager"):
             p.__dict__.pop(attr, None)
 

@@ -61,7 +61,7 @@ from offload.tiers import Tier
 
 @dataclass(frozen=True)
 class UpdatePolicy:
-    overlap_comm: bool
+    overlap_updates: bool  # offload_optimizer.overlap_updates, else zero_optimization.overlap_comm
     accumulation_steps: int | None
     clipping: bool
     fp16: bool
@@ -74,7 +74,8 @@ class UpdatePolicy:
         zero = config.zero_optimization
         bucket = zero.reduce_bucket_size if isinstance(zero.reduce_bucket_size, int) else None
         gas = config.gradient_accumulation_steps if isinstance(config.gradient_accumulation_steps, int) else None
-        return cls(overlap_comm=zero.overlap_comm, accumulation_steps=gas,
+        overlap = zero.offload_optimizer.overlap_updates
+        return cls(overlap_updates=zero.overlap_comm if overlap is None else overlap, accumulation_steps=gas,
                    clipping=isinstance(clip, (int, float)) and clip > 0,
                    fp16=config.precision is Precision.FP16, separate_memory=separate_memory,
                    reduce_bucket_size=bucket)
@@ -87,12 +88,12 @@ class UpdatePolicy:
     def during_backward(self, state_tiers, *, at_boundary: bool) -> bool:
         """Whether this backward starts the updates (Note [when updates run])."""
         worth_it = Tier.NVME in state_tiers or (Tier.HOST in state_tiers and self.separate_memory)
-        return worth_it and self.overlap_comm and at_boundary and not self.needs_every_gradient_first
+        return worth_it and self.overlap_updates and at_boundary and not self.needs_every_gradient_first
 
     def deferred(self, state_tiers, homes) -> bool:
         """Whether step() may leave its updates running beside the next forward."""
         return (Tier.HOST in state_tiers and Tier.NVME not in state_tiers and self.separate_memory
-                and self.overlap_comm and all(home is not Tier.NVME for home in homes))
+                and self.overlap_updates and all(home is not Tier.NVME for home in homes))
 
     def carried(self, state_tiers, homes, *, world_size: int) -> bool:
         """Whether updates started during backward may go on under the next forward."""
@@ -103,7 +104,7 @@ class UpdatePolicy:
     def updates_free_gradients(self) -> bool:
         """Whether each update, run during backward, ends its gradient's life (one
         micro-batch a step, nothing needing every gradient first, overlap on)."""
-        return self.accumulation_steps == 1 and not self.needs_every_gradient_first and self.overlap_comm
+        return self.accumulation_steps == 1 and not self.needs_every_gradient_first and self.overlap_updates
 
     def pending_cap(self, largest: int) -> int:
         """Elements of final gradients that may wait for their overlapped update."""

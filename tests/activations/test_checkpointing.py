@@ -12,9 +12,9 @@ import offload
 from offload.config import Config, ConfigError
 from offload.partition.shard_context import Residency
 from offload.tiers import Tier
-from tests.engine.harness import (batches, build, lm_loss, make_config, run_engine, run_reference,
+from tests.support.harness import (batches, build, lm_loss, make_config, run_engine, run_reference,
                                   run_reference_mixed)
-from tests.engine.models import VOCAB, Block, TinyGPT
+from tests.support.models import VOCAB, Block, TinyGPT
 
 pytestmark = pytest.mark.torch_release  # Note [torch releases in CI] (tests/conftest.py)
 

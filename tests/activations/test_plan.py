@@ -9,8 +9,8 @@ import torch
 
 import offload
 from offload.accounting import TierBudgetError
-from tests.engine.harness import engine_weights, lm_loss, make_config, run_reference
-from tests.engine.models import VOCAB, TinyGPT
+from tests.support.harness import engine_weights, lm_loss, make_config, run_reference
+from tests.support.models import VOCAB, TinyGPT
 
 LAYERS, SEQ = 8, 32
 

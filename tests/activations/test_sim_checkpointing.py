@@ -15,7 +15,7 @@ import offload
 from offload.activations import saver as saver_module
 from offload.device.sim_memory import StreamOrderError
 
-from tests.engine.harness import (batches, build, engine_weights, first_race, lm_loss, make_config,
+from tests.support.harness import (batches, build, engine_weights, first_race, lm_loss, make_config,
                                   run_reference, run_reference_mixed, train_engine)
 
 pytestmark = pytest.mark.torch_release  # Note [torch releases in CI] (tests/conftest.py)

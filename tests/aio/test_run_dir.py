@@ -24,7 +24,7 @@ from offload.aio import Backend, SwapStoreError
 from offload.aio.run_dir import LOCK, MARKER, RunDirectories, remove_stale
 from offload.aio.swap_store import SwapStore
 from offload.aio.swap_config import SwapConfig
-from tests.engine.harness import batches, build, engine_weights, make_config, run_reference, train_engine
+from tests.support.harness import batches, build, engine_weights, make_config, run_reference, train_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -40,7 +40,7 @@ _JOB = r"""
 import os, sys, time
 import torch
 import offload
-from tests.engine.harness import batches, build, make_config, run_reference, train_engine, engine_weights
+from tests.support.harness import batches, build, make_config, run_reference, train_engine, engine_weights
 
 mode, nvme, events = sys.argv[1], sys.argv[2], sys.argv[3]
 

@@ -15,7 +15,7 @@ import offload
 import offload.aio as aio
 from offload.aio.swap_store import SwapStore
 from offload.aio.swap_config import SwapConfig
-from tests.engine.harness import batches, build, engine_weights, lm_loss, make_config
+from tests.support.harness import batches, build, engine_weights, lm_loss, make_config
 from tests.aio.tmpfs import mounted_tmpfs
 
 

@@ -16,8 +16,8 @@ import torch.multiprocessing as mp
 
 import offload
 from offload.checkpoint_io.load import read_swap_file
-from tests.engine.harness import build, lm_loss, make_config, on_test_device
-from tests.engine.models import VOCAB
+from tests.support.harness import build, lm_loss, make_config, on_test_device
+from tests.support.models import VOCAB
 
 WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02,
                                          "warmup_num_steps": 5}}

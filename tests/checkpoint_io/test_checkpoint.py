@@ -13,8 +13,8 @@ from safetensors import safe_open
 import offload
 from offload.checkpoint_io import CheckpointError, files
 from tests.checkpoint_io import checkpoint_runs as runs
-from tests.engine.harness import build, make_config
-from tests.engine.models import TinyGPT
+from tests.support.harness import build, make_config
+from tests.support.models import TinyGPT
 
 CASES_W1 = [
     # model, offload_param, offload_optimizer, precision
@@ -263,8 +263,8 @@ def test_gather_16bit_weights_on_model_save_writes_the_consolidated_weights(tmp_
     from safetensors.torch import load_file
 
     import offload
-    from tests.engine.harness import batches as make_batches, build as build_model, lm_loss as loss_of
-    from tests.engine.harness import make_config as config_of
+    from tests.support.harness import batches as make_batches, build as build_model, lm_loss as loss_of
+    from tests.support.harness import make_config as config_of
 
     cfg = config_of("nvme", "cpu", tmp_path / "swap")
     cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True

@@ -17,8 +17,8 @@ from safetensors import safe_open
 import offload
 from offload.checkpoint_io import CheckpointError, files
 from tests.checkpoint_io import checkpoint_runs as runs
-from tests.engine.harness import build, make_config
-from tests.engine.models import TinyGPT
+from tests.support.harness import build, make_config
+from tests.support.models import TinyGPT
 from tests.checkpoint_io.checkpoint_runs import assert_same_state, engine_state
 
 

@@ -12,7 +12,7 @@ from offload.checkpoint_io import CheckpointError
 from offload.checkpoint_io.files import SafetensorsStream
 from offload.cli import main as cli_main
 from tests.checkpoint_io import checkpoint_runs as runs
-from tests.engine.harness import build, make_config
+from tests.support.harness import build, make_config
 
 
 def _train_and_save(tmp_path, model_name, param, optim, precision="fp32"):

@@ -12,7 +12,7 @@ import torch
 import offload
 from offload.checkpoint_io import CheckpointError
 from tests.checkpoint_io import checkpoint_runs as runs
-from tests.engine.harness import build, make_config
+from tests.support.harness import build, make_config
 from tests.checkpoint_io import world_size_runs as ws
 
 

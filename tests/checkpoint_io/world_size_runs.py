@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import offload
 from tests.checkpoint_io import checkpoint_runs as runs
-from tests.engine.harness import batches, build, make_config, train_engine
+from tests.support.harness import batches, build, make_config, train_engine
 
 STEPS = 2
 

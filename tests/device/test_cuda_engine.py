@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import offload
-from tests.engine.harness import batches, build, lm_loss, make_config, run_reference_mixed
+from tests.support.harness import batches, build, lm_loss, make_config, run_reference_mixed
 
 pytestmark = [
     pytest.mark.cuda,

@@ -9,8 +9,8 @@ import torch
 
 import offload
 import offload.device
-from tests.engine.harness import batches, make_config, run_reference, train_engine
-from tests.engine.models import TinyGPT
+from tests.support.harness import batches, make_config, run_reference, train_engine
+from tests.support.models import TinyGPT
 
 pytestmark = pytest.mark.torch_release  # Note [torch releases in CI] (tests/conftest.py)
 

@@ -16,7 +16,7 @@ from tests.device.conftest import dispatch_modes
 from offload.device.sim_compute import ComputeRate
 from offload.device.sim_memory import StreamOrderError, plain
 
-from tests.engine.harness import batches, build, lm_loss, make_config, train_engine
+from tests.support.harness import batches, build, lm_loss, make_config, train_engine
 
 M, K, N = 67, 129, 95  # odd sizes: nothing lines up with a SIMD width or a block
 

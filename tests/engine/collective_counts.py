@@ -4,7 +4,7 @@ import copy
 
 import torch.distributed as dist
 
-from tests.engine.harness import lm_loss
+from tests.support.harness import lm_loss
 
 
 class CollectiveCounter:

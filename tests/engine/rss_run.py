@@ -23,8 +23,8 @@ import offload.aio.swap_store  # noqa: F401,E402
 import offload.partition.nvme_home  # noqa: F401,E402
 import offload.schedulers  # noqa: F401,E402
 import torch._dynamo  # noqa: F401,E402
-from tests.engine.harness import make_config
-from tests.engine.models import Wide
+from tests.support.harness import make_config
+from tests.support.models import Wide
 
 
 def _os(report: dict) -> dict:

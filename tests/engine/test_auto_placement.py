@@ -13,8 +13,8 @@ import torch
 
 import offload
 from offload.tiers import Tier
-from tests.engine.models import TinyGPT
-from tests.engine.harness import (batches, build, engine_weights, make_config, run_engine, run_reference,
+from tests.support.models import TinyGPT
+from tests.support.harness import (batches, build, engine_weights, make_config, run_engine, run_reference,
                                   run_reference_mixed, train_engine)
 
 STEPS = 6

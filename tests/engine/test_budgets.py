@@ -19,7 +19,7 @@ import torch
 import offload
 from offload.accounting import MemoryAccount, TierBudgetError
 from offload.tiers import Tier
-from tests.engine.harness import batches, build, lm_loss, make_config, run_reference
+from tests.support.harness import batches, build, lm_loss, make_config, run_reference
 
 STEPS = 3
 

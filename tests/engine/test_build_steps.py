@@ -17,7 +17,7 @@ from offload.accounting import MemoryAccount
 from offload.partition.collectives import ProcessGroupInfo
 from offload.tiers import Tier
 from offload.timeline import Timeline
-from tests.engine.harness import build, make_config
+from tests.support.harness import build, make_config
 
 
 def test_the_optimizer_places_nothing_and_place_moves_each_parameter_once(tmp_path):

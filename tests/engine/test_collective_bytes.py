@@ -41,7 +41,7 @@ import offload
 from offload.partition.shard import Shard
 from offload.partition.shard_context import Residency, partition_numel
 from offload.partition import manager as manager_module
-from tests.engine.harness import batches, build, lm_loss, make_config, train_engine
+from tests.support.harness import batches, build, lm_loss, make_config, train_engine
 from tests.engine.ranks import run_ranks
 from tests.engine.collective_counts import CollectiveCounter, arrival_order, expected_buckets
 

@@ -9,7 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import offload
-from tests.engine.harness import batches, build, engine_weights, lm_loss, make_config, train_engine
+from tests.support.harness import batches, build, engine_weights, lm_loss, make_config, train_engine
 
 pytestmark = pytest.mark.torch_release  # Note [torch releases in CI] (tests/conftest.py)
 

@@ -10,7 +10,7 @@ import torch
 import offload
 from offload.partition.compiled import COMPILED_MODEL_WARNING
 
-from tests.engine.harness import batches, build, lm_loss, make_config
+from tests.support.harness import batches, build, lm_loss, make_config
 
 pytestmark = pytest.mark.torch_release  # Note [torch releases in CI] (tests/conftest.py)
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import offload
-from tests.engine.harness import batches, build, lm_loss, make_config
+from tests.support.harness import batches, build, lm_loss, make_config
 
 
 def test_saved_activations_die_without_running_python_code(tmp_path):

@@ -9,7 +9,7 @@ import torch
 
 import offload
 from offload.aio import Backend
-from tests.engine.harness import batches, build, run_engine, run_reference
+from tests.support.harness import batches, build, run_engine, run_reference
 
 # DeepSpeed's configuration reference (deepspeed.ai/docs/config-json), its
 # ZeRO-Infinity example and its "aio" section, with the documented values.

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 import offload
 from offload.checkpoint_io import CheckpointError
-from tests.engine.harness import assert_weights, batches, build, engine_weights, lm_loss, make_config
+from tests.support.harness import assert_weights, batches, build, engine_weights, lm_loss, make_config
 
 PLACEMENTS = [("cpu", "cpu"), ("nvme", "nvme")]
 

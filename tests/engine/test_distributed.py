@@ -11,7 +11,7 @@ import torch.distributed as dist
 import offload.device
 
 from tests.engine.ranks import run_ranks
-from tests.engine.harness import (batches, build, make_config, run_engine, run_reference,
+from tests.support.harness import (batches, build, make_config, run_engine, run_reference,
                                   run_reference_mixed)
 
 pytestmark = pytest.mark.slow  # its one test spawns two ranks: ~15 s

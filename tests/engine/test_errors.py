@@ -5,7 +5,7 @@ import torch
 
 import offload
 from offload.config import ConfigError
-from tests.engine.harness import batches, build, lm_loss, make_config
+from tests.support.harness import batches, build, lm_loss, make_config
 
 
 def test_unknown_config_key_names_it_and_the_closest(tmp_path):
@@ -112,7 +112,7 @@ def test_a_model_in_eval_mode_trains_through_engine_backward_as_plain_torch(tmp_
     """from_pretrained leaves a model in eval mode; plain PyTorch runs backward there, so does the engine."""
     import copy
 
-    from tests.engine.harness import engine_weights, run_reference, train_engine
+    from tests.support.harness import engine_weights, run_reference, train_engine
 
     model, data = build("tiny_gpt").eval(), batches(3, seed=2)
     ref_model, ref_losses = run_reference(model, data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01)
@@ -133,7 +133,7 @@ def test_steps_per_print_is_seen_without_any_logging_set_up(tmp_path):
 
     script = f"""
 import torch, offload
-from tests.engine.harness import batches, build, lm_loss, make_config
+from tests.support.harness import batches, build, lm_loss, make_config
 cfg = make_config("cpu", "cpu", {str(tmp_path)!r}, extra={{"steps_per_print": 2}})
 with offload.initialize(build("tiny_gpt"), cfg) as engine:
     for (x, y), in batches(4):

@@ -17,7 +17,7 @@ from offload.optim.overlap import DeferredUpdates, OverlappedUpdates
 from offload.optim.sharded_adam import ShardedAdam
 from offload.partition.shard import Shard
 
-from tests.engine.harness import batches, build, engine_weights, lm_loss, make_config, train_engine
+from tests.support.harness import batches, build, engine_weights, lm_loss, make_config, train_engine
 
 STEPS = 4
 FP16_SKIPS = {"initial_scale_power": 16, "hysteresis": 1, "loss_scale_window": 1000, "min_loss_scale": 1}

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import offload
-from tests.engine.harness import batches, build, lm_loss, make_config
+from tests.support.harness import batches, build, lm_loss, make_config
 
 
 def _fp16_config(tmp_path, param, optim, **fp16):

@@ -16,10 +16,10 @@ from offload.checkpoint_io import CheckpointError
 from offload.partition.shard import Residency, Shard
 from offload.placement import Budgets, ParamSpec, plan_placement
 from offload.tiers import Tier
-from tests.engine.harness import (batches, engine_weights, make_config, run_reference, run_reference_mixed,
+from tests.support.harness import (batches, engine_weights, make_config, run_reference, run_reference_mixed,
                                   train_engine)
-from tests.engine.models import lora_gpt
-from tests.layer_under_test import exact
+from tests.support.models import lora_gpt
+from tests.support.layer_under_test import exact
 
 STEPS = 4
 CONFIGS = [("cpu", "cpu"), ("nvme", "nvme"), ("cpu", "nvme"), ("nvme", "cpu"), ("auto", "auto")]
@@ -440,7 +440,7 @@ def test_backward_holds_a_frozen_base_on_nvme_a_few_weights_at_a_time(tmp_path, 
     # Reads ahead of one weight: what is held at once is then the engine's choice, not the prefetcher's.
     cfg["zero_optimization"].update(stage3_prefetch_bucket_size=largest, stage3_max_live_parameters=2 * largest)
     with offload.initialize(copy.deepcopy(model), cfg) as engine:
-        from tests.engine.harness import lm_loss
+        from tests.support.harness import lm_loss
 
         losses = []
         for per_rank in data:

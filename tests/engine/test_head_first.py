@@ -17,7 +17,7 @@ from offload.optim.sharded_adam import ShardedAdam
 from offload.partition.device_copies import GradientsToHost
 from offload.partition.shard import Shard
 
-from tests.engine.harness import batches, build, engine_weights, lm_loss, make_config, train_engine
+from tests.support.harness import batches, build, engine_weights, lm_loss, make_config, train_engine
 
 STEPS = 3
 

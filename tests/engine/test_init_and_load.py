@@ -14,8 +14,8 @@ from torch import nn
 
 import offload
 from offload.engine.weights import WeightsError
-from tests.engine.harness import batches, make_config, run_reference, run_reference_mixed, train_engine
-from tests.engine.models import VOCAB, TinyGPT
+from tests.support.harness import batches, make_config, run_reference, run_reference_mixed, train_engine
+from tests.support.models import VOCAB, TinyGPT
 
 STEPS = 5
 

@@ -18,7 +18,7 @@ import offload
 from offload.engine.closed import ANSWERED_AFTER_CLOSE, EngineClosedError
 from offload.engine.engine import Engine
 from offload.partition.collectives import ProcessGroupInfo, _GroupHandle
-from tests.engine.harness import batches, build, lm_loss, make_config, train_engine
+from tests.support.harness import batches, build, lm_loss, make_config, train_engine
 
 # Every public method and property of the class (DeepSpeed's surface included).
 PUBLIC = sorted(n for n in dir(Engine) if not n.startswith("_") and n not in ANSWERED_AFTER_CLOSE)

@@ -19,8 +19,8 @@ from offload.aio.swap_store import SwapStore
 from offload.aio.swap_config import SwapConfig
 from offload.process_memory import TierLedger
 from offload.accounting import MemoryAccount, Tier, TierBudgetError
-from tests.engine.harness import make_config
-from tests.engine.models import Wide
+from tests.support.harness import make_config
+from tests.support.models import Wide
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]

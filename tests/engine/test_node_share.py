@@ -14,7 +14,7 @@ from offload.node import split_cores
 from offload.placement import HOST_SHARE
 
 from tests.aio.tmpfs import mounted_tmpfs
-from tests.engine.harness import batches, build, engine_weights, make_config, run_reference, train_engine
+from tests.support.harness import batches, build, engine_weights, make_config, run_reference, train_engine
 from tests.engine.ranks import run_ranks
 
 

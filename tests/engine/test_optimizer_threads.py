@@ -11,7 +11,7 @@ import offload
 from offload.config import Config, ConfigError
 from offload.optim import sharded_adam
 from offload.simd import overlap_threads
-from tests.engine.harness import batches, build, make_config, run_reference, train_engine
+from tests.support.harness import batches, build, make_config, run_reference, train_engine
 
 
 @pytest.mark.parametrize("share,device_apart,expected", [

@@ -4,7 +4,7 @@ the layer OFFLOAD_TEST_DEVICE names (Note [the device a test runs on])."""
 import pytest
 import torch
 
-from tests.engine.harness import (batches, build, make_config, on_test_device, run_engine, run_reference,
+from tests.support.harness import (batches, build, make_config, on_test_device, run_engine, run_reference,
                                   run_reference_mixed)
 
 pytestmark = [pytest.mark.any_device, pytest.mark.torch_release]
@@ -119,7 +119,7 @@ def test_bf16_compute_copy_is_the_rounded_master(tmp_path):
     model = build("tiny_gpt")
     cfg = make_config("cpu", "cpu", tmp_path, precision="bf16")
     data = batches(3, seed=6)
-    from tests.engine.harness import lm_loss
+    from tests.support.harness import lm_loss
 
     with offload.initialize(model, cfg) as engine:
         for per_rank in data:

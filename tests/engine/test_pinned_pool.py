@@ -19,7 +19,7 @@ from offload.aio.buffer_pool import BufferPool, PinnedLedger
 from offload.config import Config, ConfigError
 from offload.partition import nvme_home
 from offload.tiers import Tier
-from tests.engine.harness import batches, build, make_config, run_reference, train_engine, engine_weights
+from tests.support.harness import batches, build, make_config, run_reference, train_engine, engine_weights
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import offload
-from tests.engine.harness import batches, build, lm_loss, make_config, run_engine, run_reference
+from tests.support.harness import batches, build, lm_loss, make_config, run_engine, run_reference
 
 STEPS = 8
 SWITCHES = {
@@ -319,7 +319,7 @@ def test_a_parameter_the_reads_ahead_passed_is_not_read_again(tmp_path, monkeypa
     parameter is read twice in a step (a wide head makes the largest parameter, so the
     bucket reaches past the whole turn)."""
     from offload.partition.shard import Residency, Shard
-    from tests.engine.models import TinyGPT
+    from tests.support.models import TinyGPT
 
     reads = []
     prefetch = Shard.prefetch

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from offload.partition.collectives import ProcessGroupInfo
 from offload.partition.grad_buckets import GradientBuckets
 from offload.partition.shard_context import partition_numel
-from tests.engine.harness import batches, build, make_config, run_engine, run_reference
+from tests.support.harness import batches, build, make_config, run_engine, run_reference
 from tests.engine.collective_counts import CollectiveCounter, arrival_order, expected_buckets
 from tests.engine.ranks import run_ranks
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import offload
-from tests.engine.harness import batches, build, engine_weights, lm_loss, make_config, run_reference_mixed, train_engine
+from tests.support.harness import batches, build, engine_weights, lm_loss, make_config, run_reference_mixed, train_engine
 
 
 def _halves(model, i: int) -> None:

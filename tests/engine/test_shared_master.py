@@ -11,7 +11,7 @@ import torch
 import offload
 from offload.checkpoint_io.load import read_swap_file
 from tests.checkpoint_io import checkpoint_runs as runs
-from tests.engine.harness import batches, build, make_config, run_reference, train_engine
+from tests.support.harness import batches, build, make_config, run_reference, train_engine
 
 STEPS = 6
 

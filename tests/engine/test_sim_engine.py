@@ -13,7 +13,7 @@ import offload
 from offload.device.sim_memory import StreamOrderError
 from offload.partition import device_copies
 
-from tests.engine.harness import (batches, build, engine_weights, first_race, make_config, run_engine,
+from tests.support.harness import (batches, build, engine_weights, first_race, make_config, run_engine,
                                   run_reference, run_reference_mixed, train_engine)
 
 pytestmark = pytest.mark.torch_release  # Note [torch releases in CI] (tests/conftest.py)
@@ -138,7 +138,7 @@ def test_a_pinned_budget_too_small_for_the_gradient_buffers_is_refused_at_initia
 
 def test_homes_built_by_offload_init_are_pinned_and_train_like_plain_pytorch(tmp_path, sim):
     sim(2)
-    from tests.engine.models import MODELS
+    from tests.support.models import MODELS
 
     torch.manual_seed(7)
     plain = MODELS["tiny_gpt"]()

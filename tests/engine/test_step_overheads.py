@@ -14,7 +14,7 @@ from offload.optim.state_stream import StateStream
 from offload.partition.gather_on_use import GatherOnUse
 from offload.accounting import MemoryAccount, Tier
 from offload.timeline import Timeline
-from tests.engine.harness import batches, build, lm_loss, make_config
+from tests.support.harness import batches, build, lm_loss, make_config
 
 
 class _Counting(TorchFunctionMode):

@@ -10,9 +10,9 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import offload
-from tests.engine.harness import (assert_weights, batches, build, engine_weights, lm_loss, make_config,
+from tests.support.harness import (assert_weights, batches, build, engine_weights, lm_loss, make_config,
                                   run_reference)
-from tests.engine.models import TinyGPT
+from tests.support.models import TinyGPT
 
 pytestmark = pytest.mark.torch_release  # Note [torch releases in CI] (tests/conftest.py)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import offload
-from tests.engine.harness import batches, build, engine_weights, lm_loss, make_config, run_reference
+from tests.support.harness import batches, build, engine_weights, lm_loss, make_config, run_reference
 
 PLACEMENTS = [("cpu", "cpu"), ("nvme", "nvme"), ("nvme", "cpu")]
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 def train(root: str) -> None:
     import offload
-    from tests.engine.harness import batches, build, make_config, train_engine
+    from tests.support.harness import batches, build, make_config, train_engine
 
     torch.set_num_threads(1)
     rank = dist.get_rank()

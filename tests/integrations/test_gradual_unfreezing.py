@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import offload
-from tests.layer_under_test import exact, test_device
+from tests.support.layer_under_test import exact, test_device
 
 pytestmark = [pytest.mark.any_device]
 transformers = pytest.importorskip("transformers")

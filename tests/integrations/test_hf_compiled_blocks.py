@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import offload
-from tests.layer_under_test import exact, test_device
+from tests.support.layer_under_test import exact, test_device
 
 pytestmark = [pytest.mark.any_device, pytest.mark.torch_release]  # Note [the device a test runs on] (tests/conftest.py)
 transformers = pytest.importorskip("transformers")

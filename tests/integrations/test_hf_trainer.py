@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import offload
-from tests.layer_under_test import exact, test_device
+from tests.support.layer_under_test import exact, test_device
 
 pytestmark = [pytest.mark.any_device, pytest.mark.torch_release]  # Note [the device a test runs on] (tests/conftest.py)
 transformers = pytest.importorskip("transformers")
@@ -29,7 +29,7 @@ def test_the_example_matches_plain_trainer_and_its_model_reloads(tmp_path, where
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(summary["losses"]) == len(summary["plain_losses"]) == 6
     # Bit for bit: the same parameter groups and torch's default AdamW arithmetic (on a
-    # GPU plain Trainer's AdamW steps there: equal to fp32 rounding, tests/layer_under_test.py).
+    # GPU plain Trainer's AdamW steps there: equal to fp32 rounding, tests/support/layer_under_test.py).
     torch.testing.assert_close(torch.tensor(summary["losses"], dtype=torch.float64),
                                torch.tensor(summary["plain_losses"], dtype=torch.float64), **exact())
     assert summary["reloaded_max_abs_logit_diff"] == 0.0

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import offload
-from tests.engine.harness import batches, build, lm_loss, make_config
+from tests.support.harness import batches, build, lm_loss, make_config
 
 L = pytest.importorskip("lightning")
 

@@ -13,7 +13,7 @@ import torch
 import offload
 from offload.optim import CPUAdam
 from offload.tiers import Tier
-from tests.layer_under_test import exact, test_device
+from tests.support.layer_under_test import exact, test_device
 
 pytestmark = [pytest.mark.any_device, pytest.mark.torch_release]  # Note [the device a test runs on] (tests/conftest.py)
 transformers = pytest.importorskip("transformers")

@@ -41,7 +41,7 @@ class OddMLP(nn.Module):
         return self.c(torch.tanh(self.b(torch.relu(self.a(x))))) * self.scale
 
 
-# Not tests/engine/harness.train_engine: this drives a plain model with a
+# Not tests/support/harness.train_engine: this drives a plain model with a
 # torch.optim.Optimizer (ours or torch's) and no engine, on OddMLP's shapes.
 def _train(model, opt, steps, scheduler=None, seed=0):
     gen = torch.Generator().manual_seed(seed)

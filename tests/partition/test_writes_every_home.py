@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import offload
-from tests.engine.harness import batches, build, engine_weights, lm_loss, make_config, run_reference_mixed
+from tests.support.harness import batches, build, engine_weights, lm_loss, make_config, run_reference_mixed
 
 # 0: every parameter offloaded; 100: the norms and biases (24 elements) homed on the
 # device, the matrices offloaded; 10**6: every parameter homed on the device.

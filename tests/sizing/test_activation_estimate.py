@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 import offload
 from offload.sizing.activations import activation_bytes
-from tests.engine.models import TinyGPT
+from tests.support.models import TinyGPT
 
 transformers = pytest.importorskip("transformers")
 

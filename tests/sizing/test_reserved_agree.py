@@ -13,7 +13,7 @@ from offload.engine import budgets
 from offload.placement import nvme_state_buffers
 from offload.tiers import Tier
 
-from tests.engine.harness import make_config
+from tests.support.harness import make_config
 
 IN_FLIGHT = set(nvme_state_buffers(1, 2, True))  # the terms' names
 

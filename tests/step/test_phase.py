@@ -6,7 +6,7 @@ import pytest
 import offload
 from offload.step.phase import StepPhase, StepPhases
 
-from tests.engine.harness import batches, build, lm_loss, make_config
+from tests.support.harness import batches, build, lm_loss, make_config
 
 
 def test_a_transition_from_the_wrong_phase_is_refused():

@@ -4,12 +4,14 @@ import offload
 from offload.config import Config
 from offload.step.update_policy import UpdatePolicy
 from offload.tiers import Tier
-from tests.engine.harness import build, make_config
+from tests.support.harness import build, make_config
 
 
-def policy(*, clip=0.0, gas=1, precision="fp32", separate=True, bucket=None, overlap=True):
+def policy(*, clip=0.0, gas=1, precision="fp32", separate=True, bucket=None, overlap=True, updates=None):
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
-           "zero_optimization": {"stage": 3, "overlap_comm": overlap, **({"reduce_bucket_size": bucket} if bucket else {})},
+           "zero_optimization": {"stage": 3, "overlap_comm": overlap,
+                                 **({"reduce_bucket_size": bucket} if bucket else {}),
+                                 **({"offload_optimizer": {"overlap_updates": updates}} if updates is not None else {})},
            **({"bf16": {"enabled": True}} if precision == "bf16" else {}),
            **({"fp16": {"enabled": True}} if precision == "fp16" else {})}
     return UpdatePolicy.of(Config.load(cfg), separate_memory=separate)
@@ -28,6 +30,18 @@ def test_when_updates_run():
     assert not policy(clip=1.0).deferred(host | nvme, [Tier.HOST])
     assert policy().updates_free_gradients and not policy(gas=2).updates_free_gradients
     assert not policy(clip=1.0).updates_free_gradients and not policy(precision="fp16").updates_free_gradients
+
+
+def test_our_key_decides_where_given_and_deepspeeds_overlap_comm_where_not():
+    nvme = {Tier.NVME}
+    assert policy(overlap=False, updates=True).during_backward(nvme, at_boundary=True)
+    assert not policy(overlap=True, updates=False).during_backward(nvme, at_boundary=True)
+    assert not policy(overlap=True, updates=False).deferred({Tier.HOST}, [Tier.HOST])
+    assert policy(overlap=True).overlap_updates and not policy(overlap=False).overlap_updates
+    import pytest
+
+    with pytest.raises(offload.ConfigError, match="overlap_updates: 1 is not true or false"):
+        policy(updates=1)
 
 
 def test_the_optimizers_cap_and_the_budgets_bound_agree(tmp_path, monkeypatch):

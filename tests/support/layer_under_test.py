@@ -1,5 +1,5 @@
 """The layer and device the `any_device` tests run on (Note [the device a test
-runs on] in tests/conftest.py): `from tests.layer_under_test import test_device`."""
+runs on] in tests/conftest.py): `from tests.support.layer_under_test import test_device`."""
 import os
 
 import pytest

@@ -5,8 +5,8 @@ import torch
 from torch.nn import functional as F
 
 import offload
-from tests.engine.models import MODELS, VOCAB
-from tests.layer_under_test import test_device
+from tests.support.models import MODELS, VOCAB
+from tests.support.layer_under_test import test_device
 
 
 def make_config(param: str, optim: str, nvme_path, *, precision="fp32", gas=1, clip=0.0,
