@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from offload.engine.closed import closed_error
 from offload.engine.engine import Engine
 
 
@@ -46,50 +47,60 @@ class DeepSpeedEngine:
         return f"DeepSpeedEngine({self.engine!r})"
 
     # ---- DeepSpeed's alone ----------------------------------------------------------
+    def _open(self, name: str) -> Engine:
+        """The engine, or, once it is closed, the error its own methods raise (Note [a closed
+        engine] in engine/closed.py)."""
+        engine = self.engine
+        if engine._closed:
+            raise closed_error(engine, name)
+        return engine
+
     def train_micro_batch_size_per_gpu(self) -> int | None:
         """The config's micro batch per rank; None where it is not set."""
-        return self.engine.config.train_micro_batch_size_per_gpu
+        return self._open("train_micro_batch_size_per_gpu").config.train_micro_batch_size_per_gpu
 
     def train_batch_size(self) -> int | None:
         """train_batch_size, or micro batch * accumulation * world size when only the micro batch is given."""
-        config = self.engine.config
+        engine = self._open("train_batch_size")
+        config = engine.config
         if config.train_batch_size is not None:
             return config.train_batch_size
         mb = config.train_micro_batch_size_per_gpu
-        return None if mb is None else mb * self.engine.gradient_accumulation_steps() * self.engine.pg.world_size
+        return None if mb is None else mb * engine.gradient_accumulation_steps() * engine.pg.world_size
 
     def dataloader_drop_last(self) -> bool:
         """The config's dataloader_drop_last: whether DeepSpeed's loader drops a short last batch."""
-        return self.engine.config.dataloader_drop_last
+        return self._open("dataloader_drop_last").config.dataloader_drop_last
 
     @property
     def global_samples(self) -> int:
         """Samples consumed by the steps taken so far (DeepSpeed's counter): the
         global batch per step; 0 when no batch size is configured."""
-        return self.engine.global_steps * (self.train_batch_size() or 0)
+        return self._open("global_samples").global_steps * (self.train_batch_size() or 0)
 
     @property
     def local_rank(self) -> int:
         """The launcher's LOCAL_RANK (0 without one); scripts move batches with it."""
+        self._open("local_rank")
         return int(os.environ.get("LOCAL_RANK", 0))
 
     @property
     def global_rank(self) -> int:
         """This process's rank in the job (0 alone)."""
-        return self.engine.pg.rank
+        return self._open("global_rank").pg.rank
 
     @property
     def world_size(self) -> int:
         """The job's ranks (1 alone)."""
-        return self.engine.pg.world_size
+        return self._open("world_size").pg.world_size
 
     def fp16_enabled(self) -> bool:
         """Whether the model computes in fp16 (the config's fp16.enabled)."""
-        return self.engine.compute_dtype == torch.float16
+        return self._open("fp16_enabled").compute_dtype == torch.float16
 
     def bfloat16_enabled(self) -> bool:
         """Whether the model computes in bf16 (the config's bf16.enabled)."""
-        return self.engine.compute_dtype == torch.bfloat16
+        return self._open("bfloat16_enabled").compute_dtype == torch.bfloat16
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -104,8 +115,7 @@ class DeepSpeedEngine:
         A collective with several ranks: every rank calls it."""
         from offload.checkpoint_io.pretrained import save_state_dict
 
-        engine = self.engine
-        engine._check_open()
+        engine = self._open("save_16bit_model")
         path = os.path.join(os.fspath(save_dir), save_filename)
         save_state_dict(engine.checkpoint_view(), path, dtype=engine.compute_dtype,
                         exclude_frozen=exclude_frozen_parameters, streamed=save_filename.endswith(".safetensors"))

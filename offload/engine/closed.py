@@ -61,7 +61,8 @@ def close_off(obj, what: str, reason: str) -> None:
     obj.__class__ = closed
 
 
-def _closed_error(obj, name: str) -> EngineClosedError:
+def closed_error(obj, name: str) -> EngineClosedError:
+    """The error `obj.name` raises once its engine is closed."""
     what, reason = object.__getattribute__(obj, "_closed_as")
     return EngineClosedError(f"{what}.{name}: this engine was closed (engine.close()); {reason}")
 
@@ -69,15 +70,15 @@ def _closed_error(obj, name: str) -> EngineClosedError:
 def _refuse_public(self, name: str):
     if name.startswith("_") or name in ANSWERED_AFTER_CLOSE:
         return object.__getattribute__(self, name)
-    raise _closed_error(self, name)
+    raise closed_error(self, name)
 
 
 def _refuse_call(self, *args, **kwargs):
-    raise _closed_error(self, "__call__ (forward)")
+    raise closed_error(self, "__call__ (forward)")
 
 
 def _refuse_enter(self):
-    raise _closed_error(self, "__enter__")
+    raise closed_error(self, "__enter__")
 
 
 def weak_callback(method):

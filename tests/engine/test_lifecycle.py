@@ -51,6 +51,22 @@ def test_every_public_method_refuses_after_close(closed, name):
         attr()  # not reached: the attribute itself refuses
 
 
+DEEPSPEED_ONLY = sorted(n for n in vars(offload.deepspeed.DeepSpeedEngine)
+                        if not n.startswith("_") and n != "forward")  # forward: the Engine's own call
+
+
+@pytest.mark.parametrize("name", DEEPSPEED_ONLY)
+def test_every_deepspeed_method_refuses_after_close(tmp_path, name):
+    """DeepSpeedEngine's own methods (offload/deepspeed/engine.py) refuse as the Engine's do."""
+    ds_engine, *_ = offload.deepspeed.initialize(model=build("tiny_gpt"),
+                                                 config=make_config("cpu", "cpu", tmp_path))
+    ds_engine.close()
+    with pytest.raises(EngineClosedError, match=rf"^engine\.{name}: this engine was closed .*model's parameters "
+                                                r"hold their values"):
+        attr = getattr(ds_engine, name)
+        attr(tmp_path) if name == "save_16bit_model" else attr()
+
+
 def test_instance_attributes_refuse_after_close(closed):
     _, engine, _, _ = closed
     public = sorted(k for k in vars(engine) if not k.startswith("_") and k not in ANSWERED_AFTER_CLOSE)

@@ -17,7 +17,7 @@ import torch
 import offload
 from offload.aio.swap_store import SwapStore
 from offload.aio.swap_config import SwapConfig
-from offload.process_memory import TierLedger
+from offload.accounting import TierLedger
 from offload.accounting import MemoryAccount, Tier, TierBudgetError
 from tests.support.harness import make_config
 from tests.support.models import Wide
