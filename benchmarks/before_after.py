@@ -12,7 +12,8 @@ the same core. Per contender and device it keeps each round's median step and th
 ratio this/before round by round: a change in the engine's own overhead shows in
 the ratios' median, the machine's drift cancels within a round.
 
-Prints JSON and writes before_after.json and before_after.png under --out.
+Prints JSON and writes before_after.json and before_after.png under --out (each
+bench's own output under --out/runs).
 """
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def main(argv=None) -> None:
     for r in range(args.rounds):
         for which, tree in trees.items():
             for device in args.devices.split(","):
-                medians = bench(tree, device, args.out / f"{which}_{device}_r{r + 1}", args.cpu, args.extra)
+                run_dir = args.out / "runs" / f"{which}_{device}_r{r + 1}"
+                medians = bench(tree, device, run_dir, args.cpu, args.extra)
                 for name, s in medians.items():
                     steps.setdefault(f"{device} {name}", {"before": [], "now": []})[which].append(s)
     cases = {}
