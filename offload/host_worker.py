@@ -6,7 +6,7 @@ runs on one thread, in the order it was submitted: each gradient's
 device-to-host copy is waited for and added into its partition there
 (Note [copy streams] in offload/partition/device_copies.py), and, when the
 update overlaps backward, the shard's Adam update follows at once on the same
-thread (Note [optimizer overlap] in offload/optim/overlap.py). So autograd's
+thread (Note [optimizer overlap] in offload/step/updates.py). So autograd's
 thread only queues copies and records, never waits for one, and a shard's
 update never runs before its gradient is in. The Adam kernel itself fans out
 over the cores the compute thread does not need (Note [optimizer threads] in

@@ -48,7 +48,7 @@ def available_levels() -> list[str]:
 
 
 # Note [optimizer threads]
-# While Adam overlaps backward (Note [optimizer overlap] in optim/overlap.py)
+# While Adam overlaps backward (Note [optimizer overlap] in step/updates.py)
 # the kernel shares the host with whatever drives the compute. Beside a device
 # with memory of its own (a GPU; the sim stands in) the compute thread needs
 # one core to launch kernels and feed copies, so Adam takes every other core

@@ -142,7 +142,7 @@ def test_a_planted_folder_circle_is_found():
     assert ["offload.activations", "offload.partition"] in circles(folder_graph(graph))
 
 
-@pytest.mark.parametrize("planted", [("offload.optim.overlap", "offload.optim.sharded_adam")])
+@pytest.mark.parametrize("planted", [("offload.partition.shard", "offload.step.updates")])
 def test_a_planted_circle_is_found(planted):
     known = modules()
     graph = {name: imported(name, path, known) for name, path in known.items()}

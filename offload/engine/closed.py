@@ -1,4 +1,4 @@
-"""What a closed engine answers, and callbacks that keep no engine alive.
+"""What a closed engine answers.
 
 Note [a closed engine]
 engine.close() waits for the work in flight, gives each parameter its value
@@ -19,15 +19,14 @@ To keep the weights of a model too large to be given back, save before
 closing: engine.save_checkpoint(dir) (then offload.consolidate(dir, path)) or
 engine.save_pretrained(dir).
 
-Callbacks an engine hands to objects it owns (the manager's on_grad and
-on_forward, the optimizer's driver) are `weak_callback`s: a bound method
-would make a reference cycle through the engine, and an engine kept alive by
-a cycle is destroyed only by the garbage collector, possibly at the
-interpreter's exit, along with what it still holds.
+What an engine hands to objects it owns (the manager's StepHooks, the
+optimizer's UpdateDriver: EngineHooks in engine/hooks.py) holds it weakly: a
+bound method would make a reference cycle through the engine, and an engine
+kept alive by a cycle is destroyed only by the garbage collector, possibly at
+the interpreter's exit, along with what it still holds.
 """
 from __future__ import annotations
 
-import weakref
 
 
 class EngineClosedError(RuntimeError):
@@ -79,18 +78,3 @@ def _refuse_call(self, *args, **kwargs):
 
 def _refuse_enter(self):
     raise closed_error(self, "__enter__")
-
-
-def weak_callback(method):
-    """A function calling the bound `method` while its object lives; afterwards it
-    raises EngineClosedError (the engine that owned it is gone)."""
-    ref = weakref.WeakMethod(method)
-    name = method.__name__
-
-    def call(*args, **kwargs):
-        bound = ref()
-        if bound is None:
-            raise EngineClosedError(f"{name}: its engine no longer exists (closed and collected)")
-        return bound(*args, **kwargs)
-
-    return call

@@ -22,13 +22,12 @@ from offload.engine.build import build_shards
 from offload.checkpoint_io.view import CheckpointView
 from offload.engine import teardown
 from offload.engine.checkpoints import EngineCheckpoints
-from offload.engine.closed import EngineClosedError, close_off, weak_callback
+from offload.engine.closed import EngineClosedError, close_off
 from offload.engine.hooks import EngineHooks
 from offload.engine.unfreeze import unfreeze_if_asked
 from offload.partition.compiled import (blocks_to_compile, compile_blocks, compile_forwards, gathered_at_once,
                                         prefetch_by_blocks, uncompile_blocks)
 from offload.step.loss_scaler import LossScaler
-from offload.step.phase import StepPhase
 from offload.step.runner import StepRunner
 from offload.step.update_policy import UpdatePolicy
 from offload.process_memory import ProcessMemory, map_large_allocations, release_free_host_memory
@@ -137,7 +136,8 @@ class Engine:
         # Weak: no cycle through the engine (Note [a closed engine] in engine/closed.py).
         # Note [the host worker] (offload/host_worker.py): gradients taken in and updates run there.
         self._host_worker = HostWorker()
-        self.manager = ParameterManager(model, self.shards, EngineHooks(self),
+        hooks = EngineHooks(self)  # the manager's StepHooks and the optimizer's UpdateDriver
+        self.manager = ParameterManager(model, self.shards, hooks,
                                         host_worker=self._host_worker,
                                         prefetch=prefetch_scheduler(config.zero_optimization, self.shards,
                                                                     device_budget=config.memory.device_budget,
@@ -152,7 +152,7 @@ class Engine:
         self.optimizer = make_optimizer(config, self.shards, built, policy, device_layer=self.device_layer,
                                         account=self.account, timeline=self._timeline, node=self.node,
                                         host_worker=self._host_worker, param_groups=self._param_groups,
-                                        driver=weak_callback(self._update))  # optimizer.step(): the whole update
+                                        driver=hooks)  # optimizer.step(): the whole update
         built.place(self.optimizer.init_state)  # the parameters move home here, one at a time
         # Reads outside a forward see real values, edits go through offload.gathered
         # (Note [reading a parameter outside the engine] in partition/managed.py).
@@ -165,7 +165,8 @@ class Engine:
             config=config, shards=self.shards, pg=self.pg, device=self.device, account=self.account,
             timeline=self._timeline, manager=self.manager, optimizer=self.optimizer, policy=policy,
             stores=self._stores, uses_nvme=built.placement.uses(Tier.NVME), loss_scaler=LossScaler.of(config),
-            lr_scheduler=lr_scheduler, before_update=self.checkpoints.before_update)
+            lr_scheduler=lr_scheduler, before_update=self.checkpoints.before_update,
+            host_worker=self._host_worker)
         # Fingerprints of the frozen partitions (Note [checkpoints without frozen weights] in
         # checkpoint_io/frozen.py), computed at the first save or load that needs them.
         self.frozen_fingerprints: dict[str, dict] = {}
@@ -445,8 +446,7 @@ class Engine:
             return
         try:
             self.wait_checkpoint()  # it may still be copying swap files
-            if self.step_runner.phase is StepPhase.UPDATING_IN_BACKWARD:
-                self.optimizer.update()
+            self.step_runner.finish_updates()
         finally:
             self._closed = True
             self.manager.release_all()

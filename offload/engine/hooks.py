@@ -1,4 +1,5 @@
-"""The engine's side of the parameter runtime's StepHooks (partition/hooks.py).
+"""The engine's side of the parameter runtime's StepHooks (partition/hooks.py) and of
+the optimizer's UpdateDriver (optim/driver.py): both reach the step runner through it.
 
 Held weakly: the manager and its hooks never keep an engine alive (Note [a
 closed engine] in engine/closed.py); a call after the engine is gone raises
@@ -14,8 +15,8 @@ from offload.engine.closed import EngineClosedError
 
 
 class EngineHooks:
-    """StepHooks for one engine: gradients to its step runner, a forward's start and an
-    edit to the engine itself."""
+    """StepHooks and UpdateDriver for one engine: gradients and the optimizer's update to
+    its step runner, a forward's start and an edit to the engine itself."""
 
     def __init__(self, engine):
         self._engine = weakref.ref(engine)
@@ -38,3 +39,16 @@ class EngineHooks:
 
     def brings_master(self, shard) -> bool:
         return self._get().step_runner.brings_master(shard)
+
+    # ---- UpdateDriver (the optimizer's side) ---------------------------------
+    def update(self) -> None:
+        self._get()._update()
+
+    def settle(self) -> None:
+        runner = self._get().__dict__.get("step_runner")
+        if runner is not None:  # none yet while initialize places the shards: nothing runs
+            runner.deferred.settle()
+
+    def updating_in_backward(self) -> bool:
+        runner = self._get().__dict__.get("step_runner")
+        return runner is not None and runner.phases.updating_in_backward

@@ -9,9 +9,8 @@ from offload.simd import overlap_threads
 
 def make_optimizer(config, shards, built, policy, *, device_layer, account, timeline, node, host_worker,
                    param_groups, driver) -> ShardedAdam:
-    """param_groups: the groups by parameter name (None: one group); driver: what
-    optimizer.step() runs where an engine owns it (Note [the optimizer users drive])."""
-    trainable = [s.part_numel for s, p in zip(shards, built.placement.shards) if p.state is not None]
+    """param_groups: the groups by parameter name (None: one group); driver: the step that
+    runs its updates (optim/driver.py; Note [the optimizer users drive])."""
     opt, zero = config.optimizer, config.zero_optimization
     groups = None
     if param_groups is not None:  # names -> the parameters build_shards settled on
@@ -24,7 +23,7 @@ def make_optimizer(config, shards, built, policy, *, device_layer, account, time
         state_tiers={s.index: p.state for s, p in zip(shards, built.placement.shards)},
         device=device_layer.device, account=account, state_store=built.state_store,
         param_store=built.param_writer, sub_group_size=zero.sub_group_size, timeline=timeline,
-        pending_grad_elems=policy.pending_cap(max(trainable, default=1)), param_groups=groups,
+        param_groups=groups,
         overlap_threads=overlap_threads(zero.offload_optimizer.cpuadam_cores_perc,
                                         device_apart=device_layer.separate_memory, cores=node.threads),
         step_threads=node.threads, host_worker=host_worker, driver=driver)

@@ -101,6 +101,7 @@ def unfreeze(engine, shards: list) -> None:
         s.trainable = True
         s.grad_tier = grad_tier_of(tier)
         opt.adopt_unfrozen(s, tier, init)
+        engine.step_runner.adopted(s)
         if not s.ctx.lazy_grads:
             s.allocate_grad_part()
         engine.manager.watch_gradients(s)

@@ -47,7 +47,7 @@ from offload.aio.memory import BufferCache, aligned_tensor
 from offload.host_worker import HostWorker
 from offload.ops import adam_step
 from offload.ops.adam import fused_torch_adam
-from offload.optim.overlap import DeferredUpdates, OverlappedUpdates
+from offload.optim.driver import UpdateDriver
 from offload.optim.param_groups import check_group
 from offload.optim.state_access import StateAccess
 from offload.optim.state_stream import StateLayout, StateStream
@@ -63,9 +63,10 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
                  adamw_mode: bool, tier: Tier, device: torch.device, account: MemoryAccount,
                  state_tiers: dict[int, Tier] | None = None,
                  state_store=None, param_store=None, sub_group_size: int | None = None,
-                 timeline: Timeline | None = None, pending_grad_elems: int | None = None,
+                 timeline: Timeline | None = None,
                  param_groups: list[dict] | None = None, overlap_threads: int = 1,
-                 step_threads: int | None = None, host_worker: HostWorker | None = None, driver=None):
+                 step_threads: int | None = None, host_worker: HostWorker | None = None,
+                 driver: UpdateDriver | None = None):
         """Built empty: it places nothing. The build step (engine/build.py
         `Built.place`) moves each shard home and then gives init_state() its
         initial fp32 partition, in order, once per shard.
@@ -78,7 +79,8 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         torch.get_num_threads()); the engine gives this rank's cores (Note [the node's share]).
         host_worker: the thread host-side updates run on (Note [the host worker] in
         offload/host_worker.py); None: one of its own (closed with it).
-        driver(): step()'s whole update where an engine owns it (Note [the optimizer users drive]).
+        driver: the step that runs the updates, where an engine owns this optimizer (Note
+        [the optimizer users drive]); None: step() is update(), nothing runs beside it.
         tier: where every shard's state lives, but for those `state_tiers` (shard.index
         -> Tier: an auto placement, Note [automatic placement] in
         offload/placement.py) puts elsewhere. Each shard's gradient partition
@@ -119,12 +121,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         self.overlap_threads = overlap_threads
         self.step_threads = step_threads
         self.kernel_threads: int | None = step_threads
-        # Elements of final gradients waiting for their overlapped update
-        # (zero_optimization.reduce_bucket_size; at least the largest shard).
         largest = max((s.part_numel for s in shards), default=1)
-        self.overlap = OverlappedUpdates(self, self.worker,
-                                         pending_grad_elems=max(pending_grad_elems or 2 * largest, largest))
-        self.deferred = DeferredUpdates(self, self.worker)
         # State buffers and new values, reused within a step: as many as are
         # in flight at once (the shard updated, the reads ahead, two written
         # back). NVMe state is read ahead of the shard updated up to one
@@ -296,7 +293,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self.driver is not None:
-            self.driver()
+            self.driver.update()
         else:
             self.update()
         return loss
@@ -304,21 +301,16 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forgets the gradients accumulated since the last step (they live in the shards'
         fp32 partitions, not in param.grad); the next backward starts from zero."""
-        if self.overlapping:
-            raise RuntimeError("optimizer.zero_grad() while an overlapped update runs: call step() first")
-        self.deferred.settle()
+        self.settle("optimizer.zero_grad()")
         for shard in self.shards:
             shard.clear_grad()
 
     @torch.no_grad()
     def update(self) -> None:
-        """Updates every shard that has a gradient (updates in step(): clipping
-        or an fp16 overflow check needed every gradient first), or finishes
-        the updates that ran during backward (Note [optimizer overlap])."""
-        if self.overlapping:
-            self.overlap.finish()
-            return
-        self.deferred.settle()
+        """Updates every shard that has a gradient, on the calling thread, in order: the
+        update in step() (clipping or an fp16 overflow check needed every gradient
+        first). Updates that run beside backward or the next forward are the step's
+        schedulers' (Note [optimizer overlap] in step/updates.py)."""
         shards = self.stepping()
         stream = self.open_stream(shards)
         try:
@@ -376,18 +368,18 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
     # updates exactly the shards left: the result equals an uninterrupted step
     # (the engine's retry: StepRunner.step, offload/step/runner.py).
 
-    @property
-    def overlapping(self) -> bool:
-        """Whether an overlapped step is in progress (Note [optimizer overlap] in optim/overlap.py)."""
-        return self.overlap.active
+    def settle(self, reader: str | None = None) -> None:
+        """Before state is read or rewritten outside the step: waits for the updates running
+        under the next forward (Note [updates under the next forward] in step/updates.py);
+        reader: refused, so named, while updates started in backward wait for step()."""
+        if self.driver is None:
+            return
+        if reader is not None and self.driver.updating_in_backward():
+            raise RuntimeError(f"{reader} while an overlapped update runs: call step() first")
+        self.driver.settle()
 
     def close(self) -> None:
-        try:
-            self.deferred.settle()
-        finally:
-            self._close()
-
-    def _close(self) -> None:
+        """Frees the state (the engine settled its step first: engine/engine.py close)."""
         self.state_buffers.clear()
         self._states.clear()  # host or device memory held until the engine's last reference went
         if self._own_worker:

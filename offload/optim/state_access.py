@@ -20,9 +20,7 @@ class StateAccess:
     # with each shard's fp32 master beside its moments so a resume is exact in bf16
     # too. Indices follow self.shards. Before the first step it is empty, as torch's.
     def state_dict(self) -> dict:
-        self.deferred.settle()  # Note [updates under the next forward]
-        if self.overlapping:
-            raise RuntimeError("optimizer.state_dict() while an overlapped update runs: call step() first")
+        self.settle("optimizer.state_dict()")
         stepped = [(i, s) for i, s in self._indexed() if self.shard_steps[s.index]]
         need = sum(3 * s.part_numel * 4 for _, s in stepped)
         if need > 0.5 * psutil.virtual_memory().available:
@@ -45,7 +43,7 @@ class StateAccess:
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        self.deferred.settle()  # Note [updates under the next forward]
+        self.settle()
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if groups is None or [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("optimizer.load_state_dict: the saved parameter groups "
@@ -86,7 +84,7 @@ class StateAccess:
     def master_partition(self, shard: Shard) -> torch.Tensor:
         """This rank's fp32 master partition of `shard` (a copy, on the host); a frozen
         shard's home value in fp32 (it has no master: Note [frozen parameters])."""
-        self.deferred.settle()  # Note [updates under the next forward]
+        self.settle()
         if not shard.trainable:
             return shard.home_partition().to(torch.float32)
         if self.shares_master(shard):
@@ -103,7 +101,7 @@ class StateAccess:
     # ---- checkpoints (offload/checkpoint_io) --------------------------------
     def state_tensors(self, shard: Shard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The live (master, exp_avg, exp_avg_sq) of a DEVICE/HOST-tier shard: not copies."""
-        self.deferred.settle()  # Note [updates under the next forward]
+        self.settle()
         if self.state_tier(shard) is Tier.NVME:
             raise ValueError(f"optimizer state of {shard.name} is in a file on the NVMe tier: "
                              "use state_file()")
@@ -124,7 +122,7 @@ class StateAccess:
         master: its edited home is all there is."""
         if not shard.trainable:
             return
-        self.deferred.settle()  # Note [updates under the next forward]
+        self.settle()
         if self.shares_master(shard):
             shard.ctx.param_store.write(shard, master.cpu().contiguous()).wait()
         elif self.state_tier(shard) is Tier.NVME:
@@ -177,8 +175,6 @@ class StateAccess:
         if not self._one_group:
             self._group_of[shard.index] = gi
         self.shards = sorted([*self.shards, shard], key=lambda s: s.index)
-        self.overlap.pending_grad_elems = max(self.overlap.pending_grad_elems, shard.part_numel)
-        self.overlap.arrival_order = None  # learned again, with this shard's gradient in it
         self.init_state(shard, init)
 
 

@@ -67,7 +67,7 @@ class InFlight:
     copy_in: "Event | None" = None  # the copy into the gathered buffer compute waits for (Note [copy streams])
     all_gather: "PackedAllGather | None" = None  # started ahead of use (Note [all-gathers ahead])
     # The update left running on the host worker: every read of the home or the gradient
-    # waits for it (Note [updates under the next forward] in optim/overlap.py).
+    # waits for it (Note [updates under the next forward] in step/updates.py).
     update: PendingUpdate | None = None
 
 

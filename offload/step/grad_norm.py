@@ -34,8 +34,9 @@ class GradNorm:
     """The last update's norm (Note [global gradient norm]) and this backward's norm
     terms (Note [norm terms during backward] in step/gradients.py)."""
 
-    def __init__(self, optimizer, pg, device: torch.device, shards, account):
-        self._optimizer, self._pg, self._device = optimizer, pg, device
+    def __init__(self, optimizer, deferred, pg, device: torch.device, shards, account):
+        """deferred: the updates left running under the next forward (step/updates.py), which add to the sum."""
+        self._optimizer, self._deferred, self._pg, self._device = optimizer, deferred, pg, device
         self._shards, self._account = shards, account
         self.value: float | None = None
         self._pending = False  # left to sum once its updates ran
@@ -66,7 +67,7 @@ class GradNorm:
             self._pending = True
             return
         if clipped_norm is None:
-            self._optimizer.deferred.settle()  # the sum is complete once every update ran
+            self._deferred.settle()  # the sum is complete once every update ran
             dtype = torch.float64 if self._device.type == "cpu" else torch.float32
             sq = self._optimizer.grad_sq  # a device tensor where device-state updates added to it
             sq = (sq.reshape(1).to(self._device, dtype) if isinstance(sq, torch.Tensor)
@@ -78,6 +79,6 @@ class GradNorm:
     def settle(self) -> None:
         """The last update's norm, where it was left to sum once its updates ran."""
         if self._pending:
-            self._optimizer.deferred.settle()
+            self._deferred.settle()
             self.record(None)
             self._pending = False

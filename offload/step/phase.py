@@ -3,7 +3,7 @@
 Note [step phases]
   READY                   no update in flight: a forward, a backward, a checkpoint may start
   UPDATING_IN_BACKWARD    a backward that ends an accumulation window started the updates
-                          (Note [optimizer overlap] in optim/overlap.py): step() must come next,
+                          (Note [optimizer overlap] in step/updates.py): step() must come next,
                           and nothing but it (or a failed backward's abandon) ends them
   UPDATING_DEFERRED  step() left the updates running on the host worker (Note [updates
                           under the next forward]): each read of a shard waits for its own

@@ -39,6 +39,7 @@ from offload.step.grad_norm import GradNorm
 from offload.step.gradients import all_finite, clip_by_global_norm, clip_coefficient
 from offload.step.phase import StepPhase, StepPhases
 from offload.step.update_policy import UpdatePolicy
+from offload.step.updates import DeferredUpdates, OverlappedUpdates
 from offload.tiers import Tier
 
 log = logging.getLogger("offload")
@@ -49,9 +50,10 @@ class StepRunner:
 
     def __init__(self, *, config, shards, pg, device: torch.device, account, timeline, manager, optimizer,
                  policy: UpdatePolicy, stores, uses_nvme: bool, loss_scaler, lr_scheduler,
-                 before_update: Callable[[], None]):
+                 before_update: Callable[[], None], host_worker):
         """before_update(): called before any update writes (Note [consistent async
-        checkpoint] in checkpoint_io/save.py)."""
+        checkpoint] in checkpoint_io/save.py). host_worker: where updates beside backward
+        and the next forward run (Note [the host worker] in offload/host_worker.py)."""
         self.config, self.shards, self.pg, self.device = config, shards, pg, device
         self.timeline, self.manager, self.optimizer, self.policy = timeline, manager, optimizer, policy
         self._stores, self._uses_nvme, self._before_update = stores, uses_nvme, before_update
@@ -59,7 +61,12 @@ class StepRunner:
         self.lr_scheduler = lr_scheduler
         self.phases = StepPhases()  # Note [step phases]; a failed update's (error, clipped norm) kept there
         self.counters = StepCounters()  # Note [step counters]
-        self.grad_norm = GradNorm(optimizer, pg, device, shards, account)
+        # The update schedulers (Note [update names] in step/update_policy.py); the
+        # optimizer reaches them only through its driver (optim/driver.py).
+        largest = max((s.part_numel for s in optimizer.shards), default=1)
+        self.in_backward = OverlappedUpdates(optimizer, host_worker, pending_grad_elems=policy.pending_cap(largest))
+        self.deferred = DeferredUpdates(optimizer, host_worker)
+        self.grad_norm = GradNorm(optimizer, self.deferred, pg, device, shards, account)
         self.boundary: bool | None = None  # set_gradient_accumulation_boundary; None: by micro_steps
         self.step_applied = False  # whether the last step() updated the parameters
         self._in_engine_step = False  # optimizer.step() reached through engine.step()
@@ -113,7 +120,25 @@ class StepRunner:
         """No update running, in backward or deferred (before checkpoint files are rewritten)."""
         if self.phases.updating_in_backward:
             self._abandon_in_backward()
-        self.optimizer.deferred.settle()
+        self.deferred.settle()
+
+    def finish_updates(self) -> None:
+        """At engine.close: every update started has run, those of a backward no step()
+        followed (their error raised), then those under the next forward (their error,
+        already raised to whatever read the shard, logged)."""
+        if self.in_backward.active:
+            self.in_backward.finish()
+        try:
+            self.deferred.settle()
+        except Exception:  # noqa: BLE001 - the shard's reads raised it; close goes on
+            log.exception("engine.close(): an update left running under the next forward failed")
+
+    def adopted(self, shard) -> None:
+        """A shard unfrozen since the optimizer was made has state now (Note [unfreezing] in
+        engine/unfreeze.py): its gradients join the updates in backward."""
+        # Never under one partition (Note [when updates run]); the budgets reserved no more.
+        self.in_backward.pending_grad_elems = max(self.in_backward.pending_grad_elems, shard.part_numel)
+        self.in_backward.arrival_order = None  # learned again, with this shard's gradient in it
 
     def loaded(self) -> None:
         """After a checkpoint load: every key was rewritten, a failed step's retry is moot."""
@@ -145,7 +170,7 @@ class StepRunner:
         scale = 1.0 / self.accumulation_steps()
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
-        self.optimizer.deferred.settle()  # the last step's updates, before new gradients arrive
+        self.deferred.settle()  # the last step's updates, before new gradients arrive
         self.grad_norm.settle()  # summed by those updates (Note [global gradient norm])
         if self.phases.phase is StepPhase.UPDATING_DEFERRED:
             self.phases.to_ready(StepPhase.UPDATING_DEFERRED)
@@ -154,7 +179,7 @@ class StepRunner:
             # read what it saves first (Note [consistent async checkpoint]).
             self._before_update()
             self.optimizer.grad_sq = 0.0
-            self.optimizer.overlap.begin()
+            self.in_backward.begin()
             self.phases.to_updating_in_backward()
             self._plan_backward(carried=self._carried())
         # Note [norm terms during backward] (step/gradients.py)
@@ -191,7 +216,7 @@ class StepRunner:
         if not carried:
             to_host.begin_backward(NO_PLAN)
             return
-        deferred, step = self.optimizer.deferred, self.optimizer.overlap.step
+        deferred, step = self.deferred, self.in_backward.step
         to_host.begin_backward(BackwardPlan(follow=lambda shard, taken_in: deferred.follow(shard, taken_in, step)))
 
     def _abandon_in_backward(self) -> None:
@@ -201,7 +226,7 @@ class StepRunner:
         # keep their gradients.
         self._plan_backward(carried=False)
         try:
-            self.optimizer.overlap.abandon()
+            self.in_backward.abandon()
         except Exception:  # noqa: BLE001 - the backward error is the one to raise
             log.exception("while finishing optimizer updates after a failed backward")
         finally:
@@ -259,7 +284,7 @@ class StepRunner:
         shards the failed step did not update are; the step then ends as it would have."""
         _, clipped_norm = self.phases.failure
         self._applying(self._rewrite_unwritten, clipped_norm)
-        self._applying(self.optimizer.update, clipped_norm)
+        self._applying(self._apply, clipped_norm)
         self.phases.to_ready(StepPhase.FAILED)
         self._finish_update(clipped_norm)
 
@@ -279,13 +304,13 @@ class StepRunner:
             # Note [head first after backward] (partition/device_copies.py): they are carried.
             self._plan_backward(carried=False)
             to_host.head_first()
-            self.optimizer.overlap.carry([u.shard for u in self.optimizer.deferred.pending])
+            self.in_backward.carry([u.shard for u in self.deferred.pending])
             self.phases.to_ready(StepPhase.UPDATING_IN_BACKWARD)
             self.phases.to_updating_deferred()
             self._finish_update()
             return
         if self.phases.updating_in_backward:
-            self._applying(self.optimizer.update)  # waits for the updates that ran during backward
+            self._applying(self._apply)  # waits for the updates that ran during backward
             self.phases.to_ready(StepPhase.UPDATING_IN_BACKWARD)
             self._finish_update()
             return
@@ -320,12 +345,21 @@ class StepRunner:
             clipped_norm = clip_by_global_norm(self.shards, clip, self.device, self.pg)
         self.optimizer.grad_sq = 0.0
         self._before_update()  # Note [consistent async checkpoint] (offload/checkpoint_io/save.py)
-        if defer:  # Note [updates under the next forward] (offload/optim/overlap.py)
-            self.optimizer.deferred.start(self.shards, grad_scale=coef)
+        if defer:  # Note [updates under the next forward] (offload/step/updates.py)
+            self.deferred.start(self.shards, grad_scale=coef)
             self.phases.to_updating_deferred()
         else:
-            self._applying(self.optimizer.update, clipped_norm)
+            self._applying(self._apply, clipped_norm)
         self._finish_update(clipped_norm)
+
+    def _apply(self) -> None:
+        """Finishes the updates that ran during backward (Note [optimizer overlap] in
+        step/updates.py), or runs every update here, in step()."""
+        if self.in_backward.active:
+            self.in_backward.finish()
+            return
+        self.deferred.settle()
+        self.optimizer.update()
 
     def _finish_update(self, grad_norm: float | None = None) -> None:
         self.grad_norm.record(grad_norm)  # Note [global gradient norm] (step/grad_norm.py)
@@ -361,7 +395,7 @@ class StepRunner:
             # Note [updates from the staging buffer] (step/gradients.py): no copy into the partition.
             kept, shard.grad_part, shard.has_grad = shard.grad_part, grad, True
             try:
-                self.optimizer.overlap.submit(shard, carried=carried)  # on the host worker: updates now
+                self.in_backward.submit(shard, carried=carried)  # on the host worker: updates now
             finally:
                 staged, shard.grad_part = shard.grad_part, kept
                 if shard.has_grad and staged is not None:  # not updated (a failed step): kept for the retry
@@ -373,8 +407,8 @@ class StepRunner:
         if terms is not None:  # on the host worker (Note [norm terms during backward])
             terms.take(shard)
         if in_backward and shard.grad_tier is not Tier.DEVICE:
-            # State on the device: updated at step() (overlap.finish).
-            self.optimizer.overlap.submit(shard, carried=carried, master=master)
+            # State on the device: updated at step() (in_backward.finish).
+            self.in_backward.submit(shard, carried=carried, master=master)
 
     def brings_master(self, shard) -> bool:
         """Whether the parameter's partition goes down with this gradient: its update

@@ -20,7 +20,7 @@ Note [when updates run]
 An update needs its shard's final gradient. It runs:
   during backward        as each gradient becomes final, on the host worker
                          (OverlappedUpdates; Note [optimizer overlap] in
-                         optim/overlap.py), where nothing needs every
+                         step/updates.py), where nothing needs every
                          gradient first (no clipping, no fp16 overflow
                          check), the backward ends an accumulation window,
                          and there is something to hide: NVMe transfers, or

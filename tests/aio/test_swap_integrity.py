@@ -74,7 +74,7 @@ def test_flipped_byte_in_an_optimizer_file_stops_the_step_before_any_update(tmp_
     data = batches(2)
     with _nvme_engine(tmp_path) as engine:
         _train(engine, data[:1])
-        first = engine.optimizer.overlap.arrival_order[0]  # the first update of the next step
+        first = engine.step_runner.in_backward.arrival_order[0]  # the first update of the next step
         path = engine.optimizer.state_file(first)
         _flip(path)
         before, steps = _swap_files(engine), dict(engine.optimizer.shard_steps)

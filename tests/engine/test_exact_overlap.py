@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import offload
-from offload.optim.overlap import DeferredUpdates, OverlappedUpdates
+from offload.step.updates import DeferredUpdates, OverlappedUpdates
 from offload.optim.sharded_adam import ShardedAdam
 from offload.partition.shard import Shard
 

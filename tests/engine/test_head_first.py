@@ -65,7 +65,7 @@ def test_updates_go_on_under_the_next_forward_head_first_with_the_same_bits(tmp_
             state["stepped"] = True
             assert engine.step_runner.phase is StepPhase.UPDATING_DEFERRED
             losses.append(loss.detach().float())
-            engine.optimizer.deferred.settle()  # the step's updates, all of them, before the next
+            engine.step_runner.deferred.settle()  # the step's updates, all of them, before the next
             late = [i for i, stepped in log if stepped]
             log.clear()
             after_step.append((late, list(sent)))
@@ -95,7 +95,7 @@ def test_a_value_read_after_step_is_the_updated_one(tmp_path, monkeypatch):
             engine.step()
             name, param = next(iter(engine.module.named_parameters()))  # the head: updated last... or first
             value = param.detach().clone()
-            engine.optimizer.deferred.settle()
+            engine.step_runner.deferred.settle()
             return name, value
 
     name, value = first_value_read_after_step()

@@ -38,7 +38,7 @@ def test_state_file_holds_only_the_moments_and_masters_come_from_gathered_copies
         losses = train_engine(engine, data)
         # Weights are read by their backward, so their masters came along;
         # a bias's gradient needs no value, so it is never gathered then.
-        brought = {engine.shards[i].name for i in opt.overlap.masters_from_gather}
+        brought = {engine.shards[i].name for i in engine.step_runner.in_backward.masters_from_gather}
         assert "blocks.0.fc.weight" in brought and "blocks.0.fc.bias" not in brought
         _assert_matches_reference(engine, losses, ref_model, ref_losses)
 
@@ -52,7 +52,7 @@ def test_masters_expected_from_gathered_copies_but_not_brought_are_read(tmp_path
 
     def mislearn(engine, step):
         everything = frozenset(s.index for s in engine.shards)
-        engine.optimizer.overlap.masters_from_gather = everything if step % 2 else frozenset()
+        engine.step_runner.in_backward.masters_from_gather = everything if step % 2 else frozenset()
 
     with offload.initialize(copy.deepcopy(model), make_config("nvme", "nvme", tmp_path)) as engine:
         losses = train_engine(engine, data, before_step=mislearn)
@@ -66,7 +66,7 @@ def test_a_deferred_step_reads_every_master(tmp_path):
     ref_model, ref_losses = run_reference(model, data, gas=1, clip=0.05, lr=1e-2, weight_decay=0.01)
     with offload.initialize(copy.deepcopy(model), make_config("nvme", "nvme", tmp_path, clip=0.05)) as engine:
         losses = train_engine(engine, data)
-        assert not engine.optimizer.overlap.masters_from_gather
+        assert not engine.step_runner.in_backward.masters_from_gather
         _assert_matches_reference(engine, losses, ref_model, ref_losses)
 
 
@@ -132,7 +132,7 @@ def test_on_a_separate_device_masters_come_down_with_their_gradients(tmp_path, m
             counts = []
             losses = train_engine(engine, data, before_step=lambda e, step: counts.append(_bytes_read(e)))
             read[brings] = counts[-1] - counts[-2]  # one whole step, after the first learned the order
-            brought = {engine.shards[i].name for i in engine.optimizer.overlap.masters_from_gather}
+            brought = {engine.shards[i].name for i in engine.step_runner.in_backward.masters_from_gather}
             _assert_matches_reference(engine, losses, ref_model, ref_losses)
             if brings:
                 assert "blocks.0.fc.weight" in brought
@@ -162,5 +162,5 @@ def test_masters_stay_on_disk_without_room_on_the_device(tmp_path, monkeypatch):
 
         monkeypatch.setattr(account, "charge", no_room_for_masters)
         losses = train_engine(engine, data)
-        assert not engine.optimizer.overlap.masters_from_gather
+        assert not engine.step_runner.in_backward.masters_from_gather
         _assert_matches_reference(engine, losses, ref_model, ref_losses)

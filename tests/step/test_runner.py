@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from offload.config import Config
+from offload.host_worker import HostWorker
 from offload.step.loss_scaler import LossScaler
 from offload.step.phase import StepPhase
 from offload.step.runner import StepRunner
@@ -40,20 +41,13 @@ class Manager:
         self.backward_passes += 1
 
 
-class Deferred:
-    pending = ()
-
-    def settle(self):
-        pass
-
-
 class Optimizer:
     """Records the updates; `fail` makes the next one raise."""
 
     state_tiers = frozenset({Tier.HOST})
 
     def __init__(self, shards):
-        self.shards, self.deferred, self.grad_sq = shards, Deferred(), 0.0
+        self.shards, self.grad_sq = shards, 0.0
         self.param_groups = [{"lr": 0.1}]
         self.updates, self.fail, self.runner = [], None, None
 
@@ -92,7 +86,7 @@ def runner(gas=1, precision="fp32", clip=0.0, stores=()):
                       timeline=Timeline(enabled=False), manager=manager, optimizer=optimizer,
                       policy=UpdatePolicy.of(config, separate_memory=False), stores=list(stores),
                       uses_nvme=False, loss_scaler=LossScaler.of(config), lr_scheduler=None,
-                      before_update=lambda: None)
+                      before_update=lambda: None, host_worker=HostWorker())
     optimizer.runner = made
     return made, shards, manager, optimizer
 

@@ -51,4 +51,4 @@ def test_the_optimizers_cap_and_the_budgets_bound_agree(tmp_path, monkeypatch):
     assert p.backlog_bound(300) == 1000 + 600
     with offload.initialize(build("tiny_gpt"), make_config("cpu", "nvme", tmp_path)) as engine:
         largest = max(s.part_numel for s in engine.optimizer.shards)
-        assert engine.optimizer.overlap.pending_grad_elems == engine.step_runner.policy.pending_cap(largest)
+        assert engine.step_runner.in_backward.pending_grad_elems == engine.step_runner.policy.pending_cap(largest)

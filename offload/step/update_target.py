@@ -1,4 +1,4 @@
-"""What the update schedulers (offload/optim/overlap.py) need of the optimizer whose
+"""What the update schedulers (offload/step/updates.py) need of the optimizer whose
 updates they run: a small interface, so they depend on it rather than on ShardedAdam
 (which makes them, and so imports them)."""
 from __future__ import annotations

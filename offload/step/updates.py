@@ -58,7 +58,7 @@ from offload.tiers import Tier
 
 if TYPE_CHECKING:
     from offload.optim.state_stream import StateStream
-    from offload.optim.update_target import UpdateTarget
+    from offload.step.update_target import UpdateTarget
 
 
 @dataclass
@@ -212,6 +212,9 @@ class OverlappedUpdates:
         st, opt = self.step, self.optimizer
         if st is None and carried:
             st = self.carried
+        if st is None:
+            raise RuntimeError(f"the gradient of {shard.name} arrived for an update in backward, but no "
+                               "backward's updates are in progress (begin() first)")
         if shard.index in st.updates:
             # Its update already ran with the gradient it had: a second one
             # would be lost. Autograd accumulates a parameter once per backward.
