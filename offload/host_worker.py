@@ -4,7 +4,7 @@ Note [the host worker]
 Beside a device with memory of its own, the work a step does on the host
 runs on one thread, in the order it was submitted: each gradient's
 device-to-host copy is waited for and added into its partition there
-(Note [copy streams] in offload/partition/device_copies.py), and, when the
+(Note [copy streams] in offload/transfers/device_copies.py), and, when the
 update overlaps backward, the shard's Adam update follows at once on the same
 thread (Note [optimizer overlap] in offload/step/updates.py). So autograd's
 thread only queues copies and records, never waits for one, and a shard's

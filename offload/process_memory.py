@@ -142,7 +142,7 @@ def _import_lazy_dependencies() -> None:
     # which torch.optim.Optimizer's wrapped methods import on first call (70
     # MiB): the engine's optimizer does without it (ShardedAdam.add_param_group).
     import offload.aio.swap_store  # noqa: F401
-    import offload.partition.nvme_home  # noqa: F401
+    import offload.transfers.nvme_home  # noqa: F401
     import offload.schedulers  # noqa: F401
 
 

@@ -112,7 +112,8 @@ LAYERS = (
     ("offload.accounting", "offload.simd", "offload.torch_release", "offload.aio", "offload.placement",
      "offload.config", "offload.schedulers", "offload.ops"),  # memory accounting, I/O, config
     ("offload.activations", "offload.node"),
-    ("offload.partition",),  # shards and their runtime, copies, NVMe homes, compile support
+    ("offload.transfers",),  # copy streams, the staging ring, NVMe homes, collectives
+    ("offload.partition",),  # shards and their runtime, compile support
     ("offload.process_memory", "offload.optim"),  # the update's arithmetic and state
     ("offload.step",),  # the step and its one owner
     ("offload.checkpoint_io",),

@@ -38,7 +38,7 @@ with no parameter to take them from, a fresh pinned tensor per input.)
 Note [pinned checkpoint inputs]
 With cpu_checkpointing on a device with memory of its own (the engine's
 ShardContext has copy streams, Note [copy streams] in
-partition/device_copies.py), a checkpoint input goes device->host on the
+transfers/device_copies.py), a checkpoint input goes device->host on the
 `d2h` stream when forward saves it, into a buffer of one pinned pool
 (`PinnedInputs`, a BufferPool of varying sizes registered with the layer and
 charged to `memory.pinned_budget`'s ledger), and back host->device on the

@@ -19,7 +19,7 @@ allocation also carries up to one alignment unit of padding, not counted.)
 
 Note [staging pool]
 The same pool, with `buffer_bytes` set, is the engine's pool of host staging
-buffers between NVMe and the device (offload/partition/nvme_home.py
+buffers between NVMe and the device (offload/transfers/nvme_home.py
 ParamStore): every buffer is exactly `buffer_bytes` (the largest transfer),
 so a budget of depth x buffer_bytes makes at most `depth` buffers, each
 allocated (and pinned, with CUDA and pin_memory) at initialize (`fill`)

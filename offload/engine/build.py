@@ -31,11 +31,12 @@ from offload.aio.run_dir import RunDirectories
 from offload.config import Config
 from offload.device import DeviceLayer
 from offload.accounting import MemoryAccount
-from offload.partition.collectives import ProcessGroupInfo
-from offload.partition.device_copies import CopyStreams
-from offload.partition.nvme_home import ParamStore
+from offload.transfers.collectives import ProcessGroupInfo
+from offload.transfers.device_copies import CopyStreams
+from offload.transfers.nvme_home import ParamStore
 from offload.engine import budgets
-from offload.engine.stores import check_free_space, open_store, staging_plan, store_configs
+from offload.engine.reserve import Reserve, reserve, settle_plan
+from offload.engine.stores import check_free_space, open_store
 from offload.partition.shard import Shard
 from offload.partition.shard_context import PartitionStore, ShardContext, partition_numel
 from offload.placement import Placement
@@ -352,34 +353,22 @@ def _plan_within_budgets(model, named, planned: list[_Planned], config: Config, 
     holds beside them, checked against the budgets: (placement, store configs, staging
     plan, the budgets' notes). An auto plan that left too little room is made again."""
     zero = config.zero_optimization
-    dtype = config.precision.dtype
-    have_param_store = builder is not None and builder.store is not None
-    placement = budgets.plan(planned, config, layer, pg, threshold=zero.stage3_param_persistence_threshold,
+    threshold = zero.stage3_param_persistence_threshold
+    apart, ranks = layer.separate_memory, pg.world_size
+    placement = budgets.plan(planned, config, layer, pg, threshold=threshold,
                              host=builder.auto_host if builder is not None else None)
 
-    def stores_and_needs():
-        configs = store_configs(planned, config, pg, have_param_store)
-        staging = staging_plan(planned, config, dtype, layer, pg.world_size)
-        apart, ranks = layer.separate_memory, pg.world_size
-        need = budgets.tier_needs(planned, config, dtype, sum(c.buffer_bytes for c in configs.values()),
-                                  separate_memory=apart, world_size=ranks,
-                                  param_staging_bytes=staging[0] * staging[1] if staging else 0,
-                                  on_demand=budgets.largest_module_group(model, named, planned, apart, ranks),
-                                  grad_backlog_elems=budgets.grad_backlog(config, planned, separate_memory=apart),
-                                  unit=budgets.gathered_by_blocks(compiled, named, planned, apart, ranks))
-        return configs, staging, need
+    def reserve_of(_placement) -> Reserve:  # budgets.plan set each of `planned`'s tiers
+        return reserve(planned, config, separate_memory=apart, world_size=ranks, rank=pg.rank,
+                       have_param_store=builder is not None and builder.store is not None,
+                       on_demand=budgets.largest_module_group(model, named, planned, apart, ranks),
+                       unit=budgets.gathered_by_blocks(compiled, named, planned, apart, ranks))
 
-    configs, staging, need = stores_and_needs()
     first = placement.budgets
-    for _ in range(8 if first is not None else 0):
-        # An auto plan leaves room for what the engine holds besides homes and
-        # state; where that was more than it left, plan again with less.
-        replanned = budgets.replan_within(placement, need, config, first)
-        if replanned is None:
-            break
-        placement = budgets.plan(planned, config, layer, pg, threshold=zero.stage3_param_persistence_threshold,
-                                 within=replanned)
-        configs, staging, need = stores_and_needs()
+    placement, held = settle_plan(
+        placement, config, lambda within: budgets.plan(planned, config, layer, pg, threshold=threshold,
+                                                       within=within), reserve_of)
+    configs, staging, need = held.configs, held.staging, held.need
     if first is not None:
         placement = dataclasses.replace(placement, host_limit=first.host)
     return placement, configs, staging, budgets.check_needs(need, config)

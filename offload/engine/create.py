@@ -9,7 +9,7 @@ import torch
 
 from offload.config import Config
 from offload.engine.engine import Engine
-from offload.partition.collectives import ProcessGroupInfo
+from offload.transfers.collectives import ProcessGroupInfo
 from offload.torch_release import check_torch_release
 
 log = logging.getLogger("offload")

@@ -36,7 +36,7 @@ from offload.node import bind_kernel_threads, node_share
 from offload.engine.make_optimizer import make_optimizer
 from offload.schedulers import build_scheduler
 from offload.accounting import MemoryAccount
-from offload.partition.collectives import ProcessGroupInfo
+from offload.transfers.collectives import ProcessGroupInfo
 from offload.partition.managed import manage, refuse_state_dict_larger_than_memory
 from offload.partition.manager import ParameterManager
 from offload.partition.prefetch import prefetch_scheduler
@@ -462,7 +462,7 @@ class Engine:
             self.activation_checkpointing.remove()
             uncompile_blocks(self.compiled_blocks)  # Note [compiled blocks]
             teardown.remove_swap_files(self)
-            self.pg.release()  # Note [releasing the process group] in partition/collectives.py
+            self.pg.release()  # Note [releasing the process group] in transfers/collectives.py
             teardown.close_device(self)
             self.account.drop_callbacks()
             reason = ("the model's parameters hold their values (engine.module)" if given_back else

@@ -76,10 +76,10 @@ from offload.engine.build import HomePolicy, discard_home, shard_context
 from offload.engine.stores import open_swap_store
 from offload.process_memory import release_free_host_memory
 from offload.accounting import MemoryAccount
-from offload.partition.collectives import ProcessGroupInfo
+from offload.transfers.collectives import ProcessGroupInfo
 from offload.partition.managed import manage, unmanage
 from offload.partition.gather_on_use import tensor_leaves
-from offload.partition.nvme_home import ParamStore
+from offload.transfers.nvme_home import ParamStore
 from offload.partition.shard import Shard
 from offload.partition.shard_context import Residency
 from offload.tiers import Tier

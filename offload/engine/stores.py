@@ -17,14 +17,13 @@ from offload.aio.run_dir import RunDirectories
 from offload.aio.swap_config import SwapConfig
 from offload.aio.swap_store import SwapStore, SwapStoreError
 from offload.config import Config
-from offload.device import DeviceLayer
-from offload.partition import nvme_home
-from offload.partition.collectives import ProcessGroupInfo
+from offload.transfers import nvme_home
+from offload.transfers.collectives import ProcessGroupInfo
 from offload.partition.prefetch import prefetch_limits
 from offload.tiers import Tier
 
 
-def staging_plan(planned: list, config: Config, dtype: torch.dtype, layer: DeviceLayer,
+def staging_plan(planned: list, config: Config, dtype: torch.dtype, separate_memory: bool,
                   world_size: int) -> tuple[int, int] | None:
     """(buffer bytes, depth) of the parameter staging pool (Note [staging pool] in
     offload/aio/buffer_pool.py), or None when parameter reads need no staging.
@@ -33,7 +32,7 @@ def staging_plan(planned: list, config: Config, dtype: torch.dtype, layer: Devic
     cannot hold MIN_STAGING_DEPTH of them is refused here, before anything moves."""
 
     nvme = [pl for pl in planned if pl.home is Tier.NVME]
-    if not nvme or not nvme_home.stages_reads(world_size, layer.separate_memory):
+    if not nvme or not nvme_home.stages_reads(world_size, separate_memory):
         return None
     zero = config.zero_optimization
     buffer_bytes = round_up(max(pl.part_numel for pl in nvme) * dtype.itemsize)
@@ -41,7 +40,7 @@ def staging_plan(planned: list, config: Config, dtype: torch.dtype, layer: Devic
     bucket, _, _ = prefetch_limits(zero, largest_offloaded)
     depth = nvme_home.staging_depth([pl.padded_numel for pl in nvme], bucket)
     budget = config.memory.pinned_budget
-    if budget is not None and pins(cuda=layer.separate_memory, pin_memory=zero.offload_param.pin_memory):
+    if budget is not None and pins(cuda=separate_memory, pin_memory=zero.offload_param.pin_memory):
         least = nvme_home.MIN_STAGING_DEPTH * buffer_bytes
         if budget < least:
             raise MemoryError(
@@ -62,7 +61,7 @@ def staging_plan(planned: list, config: Config, dtype: torch.dtype, layer: Devic
 # optimizer writes a parameter's file only after its gradient is final,
 # and the compute thread reads it again only after step() has waited.
 # A model built under offload.init brings its parameter store along.
-def store_configs(planned: list, config: Config, pg: ProcessGroupInfo, have_param_store: bool) -> dict:
+def store_configs(planned: list, config: Config, rank: int, have_param_store: bool) -> dict:
     """The swap stores' settings, by role (Note [one store per thread]): "param"
     for the compute thread's reads, "state" for the optimizer's state, "writer"
     for new parameter values (where state and parameters have different paths)."""
@@ -76,23 +75,23 @@ def store_configs(planned: list, config: Config, pg: ProcessGroupInfo, have_para
     if nvme_sizes and not have_param_store:
         op = zero.offload_param
         staging = op.buffer_count * op.buffer_size * dtype.itemsize if op.buffer_count and op.buffer_size else None
-        configs["param"] = _swap_config(param_path, nvme_sizes, staging, config, pg)
+        configs["param"] = _swap_config(param_path, nvme_sizes, staging, config, rank)
     if state_path is not None:
         oo = zero.offload_optimizer
         staging = oo.buffer_count * max(nvme_state) * 4 if oo.buffer_count else None
-        configs["state"] = _swap_config(state_path, [3 * n * 4 for n in nvme_state], staging, config, pg)
+        configs["state"] = _swap_config(state_path, [3 * n * 4 for n in nvme_state], staging, config, rank)
     if nvme_sizes and state_path != param_path:
         # Writes the same files as the parameter store, which holds their disk
         # space: no capacity of its own, but the same staging budget. Sized from
         # no tensors it had 8 KiB, and a new value not aligned for a direct
         # write went through in 4 KiB pieces (GPT 67M, optimizer state on the
         # host: a 7 s step).
-        writer = _swap_config(param_path, nvme_sizes, None, config, pg)
+        writer = _swap_config(param_path, nvme_sizes, None, config, rank)
         configs["writer"] = dataclasses.replace(writer, capacity_bytes=0)
     return configs
 
 
-def _swap_config(nvme_path, sizes, staging_bytes, config: Config, pg: ProcessGroupInfo):
+def _swap_config(nvme_path, sizes, staging_bytes, config: Config, rank: int):
     """A store's settings. staging_bytes: the host staging budget from DeepSpeed's
     keys (offload_param.buffer_count x buffer_size elements, offload_optimizer.
     buffer_count x the largest state partition): the same budgets, except that a
@@ -107,7 +106,7 @@ def _swap_config(nvme_path, sizes, staging_bytes, config: Config, pg: ProcessGro
     # block reallocation per write (9 ms each on ext4, measured); a write that
     # fails keeps its value in memory instead (Note [failed in-place writes]).
     # checksum: Note [swap data checksums] in offload/aio/swap_store.py.
-    swap_config = SwapConfig.for_tensors(nvme_path, sizes, in_flight=2, rank=pg.rank,
+    swap_config = SwapConfig.for_tensors(nvme_path, sizes, in_flight=2, rank=rank,
                                          aio=config.aio, atomic=False,
                                          checksum=config.aio.verify_swap_checksums)
     if staging_bytes is None:
@@ -222,4 +221,4 @@ def open_store(swap_config, account: MemoryAccount, run_dirs: RunDirectories):
 def open_swap_store(nvme_path, sizes, staging_bytes, config: Config, pg: ProcessGroupInfo,
                     account: MemoryAccount, run_dirs: RunDirectories):
     """A store opened at once (offload.init, before the model's size is known)."""
-    return open_store(_swap_config(nvme_path, sizes, staging_bytes, config, pg), account, run_dirs)
+    return open_store(_swap_config(nvme_path, sizes, staging_bytes, config, pg.rank), account, run_dirs)

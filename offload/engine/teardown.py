@@ -94,7 +94,7 @@ def abort(engine) -> None:
         engine.activation_checkpointing.remove()
         uncompile_blocks(engine.compiled_blocks)  # Note [compiled blocks]
     remove_swap_files(engine)
-    engine.pg.release()  # Note [releasing the process group] in partition/collectives.py
+    engine.pg.release()  # Note [releasing the process group] in transfers/collectives.py
     close_device(engine)
 
 

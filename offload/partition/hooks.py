@@ -1,6 +1,6 @@
 """What the parameter runtime calls back into: one typed object, given to the
-ParameterManager when it is built (never assigned afterwards), and the frozen
-record each backward hands the copy-down path.
+ParameterManager when it is built (never assigned afterwards). The frozen record
+each backward hands the copy-down path is BackwardPlan (transfers/device_copies.py).
 
 The runtime (this folder) sits below the step (offload/step): a gradient it
 takes in, a forward it opens, an edit it writes home, are the step's business,
@@ -9,9 +9,7 @@ so it calls up through `StepHooks`, whose one implementation is the engine's
 """
 from __future__ import annotations
 
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -32,25 +30,4 @@ class StepHooks(Protocol):
 
     def brings_master(self, shard) -> bool:
         """Whether the parameter's partition goes down with its gradient (Note [masters
-        down with their gradients] in partition/device_copies.py)."""
-
-
-@dataclass(frozen=True)
-class BackwardPlan:
-    """One backward's plan for the gradients going down, handed to GradientsToHost
-    when the backward starts (GradientsToHost.begin_backward).
-
-    carried: the updates of this backward may be carried under the next forward
-    (Note [update names] in step/update_policy.py); each copy, as it starts, is then handed to
-    `follow(shard, taken_in)`, so that its update runs right after the gradient is
-    taken in, and backward's end does not wait for the copies (Note [head first
-    after backward] in partition/device_copies.py)."""
-
-    follow: Callable[[object, Future], None] | None = None
-
-    @property
-    def carried(self) -> bool:
-        return self.follow is not None
-
-
-NO_PLAN = BackwardPlan()  # a backward whose gradients are all in before step() reads them
+        down with their gradients] in transfers/device_copies.py)."""

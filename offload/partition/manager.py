@@ -55,9 +55,9 @@ import torch
 
 from offload.timeline import Timeline
 from offload.host_worker import HostWorker
-from offload.partition.device_copies import GradientsToHost
-from offload.partition.gather_ahead import start_all_gather_ahead
-from offload.partition.grad_buckets import GradientBuckets
+from offload.transfers.device_copies import GradientsToHost
+from offload.transfers.gather_ahead import start_all_gather_ahead
+from offload.transfers.grad_buckets import GradientBuckets
 from offload.partition.hooks import StepHooks
 from offload.partition.prefetch import PrefetchScheduler
 from offload.partition.shard import Shard

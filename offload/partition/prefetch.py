@@ -62,7 +62,7 @@ is taken into use at the expected position, `gathers_ahead` names the next
 ones in the learned order, within half the prefetch bucket (at least the
 next one); each has its partition copied in (`Shard.ready_to_gather_ahead`)
 and together they start one packed all-gather, asynchronously
-(offload/partition/gather_ahead.py); the first use among them waits the
+(offload/transfers/gather_ahead.py); the first use among them waits the
 collective (compute-after-all-gather) and copies every value out. With NCCL an
 async collective runs on the communication stream NCCL keeps, and `wait()`
 makes the compute stream wait it (the host does not block); on gloo it runs

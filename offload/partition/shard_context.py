@@ -15,13 +15,13 @@ from offload.aio.memory import BufferCache
 from offload.device import DeviceLayer
 from offload.device.cpu import CpuDevice
 from offload.accounting import MemoryAccount
-from offload.partition.collectives import ProcessGroupInfo
-from offload.partition.device_copies import CopyStreams
+from offload.transfers.collectives import ProcessGroupInfo
+from offload.transfers.device_copies import CopyStreams
 from offload.tiers import Tier
 
 if TYPE_CHECKING:
     from offload.device import Event
-    from offload.partition.gather_ahead import PackedAllGather
+    from offload.transfers.gather_ahead import PackedAllGather
 
 class Residency(enum.Enum):
     """Where the full compute-dtype value is, and which bytes that costs.
@@ -88,7 +88,7 @@ class _FailedRead:
 
 
 class PartitionStore(Protocol):
-    """What a shard asks of the store holding NVMe homes (offload.partition.nvme_home.ParamStore;
+    """What a shard asks of the store holding NVMe homes (offload.transfers.nvme_home.ParamStore;
     tests give fakes). One thread drives it (Note [one store per thread] in engine/stores.py)."""
 
     def write(self, shard, part: torch.Tensor, *, borrow: bool = False) -> Transfer:

@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from offload.config import AUTO, Config, ConfigError, Precision, Tier
+from offload.engine.budgets import default_host_budget
+from offload.engine.reserve import Reserve, reserve, settle_plan
 from offload.placement import (DEVICE_SHARE, HOST_SHARE, Budgets, ParamSpec, Placement, nvme_state_buffers,
-                               plan_placement)
-from offload.tiers import grad_tier_of
+                               plan_placement, uniform)
 from offload.sizing.hf_config import CountedModel
 from offload.sizing.model_shapes import counted_model
 from offload.sizing.trainable import parse_trainable
@@ -76,6 +77,10 @@ class Estimate:
     placement: Placement | None = None  # "auto": the plan (Note [automatic placement])
     auto_param: bool = False  # offload_param.device "auto"
     auto_optimizer: bool = False
+    # What initialize checks against memory.device_budget and host_budget, per tier, {what:
+    # bytes}: its own function on the parameters counted here (engine/reserve.py). Under
+    # "auto" the breakdown's device and host are these.
+    needs: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def frozen_params(self) -> int:
@@ -128,6 +133,11 @@ class Estimate:
                   f"minimum: device {_gib(self.minimum_device)} per device, host {_gib(self.minimum_host)} "
                   f"per node, nvme {_gib(self.minimum_nvme)} per node",
                   "(model states only: activations, the CUDA context and allocator slack come on top)"]
+        for tier, parts in self.needs.items() if self.placement is None else ():  # auto: the breakdown
+            if parts:
+                lines += ["", f"initialize checks against memory.{tier}_budget: {_gib(sum(parts.values()))} "
+                          "per rank (its own terms)"]
+                lines += [f"{'':<8}{'':>12}   {_gib(n):>11}  {what}" for what, n in parts.items()]
         if self.placement is not None:
             lines += ["", self.placement.format()]
         lines += [f"note: {n}" for n in self.notes]
@@ -270,43 +280,29 @@ def estimate_from(num_params, *, model_config, config, largest_layer_params, per
         for what, nbytes in nvme_state_buffers(-(-largest_trainable // world_size), c, p_dev is Tier.NVME).items():
             breakdown["host"][what] = nbytes
     placement = None
-    if zero.offload_param.auto or zero.offload_optimizer.auto:
-        placement = _auto_plan(cfg, zero, num_params, trainable_params, largest_layer_params, largest_trainable,
-                               persistent_params, world_size, model,
-                               tail_share=share is not None and adapter is None, notes=notes, name=name)
-        for tier in TIERS:
-            breakdown[tier] = {k: v for k, v in breakdown[tier].items()
-                               if not k.startswith(("parameter shards", "fp32 master", "Adam exp_avg",
-                                                    "gradient accumulation"))}
-        key = f"gradient accumulation (fp32, 4 {per})"
-        for s in placement.shards:  # each gradient beside its optimizer state (grad_tier_of)
-            if s.trainable:
-                what = breakdown[grad_tier_of(s.state).value]
-                what[key] = what.get(key, 0) + s.part_numel * 4
-        homes = placement.home_bytes()
+    specs = _specs(zero, num_params, trainable_params, largest_layer_params, persistent_params, world_size, model,
+                   tail_share=share is not None and adapter is None, notes=notes, name=name)
+    auto = zero.offload_param.auto or zero.offload_optimizer.auto
+    # zero: its "auto" sizes resolved, as initialize resolves them from the model
+    plan, held = _plan_and_reserve(dataclasses.replace(cfg, zero_optimization=zero), specs, world_size, world_size // num_nodes, auto=auto, notes=notes)
+    needs = {t.value: dict(parts) for t, parts in held.need.items()}
+    if auto:
+        # The plan's device and host are what initialize checks against their budgets,
+        # term by term (engine/budgets.py tier_needs); NVMe holds the planned homes and state.
+        placement = plan
+        breakdown = {**needs, "nvme": {}}
+        homes = placement.home_bytes()[Tier.NVME]
         frozen_homes = dataclasses.replace(placement, shards=tuple(s for s in placement.shards
-                                                                   if not s.trainable)).home_bytes()
-        for t in Tier:
-            if frozen:
-                if homes[t] - frozen_homes[t]:
-                    breakdown[t.value][f"parameter shards, planned, trainable ({prec}, {c} B/param)"] = \
-                        homes[t] - frozen_homes[t]
-                if frozen_homes[t]:
-                    breakdown[t.value][f"parameter shards, planned, frozen ({prec}, {c} B/param, nothing else)"] \
-                        = frozen_homes[t]
-            elif homes[t]:
-                breakdown[t.value][f"parameter shards, planned ({prec}, {c} B/param)"] = homes[t]
-        for t, n in placement.state_bytes().items():
-            if n:
-                breakdown[t.value]["optimizer state, planned (fp32 master + exp_avg + exp_avg_sq)"] = n
-        if any(s.home is Tier.NVME for s in placement.shards):
-            breakdown["host"][f"parameter NVMe bounce buffers (2 x largest layer, {prec})"] = \
-                2 * largest_layer_params * c
-        nvme_state = [s.part_numel for s in placement.shards if s.state is Tier.NVME]
-        if nvme_state:  # as initialize reserves it (engine/budgets.py: tier_needs)
-            homes_on_nvme = any(s.home is Tier.NVME for s in placement.shards)
-            for what, nbytes in nvme_state_buffers(max(nvme_state), c, homes_on_nvme).items():
-                breakdown["host"][what] = nbytes
+                                                                   if not s.trainable)).home_bytes()[Tier.NVME]
+        if frozen and homes - frozen_homes:
+            breakdown["nvme"][f"parameter shards, planned, trainable ({prec}, {c} B/param)"] = homes - frozen_homes
+        if frozen and frozen_homes:
+            breakdown["nvme"][f"parameter shards, planned, frozen ({prec}, {c} B/param, nothing else)"] = frozen_homes
+        if not frozen and homes:
+            breakdown["nvme"][f"parameter shards, planned ({prec}, {c} B/param)"] = homes
+        if placement.state_bytes()[Tier.NVME]:
+            breakdown["nvme"]["optimizer state, planned (fp32 master + exp_avg + exp_avg_sq)"] = \
+                placement.state_bytes()[Tier.NVME]
     totals = {t: sum(breakdown[t].values()) for t in TIERS}
     per_node = world_size // num_nodes
     return Estimate(
@@ -315,20 +311,15 @@ def estimate_from(num_params, *, model_config, config, largest_layer_params, per
         offload_param=p_dev, offload_optimizer=o_dev, breakdown=breakdown, **totals,
         minimum_device=totals["device"], minimum_host=totals["host"] * per_node,
         minimum_nvme=totals["nvme"] * per_node, notes=tuple(notes), placement=placement,
-        auto_param=zero.offload_param.auto, auto_optimizer=zero.offload_optimizer.auto)
+        auto_param=zero.offload_param.auto, auto_optimizer=zero.offload_optimizer.auto, needs=needs)
 
 
-def _auto_plan(cfg, zero, num_params, trainable_params, largest, largest_trainable, persistent, world_size,
-               model: CountedModel | None, *, tail_share: bool, notes: list, name) -> Placement:
-    """The plan an engine would make for "auto" (Note [automatic placement]): per
-    parameter from --model-config, else the model cut into layers of the largest
-    size; budgets from the memory section, else this machine's free host memory
-    (the device gets memory.device_budget, or nothing: estimate does not open a GPU).
-    tail_share: trainable_params is a count without the parameters it names, taken
-    from the model's tail (Note [trainable share])."""
-    import psutil
-
-    itemsize = cfg.precision.itemsize
+def _specs(zero, num_params, trainable_params, largest, persistent, world_size, model: CountedModel | None, *,
+           tail_share: bool, notes: list, name) -> list[ParamSpec]:
+    """The parameters as initialize would partition them: per parameter from
+    --model-config, else the model cut into layers of the largest size (one parameter
+    each). tail_share: trainable_params is a count without the parameters it names,
+    taken from the model's tail (Note [trainable share])."""
     threshold = zero.stage3_param_persistence_threshold
     # (name, elements, persistent, trainable) in the model's order
     if model is not None:
@@ -351,34 +342,47 @@ def _auto_plan(cfg, zero, num_params, trainable_params, largest, largest_trainab
             if n - take:
                 split.append((pname + (".frozen" if take else ""), n - take, pers, False))
         params = split[::-1]
-        notes.append(f"auto placement: {name('trainable')} says how many parameters train, not which: the plan "
-                     "takes them from the model's tail")
-    specs = [ParamSpec(pname, -(-n // world_size), -(-n // world_size) * world_size, persistent=pers,
-                       trainable=train)
-             for pname, n, pers, train in params]
-    mem = cfg.memory
-    host = mem.host_budget
-    if host is None:
-        host = int(HOST_SHARE * psutil.virtual_memory().available)
-        notes.append(f"auto placement: host budget {_gib(host)} ({HOST_SHARE:.0%} of this machine's available "
-                     "memory; give memory.host_budget for another machine)")
-    # What the engine holds besides homes and state comes first: the fp32
-    # gradients (of the trainable ones) and the bounce buffers on the host, the
-    # gathered layers on the device.
-    trainable_shard = -(-trainable_params // world_size)
-    # NVMe state in flight as initialize reserves it, for the largest trainable partition
-    # (were its state to go to NVMe; the plan decides), homes on NVMe or not alike.
-    in_flight = sum(nvme_state_buffers(-(-largest_trainable // world_size), itemsize, homes_on_nvme=True).values())
-    host -= trainable_shard * 4 + 2 * largest * itemsize + in_flight
-    device = max(0, int(DEVICE_SHARE * (mem.device_budget or 0)) - persistent * itemsize)
+        if zero.offload_param.auto or zero.offload_optimizer.auto:
+            notes.append(f"auto placement: {name('trainable')} says how many parameters train, not which: "
+                         "the plan takes them from the model's tail")
+    return [ParamSpec(pname, -(-n // world_size), -(-n // world_size) * world_size, persistent=pers,
+                      trainable=train)
+            for pname, n, pers, train in params]
+
+
+def _plan_and_reserve(cfg: Config, specs: list[ParamSpec], world_size: int, local_ranks: int, *, auto: bool,
+                      notes: list) -> tuple[Placement, Reserve]:
+    """The plan initialize would make, and what it would reserve beside it, by
+    initialize's own functions (engine/reserve.py; Note [automatic placement]). The
+    device is taken to have memory of its own (a GPU): estimate opens none. An auto
+    plan's budgets: the host's as initialize takes it (memory.host_budget, else
+    HOST_SHARE of this machine's available memory over its ranks), the device's
+    DEVICE_SHARE of memory.device_budget (none without one)."""
+    zero, mem = cfg.zero_optimization, cfg.memory
+    itemsize = cfg.precision.itemsize
+
+    def reserve_of(placement: Placement) -> Reserve:
+        # Each counted parameter is a module of its own: what one module gathers is one parameter.
+        return reserve(list(placement.shards), cfg, separate_memory=True, world_size=world_size, on_demand=0)
+
+    if not auto:
+        placement = uniform(specs, home_tier=zero.offload_param.device, state=zero.offload_optimizer.device,
+                            itemsize=itemsize, separate_memory=True)
+        return placement, reserve_of(placement)
+    if mem.host_budget is None:
+        notes.append(f"auto placement: host budget {_gib(default_host_budget(cfg, local_ranks))} ({HOST_SHARE:.0%} "
+                     "of this machine's available memory; give memory.host_budget for another machine)")
     if mem.device_budget is None:
         notes.append("auto placement: no memory.device_budget, so no parameter is planned on the device "
                      "beyond the persistent ones (initialize takes half the GPU's free memory)")
-    if host < 0:
-        notes.append(f"auto placement: the host budget is {_gib(-host)} short of the gradients and buffers alone")
-    budgets = Budgets(device=device, host=max(0, host),
-                      nvme_homes=zero.offload_param.auto and zero.offload_param.nvme_path is not None,
-                      nvme_state=zero.offload_optimizer.auto and zero.offload_optimizer.nvme_path is not None)
-    return plan_placement(specs, budgets, itemsize=itemsize, separate_memory=True,
-                          home_tier=None if zero.offload_param.auto else zero.offload_param.device,
-                          state_tier=None if zero.offload_optimizer.auto else zero.offload_optimizer.device)
+    first = Budgets(device=int(DEVICE_SHARE * (mem.device_budget or 0)), host=default_host_budget(cfg, local_ranks),
+                    nvme_homes=zero.offload_param.auto and zero.offload_param.nvme_path is not None,
+                    nvme_state=zero.offload_optimizer.auto and zero.offload_optimizer.nvme_path is not None)
+
+    def plan_within(budgets: Budgets) -> Placement:
+        return plan_placement(specs, budgets, itemsize=itemsize, separate_memory=True,
+                              home_tier=None if zero.offload_param.auto else zero.offload_param.device,
+                              state_tier=None if zero.offload_optimizer.auto else zero.offload_optimizer.device)
+
+    placement, held = settle_plan(plan_within(first), cfg, plan_within, reserve_of)
+    return dataclasses.replace(placement, host_limit=first.host), held

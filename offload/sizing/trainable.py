@@ -21,8 +21,8 @@ Note [trainable share]
 The largest layer and the persistent parameters are counted with the
 adapters (a LoRA's are small: most are persistent, kept whole on the device).
 A count or fraction says how many train, not which. The closed form does not
-need to know; an auto plan (`_auto_plan`) places each parameter, so it takes
-the trainable share from the model's tail, whole parameters from the last one
+need to know; the plans (`_specs` in memory_model.py) place each parameter,
+so they take the trainable share from the model's tail, whole parameters from the last one
 back, the one that straddles the count split in two: the simplest split that
 keeps both totals exact. The plan's tiers depend somewhat on which ones train
 (the planner lifts trainable ones first, and a LoRA's are many small ones,

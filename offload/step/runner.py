@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from offload.partition.hooks import NO_PLAN, BackwardPlan
+from offload.transfers.device_copies import NO_PLAN, BackwardPlan
 from offload.process_memory import release_free_host_memory
 from offload.step.counters import StepCounters
 from offload.step.grad_norm import GradNorm
@@ -203,12 +203,12 @@ class StepRunner:
 
     def _carried(self) -> bool:
         """Whether this backward's updates may be carried under the next forward (Note [head
-        first after backward] in partition/device_copies.py)."""
+        first after backward] in transfers/device_copies.py)."""
         return self.manager.to_host is not None and self.policy.carried(
             self.optimizer.state_tiers, [s.home for s in self.shards], world_size=self.pg.world_size)
 
     def _plan_backward(self, carried: bool) -> None:
-        """The copy-down path's plan for this backward (partition/hooks.py): each gradient
+        """The copy-down path's plan for this backward (BackwardPlan, transfers/device_copies.py): each gradient
         going down is followed by its update (or not)."""
         to_host = self.manager.to_host
         if to_host is None:
@@ -301,7 +301,7 @@ class StepRunner:
             return
         to_host = self.manager.to_host
         if self.phases.updating_in_backward and to_host is not None and to_host.plan.carried:
-            # Note [head first after backward] (partition/device_copies.py): they are carried.
+            # Note [head first after backward] (transfers/device_copies.py): they are carried.
             self._plan_backward(carried=False)
             to_host.head_first()
             self.in_backward.carry([u.shard for u in self.deferred.pending])
@@ -387,7 +387,7 @@ class StepRunner:
     def take_grad(self, shard, grad: torch.Tensor, owned: bool = False, carried: bool = False,
                   master: torch.Tensor | None = None) -> None:
         """carried: the gradient went down in a backward whose step has ended, its update
-        still to run (Note [head first after backward] in partition/device_copies.py).
+        still to run (Note [head first after backward] in transfers/device_copies.py).
         master: the parameter's partition that came down with it (Note [masters down
         with their gradients]), valid during the call."""
         in_backward = carried or self.phases.updating_in_backward
@@ -413,7 +413,7 @@ class StepRunner:
     def brings_master(self, shard) -> bool:
         """Whether the parameter's partition goes down with this gradient: its update
         follows the take-in and takes the master from it (Note [masters down with their
-        gradients] in partition/device_copies.py)."""
+        gradients] in transfers/device_copies.py)."""
         return self.phases.updating_in_backward and self.optimizer.shares_master(shard)
 
     def zero_grads(self) -> None:

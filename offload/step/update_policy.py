@@ -38,7 +38,7 @@ Updates started during backward go on under the next forward too, head
 first, where each follows its gradient's take-in on the host worker: one
 rank, host state beside a separate device, nothing on NVMe or in the
 device's state, one micro-batch a step (`carried`; Note [head first
-after backward] in partition/device_copies.py).
+after backward] in transfers/device_copies.py).
 While updates run during backward, the final gradients waiting for theirs
 are capped (`pending_cap`: reduce_bucket_size, else two of the largest
 partition, never under one); a step whose updates end each gradient's life

@@ -85,7 +85,7 @@ class OverlappedStep:
 
 class TakenInAndUpdated:
     """A gradient on its way to the host worker, then its update there (Note [head
-    first after backward] in partition/device_copies.py): what a read of the shard's
+    first after backward] in transfers/device_copies.py): what a read of the shard's
     home waits for. The worker itself never waits on it: its own queue runs in turn."""
 
     def __init__(self, taken_in: Future, step: OverlappedStep, index: int, worker: HostWorker):
@@ -208,7 +208,7 @@ class OverlappedUpdates:
         carried: it went down in a backward whose updates may outlast it (the step
         in progress, or the one carry() ended). master: its shared master, come
         down with the gradient (Note [masters down with their gradients] in
-        partition/device_copies.py): taken by the update at once, on this thread."""
+        transfers/device_copies.py): taken by the update at once, on this thread."""
         st, opt = self.step, self.optimizer
         if st is None and carried:
             st = self.carried

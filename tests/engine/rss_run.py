@@ -20,7 +20,7 @@ from offload import process_memory as memory
 # What the engine imports on first use (Note [engine bytes and the OS]), so
 # that the baseline below is taken after it, as the engine's own is.
 import offload.aio.swap_store  # noqa: F401,E402
-import offload.partition.nvme_home  # noqa: F401,E402
+import offload.transfers.nvme_home  # noqa: F401,E402
 import offload.schedulers  # noqa: F401,E402
 import torch._dynamo  # noqa: F401,E402
 from tests.support.harness import make_config

@@ -14,7 +14,7 @@ import offload.device
 from offload.engine.build import build_shards
 from offload.optim.sharded_adam import ShardedAdam
 from offload.accounting import MemoryAccount
-from offload.partition.collectives import ProcessGroupInfo
+from offload.transfers.collectives import ProcessGroupInfo
 from offload.tiers import Tier
 from offload.timeline import Timeline
 from tests.support.harness import build, make_config

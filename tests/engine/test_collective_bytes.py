@@ -1,6 +1,6 @@
 """Two ranks on gloo: the bytes through collectives in one training step, as
 ProcessGroupInfo counts them (Note [collective bytes] in
-offload/partition/collectives.py), equal the closed form, and the counter
+offload/transfers/collectives.py), equal the closed form, and the counter
 misses nothing torch.distributed ran.
 
 Closed form, per step, per rank, W = 2 ranks, fp32, tiny GPT (every parameter

@@ -1,5 +1,5 @@
 """Updates started during backward go on under the next forward, head first
-(Note [head first after backward] in offload/partition/device_copies.py): on the
+(Note [head first after backward] in offload/transfers/device_copies.py): on the
 sim with the host Adam made slow, step() returns before every update ran; the
 rest run newest gradient first; every read of a value waits for its own update,
 so losses and weights equal the CPU engine's bit for bit; a failed update is
@@ -14,7 +14,7 @@ import torch
 import offload
 from offload.step.phase import StepPhase
 from offload.optim.sharded_adam import ShardedAdam
-from offload.partition.device_copies import GradientsToHost
+from offload.transfers.device_copies import GradientsToHost
 from offload.partition.shard import Shard
 
 from tests.support.harness import batches, build, engine_weights, lm_loss, make_config, train_engine

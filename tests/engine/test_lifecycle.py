@@ -1,7 +1,7 @@
 """After close: every public method refuses clearly, the model holds its values,
 nothing of the engine stays alive; every rank of a two-rank run exits 0
 (issue 16; Note [a closed engine] in offload/engine/closed.py, Note [releasing
-the process group] in offload/partition/collectives.py)."""
+the process group] in offload/transfers/collectives.py)."""
 import collections
 import gc
 import os
@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 import offload
 from offload.engine.closed import ANSWERED_AFTER_CLOSE, EngineClosedError
 from offload.engine.engine import Engine
-from offload.partition.collectives import ProcessGroupInfo, _GroupHandle
+from offload.transfers.collectives import ProcessGroupInfo, _GroupHandle
 from tests.support.harness import batches, build, lm_loss, make_config, train_engine
 
 # Every public method and property of the class (DeepSpeed's surface included).

@@ -17,7 +17,7 @@ import offload
 from offload.aio import memory
 from offload.aio.buffer_pool import BufferPool, PinnedLedger
 from offload.config import Config, ConfigError
-from offload.partition import nvme_home
+from offload.transfers import nvme_home
 from offload.tiers import Tier
 from tests.support.harness import batches, build, make_config, run_reference, train_engine, engine_weights
 
@@ -242,7 +242,7 @@ def _plan(tmp_path, extra_zero=None, memory_section=None):
 
 
 def test_a_pinned_budget_below_two_of_the_largest_partition_is_refused_at_initialize(tmp_path, monkeypatch):
-    # staging_plan decides with the device layer it is given: one with memory of its own pins.
+    # staging_plan decides with the device it is told of: one with memory of its own pins.
     from offload.engine.stores import staging_plan
     model = build("tiny_gpt")
     cfg = _plan(tmp_path, memory_section={"pinned_budget": 4096})
@@ -261,13 +261,13 @@ def test_a_pinned_budget_below_two_of_the_largest_partition_is_refused_at_initia
                                           rf"partition, {largest} bytes.*raise memory.pinned_budget to at "
                                           rf"least {2 * largest}, or set zero_optimization.offload_param."
                                           rf"pin_memory to false"):
-        staging_plan(planned, cfg, torch.float32, cuda, 1)
+        staging_plan(planned, cfg, torch.float32, cuda.separate_memory, 1)
     # pin_memory false: nothing is pinned, so the pinned budget does not bound the pool
     unpinned = _plan(tmp_path, {"pin_memory": False}, {"pinned_budget": 4096})
-    assert staging_plan(planned, unpinned, torch.float32, cuda, 1)[0] == largest
+    assert staging_plan(planned, unpinned, torch.float32, cuda.separate_memory, 1)[0] == largest
     # a budget of exactly two buffers: a pool of two
     exact = _plan(tmp_path, memory_section={"pinned_budget": 2 * largest})
-    assert staging_plan(planned, exact, torch.float32, cuda, 1) == (largest, 2)
+    assert staging_plan(planned, exact, torch.float32, cuda.separate_memory, 1) == (largest, 2)
     # the engine itself refuses at initialize, on the simulated device (which pins), before any
     # parameter moves: the model keeps its values
     monkeypatch.setenv("OFFLOAD_DEVICE", "sim")

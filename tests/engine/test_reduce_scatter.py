@@ -1,6 +1,6 @@
 """Two ranks on gloo: gradients leave backward in buckets of reduce_bucket_size
 elements, one reduce-scatter each, every rank receiving exactly its partition
-(Note [gradient buckets] in offload/partition/grad_buckets.py).
+(Note [gradient buckets] in offload/transfers/grad_buckets.py).
 
 Counted in the workers by wrapping torch.distributed's functions: per backward,
 as many reduce-scatters as the buckets a greedy packing of the gradients in
@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from offload.partition.collectives import ProcessGroupInfo
-from offload.partition.grad_buckets import GradientBuckets
+from offload.transfers.collectives import ProcessGroupInfo
+from offload.transfers.grad_buckets import GradientBuckets
 from offload.partition.shard_context import partition_numel
 from tests.support.harness import batches, build, make_config, run_engine, run_reference
 from tests.engine.collective_counts import CollectiveCounter, arrival_order, expected_buckets

@@ -11,7 +11,7 @@ import torch
 
 import offload
 from offload.device.sim_memory import StreamOrderError
-from offload.partition import device_copies
+from offload.transfers import device_copies
 
 from tests.support.harness import (batches, build, engine_weights, first_race, make_config, run_engine,
                                   run_reference, run_reference_mixed, train_engine)

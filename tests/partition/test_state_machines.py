@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from offload.accounting import MemoryAccount, TierBudgetError
-from offload.partition.collectives import ProcessGroupInfo
+from offload.transfers.collectives import ProcessGroupInfo
 from offload.partition.prefetch import PrefetchScheduler
 from offload.partition.shard import Shard
 from offload.partition.shard_context import Residency, ShardContext

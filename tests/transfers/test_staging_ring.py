@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from offload.aio.memory import ALIGN
-from offload.partition.staging_ring import StagingRing
+from offload.transfers.staging_ring import StagingRing
 
 
 def _offset(ring, piece):

@@ -36,7 +36,7 @@ copy after the first step is asynchronous; a buffer is written again only
 after the copy that read it completed. A device buffer or gradient is freed only once no copy uses it
 (`DeviceLayer.free`; on cuda, record_stream). On the cpu layer none of this
 runs: the device is the host, and the engine keeps its direct path (Note
-[zero-copy gather] in shard.py).
+[zero-copy gather] in partition/shard.py).
 """
 from __future__ import annotations
 
@@ -44,13 +44,13 @@ import threading
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from offload.aio.buffer_pool import BufferPool
 from offload.aio.memory import round_up
-from offload.partition.hooks import NO_PLAN, BackwardPlan
-from offload.partition.staging_ring import StagingRing
+from offload.transfers.staging_ring import StagingRing
 from offload.device import DeviceLayer, Event
 from offload.host_worker import HostWorker
 from offload.accounting import TierBudgetError
@@ -68,7 +68,7 @@ removed_waits: set[str] = set()
 # Where each update follows its gradient's take-in on the host worker and
 # may be carried under the next forward (UpdatePolicy.carried: Note [update
 # names] in step/update_policy.py), the end of backward does not wait for the
-# worker: the backward's BackwardPlan (partition/hooks.py) says so, every
+# worker: the backward's BackwardPlan (above) says so, every
 # gradient put in the ring is `carried` (DeferredUpdates.follow sets the shard's
 # in_flight.update to "taken in and updated", so any read of its home waits,
 # and settle() waits for all), and step() leaves them running and turns the
@@ -101,6 +101,28 @@ removed_waits: set[str] = set()
 def waits(name: str) -> bool:
     """Whether the wait `name` (one of WAITS) is made."""
     return name not in removed_waits
+
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """One backward's plan for the gradients going down, handed to GradientsToHost
+    when the backward starts (GradientsToHost.begin_backward).
+
+    carried: the updates of this backward may be carried under the next forward
+    (Note [update names] in step/update_policy.py); each copy, as it starts, is then handed to
+    `follow(shard, taken_in)`, so that its update runs right after the gradient is
+    taken in, and backward's end does not wait for the copies (Note [head first
+    after backward] above)."""
+
+    follow: Callable[[object, Future], None] | None = None
+
+    @property
+    def carried(self) -> bool:
+        return self.follow is not None
+
+
+NO_PLAN = BackwardPlan()  # a backward whose gradients are all in before step() reads them
 
 
 class CopyStreams:
@@ -195,7 +217,7 @@ class GradientsToHost:
     ring, valid during the call), to add into the shard's partition. It runs
     on the host worker (Note [the host worker] in offload/host_worker.py),
     after the copy's event: autograd's thread only starts copies.
-    plan: the backward's BackwardPlan (partition/hooks.py), handed in by
+    plan: the backward's BackwardPlan (above), handed in by
     begin_backward: where its updates are carried under the next forward (Note
     [head first after backward]), plan.follow(shard, taken_in) is called as each
     copy starts, whose delivery is then deliver(shard, grad, carried=True).

@@ -28,8 +28,8 @@ import torch
 from offload.aio.buffer_pool import BufferPool
 from offload.aio.memory import aligned_tensor
 from offload.aio.swap_store import SwapStore
-from offload.partition.collectives import ProcessGroupInfo
-from offload.partition.device_copies import waits
+from offload.transfers.collectives import ProcessGroupInfo
+from offload.transfers.device_copies import waits
 from offload.timeline import Timeline
 
 

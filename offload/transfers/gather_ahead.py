@@ -1,5 +1,5 @@
 """Several parameters all-gathered ahead of their use in one collective (Note
-[all-gathers ahead] in prefetch.py).
+[all-gathers ahead] in partition/prefetch.py).
 
 The parameters a use names together (`PrefetchScheduler.gathers_ahead`) are
 packed: each rank's partitions side by side in one input, one all-gather,
@@ -10,8 +10,6 @@ between them, not one each. The packed buffers are device memory of the
 layer, charged to the device tier while they live.
 """
 from __future__ import annotations
-
-import torch
 
 from offload.tiers import Tier
 

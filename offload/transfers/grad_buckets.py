@@ -25,7 +25,7 @@ ranks a sum of two values does not depend on order, so it is bit for bit the
 same (tests/engine/test_reduce_scatter.py).
 
 With one rank there are no buckets: the gradient reaches the shard directly
-(Note [gradient partitions] in shard.py), no copy made.
+(Note [gradient partitions] in partition/shard.py), no copy made.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from offload.partition.collectives import ProcessGroupInfo
+from offload.transfers.collectives import ProcessGroupInfo
 
 
 class _Partitioned(Protocol):
@@ -99,7 +99,7 @@ class GradientBuckets:
 
 def _place(columns: torch.Tensor, flat: torch.Tensor) -> None:
     """columns (W, part) <- flat laid out over the rows in order, zero-padded
-    (row r is partition r: Note [shard layout] in shard.py)."""
+    (row r is partition r: Note [shard layout] in partition/shard.py)."""
     part = columns.shape[1]
     whole_rows = flat.numel() // part
     columns[:whole_rows].copy_(flat[:whole_rows * part].view(whole_rows, part))
