@@ -96,11 +96,13 @@ def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 def test_no_folder_imports_one_that_imports_it_back():
     """The folders are layers: memory accounting (offload/accounting.py) on the ground
-    floor, the activations above the parameter runtime, which reaches them only through
-    compile support; none in a circle with another."""
+    floor; the activations and the parameter runtime import neither the other, and
+    compiling by blocks, above both, drives them; none in a circle with another."""
     known = modules()
     folders = folder_graph({name: imported(name, path, known) for name, path in known.items()})
     assert "offload.partition" not in folders["offload.activations"]
+    assert "offload.activations" not in folders["offload.partition"]
+    assert {"offload.partition", "offload.activations"} <= folders["offload.compile"]
     assert circles(folders) == []
 
 
@@ -113,7 +115,8 @@ LAYERS = (
      "offload.config", "offload.schedulers", "offload.ops"),  # memory accounting, I/O, config
     ("offload.activations", "offload.node"),
     ("offload.transfers",),  # copy streams, the staging ring, NVMe homes, collectives
-    ("offload.partition",),  # shards and their runtime, compile support
+    ("offload.partition",),  # shards and their runtime
+    ("offload.compile",),  # compiling by blocks: drives the runtime and the activations
     ("offload.process_memory", "offload.optim"),  # the update's arithmetic and state
     ("offload.step",),  # the step and its one owner
     ("offload.checkpoint_io",),
@@ -139,8 +142,8 @@ def test_no_folder_imports_one_above_it():
 def test_a_planted_folder_circle_is_found():
     known = modules()
     graph = {name: imported(name, path, known) for name, path in known.items()}
-    graph["offload.activations.saver"] = graph["offload.activations.saver"] | {"offload.partition.manager"}
-    assert ["offload.activations", "offload.partition"] in circles(folder_graph(graph))
+    graph["offload.partition.manager"] = graph["offload.partition.manager"] | {"offload.compile.blocks"}
+    assert ["offload.compile", "offload.partition"] in circles(folder_graph(graph))
 
 
 @pytest.mark.parametrize("planted", [("offload.partition.shard", "offload.step.updates")])

@@ -8,7 +8,7 @@ off, four runs of --steps training steps on the same batches:
   torch compiled    the same, each block's forward torch.compile'd (--backend)
   ours eager        offload.initialize
   ours compiled     the same, engine.compile(backend=...) (Note [compiled blocks]
-                    in offload/partition/compiled.py)
+                    in offload/compile/blocks.py)
 
 It records dynamo's graph breaks and unique graphs for both compiled runs, and
 how far apart the losses are: ours compiled against torch compiled, and torch

@@ -1,5 +1,5 @@
 """The `compile` section: which blocks initialize compiles, and how (Note [compiled
-blocks] in offload/partition/compiled.py); DeepSpeed's DeepCompile keys are inert.
+blocks] in offload/compile/blocks.py); DeepSpeed's DeepCompile keys are inert.
 
 Kept apart from sections.py (already past 500 lines); same conventions.
 """

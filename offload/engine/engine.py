@@ -25,7 +25,7 @@ from offload.engine.checkpoints import EngineCheckpoints
 from offload.engine.closed import EngineClosedError, close_off
 from offload.engine.hooks import EngineHooks
 from offload.engine.unfreeze import unfreeze_if_asked
-from offload.partition.compiled import (blocks_to_compile, compile_blocks, compile_forwards, gathered_at_once,
+from offload.compile.blocks import (blocks_to_compile, compile_blocks, compile_forwards, gathered_at_once,
                                         prefetch_by_blocks, uncompile_blocks)
 from offload.step.loss_scaler import LossScaler
 from offload.step.runner import StepRunner
@@ -56,7 +56,7 @@ class Engine:
     loop); save_checkpoint / load_checkpoint / save_pretrained; close() gives the
     model its values back."""
 
-    compiled_blocks: tuple = ()  # Note [compiled blocks] in partition/compiled.py
+    compiled_blocks: tuple = ()  # Note [compiled blocks] in compile/blocks.py
 
     def __init__(self, model: torch.nn.Module, config: Config, *, builder=None, weights=None,
                  param_groups: list[dict] | None = None):
@@ -280,7 +280,7 @@ class Engine:
     def compile(self, backend="inductor", compile_kwargs=None, schedule=None, modules=None) -> None:
         """DeepSpeed's engine.compile(), done block by block: each block's own forward
         compiled with torch.compile(backend=..., **compile_kwargs), its parameters gathered
-        at its boundary (Note [compiled blocks] in partition/compiled.py). modules: the
+        at its boundary (Note [compiled blocks] in compile/blocks.py). modules: the
         block classes' names; by default the class of the largest nn.ModuleList's children."""
         self._check_open()
         if schedule is not None:

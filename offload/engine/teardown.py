@@ -8,7 +8,7 @@ import logging
 
 import psutil
 
-from offload.partition.compiled import uncompile_blocks
+from offload.compile.blocks import uncompile_blocks
 from offload.partition.managed import unmanage
 from offload.tiers import Tier
 

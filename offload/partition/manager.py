@@ -61,7 +61,7 @@ from offload.transfers.grad_buckets import GradientBuckets
 from offload.partition.hooks import StepHooks
 from offload.partition.prefetch import PrefetchScheduler
 from offload.partition.shard import Shard
-from offload.partition.compiled import warn_compiled_model
+from offload.partition.compiled_model import warn_compiled_model
 from offload.partition.gather_on_use import GatherOnUse
 from offload.partition.shard_context import Residency
 from offload.tiers import Tier

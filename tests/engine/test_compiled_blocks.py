@@ -1,5 +1,5 @@
 """engine.compile(): each block compiled at its boundary (Note [compiled blocks] in
-offload/partition/compiled.py). No graph break inside a block, one graph for all
+offload/compile/blocks.py). No graph break inside a block, one graph for all
 blocks, and training equal to plain PyTorch with the same blocks compiled the
 same way; refusals name what to do instead."""
 import copy

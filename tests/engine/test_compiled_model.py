@@ -1,5 +1,5 @@
 """torch.compile around a model the engine manages (Note [compiled models] in
-offload/partition/compiled.py): the step stays right, and the first traced call
+offload/partition/compiled_model.py): the step stays right, and the first traced call
 warns once, naming what to do instead; an eager run says nothing."""
 import copy
 import warnings
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import offload
-from offload.partition.compiled import COMPILED_MODEL_WARNING
+from offload.partition.compiled_model import COMPILED_MODEL_WARNING
 
 from tests.support.harness import batches, build, lm_loss, make_config
 

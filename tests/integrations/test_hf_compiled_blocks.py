@@ -1,5 +1,5 @@
 """A Hugging Face Llama through Trainer with the config's `compile` section (Note
-[compiled blocks] in offload/partition/compiled.py): the decoder layers compiled at
+[compiled blocks] in offload/compile/blocks.py): the decoder layers compiled at
 initialize, no graph break inside them, and Trainer's losses and the weights equal
 to plain Trainer with the same layers compiled the same way."""
 import pytest

@@ -1,17 +1,6 @@
-"""torch.compile and a model this engine manages: the whole model traced (Note
-[compiled models]), and blocks compiled at their boundaries (Note [compiled blocks]).
-
-Note [compiled models]
-torch.compile around a model this engine manages traces the engine's own
-machinery with it: the module hooks that gather and release, the forward's
-TorchFunctionMode (GatherOnUse, whose `id()` lookups dynamo cannot trace)
-and the saved-tensor hooks. Each is a graph break, and the state they read
-changes every call, so dynamo recompiles until its limit: GPT 3.4M on a CPU
-ran its step 4.2x slower compiled than eager, losses unchanged (2-core AMD,
-torch 2.13). So the first traced call warns, once per engine, naming
-what to do instead: compile the blocks (engine.compile(), below), or run
-the model eager. The check is dynamo's own `is_compiling()`, true only
-while it traces, so an eager call costs one constant test.
+"""torch.compile by blocks, each at its boundary (Note [compiled blocks]), and the
+prefetcher sized by blocks (Note [blocks as the unit of prefetch]). A layer above the
+parameter runtime and the activations: it drives both, and neither imports it.
 
 Note [compiled blocks]
 What compiles well is a block's own math on parameters already gathered, so
@@ -60,34 +49,18 @@ the device tier holds then, and refuses before any block changes.
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 
+from offload.activations.wrap import checkpointed_forward, model_blocks, original_class
+from offload.partition.gather_on_use import GatherOnUse
+from offload.partition.prefetch import prefetch_limits, working_set_elems
 from offload.tiers import Tier
-
-COMPILED_MODEL_WARNING = (
-    "offload: torch.compile is tracing a model this engine manages: its parameter gathers and hooks "
-    "break the graph and force recompiles, so the compiled step runs slower than eager (4x measured), "
-    "with the same losses. Compile its blocks instead, at their boundaries: engine.compile() (or "
-    "engine.compile(modules=['DecoderLayer'])), and call the model uncompiled (drop torch.compile, or pass "
-    "compiled_model._orig_mod, the original module, to the training loop).")
-
-
-def warn_compiled_model(manager) -> None:
-    """Note [compiled models]: once per manager. Called only while dynamo traces (so
-    `import offload` does not load dynamo for a decorator); warnings.warn is a graph
-    break there, run as Python."""
-    if not manager.compile_warned:
-        manager.compile_warned = True
-        warnings.warn(COMPILED_MODEL_WARNING, RuntimeWarning, stacklevel=3)
 
 
 def _at_the_boundary(block, compiled, gather, release):
     """compiled(*args) between gather and release of the block's parameters, with the
     engine's GatherOnUse popped when it is the innermost mode."""
-    from offload.partition.gather_on_use import GatherOnUse
-
     def call(*args, **kwargs):
         gather(block, args)
         try:
@@ -103,8 +76,6 @@ def _at_the_boundary(block, compiled, gather, release):
 def blocks_to_compile(model: torch.nn.Module, names) -> list[torch.nn.Module]:
     """The modules of the classes `names` (None: the class of the children of the model's
     largest nn.ModuleList, its blocks), outermost only; refused where one is checkpointed."""
-    from offload.activations.wrap import model_blocks, original_class
-
     if names is None:
         biggest = model_blocks(model)
         if not biggest:
@@ -132,8 +103,6 @@ def blocks_to_compile(model: torch.nn.Module, names) -> list[torch.nn.Module]:
 def compile_forwards(blocks: list[torch.nn.Module], **compile_kwargs) -> list:
     """Each block's own forward through torch.compile, which checks its arguments here (an
     unknown backend or mode raises), before anything of the model changes."""
-    from offload.activations.wrap import original_class
-
     try:
         return [torch.compile(original_class(block).forward.__get__(block), **compile_kwargs) for block in blocks]
     except Exception as e:  # noqa: BLE001 - dynamo's own error types move between releases
@@ -145,8 +114,6 @@ def compile_blocks(manager, blocks: list[torch.nn.Module], forwards: list) -> li
     """Each block's compiled forward (compile_forwards) called with its parameters gathered at
     its boundary (Note [compiled blocks]); returns the blocks, whose `forward` attribute
     uncompile_blocks removes."""
-    from offload.activations.wrap import checkpointed_forward
-
     for block, forward in zip(blocks, forwards):
         call = _at_the_boundary(block, forward, *manager.gather_at_boundary(block))
         # Checkpointed (Note [checkpointed modules]) or planned (Note [activations in the
@@ -171,8 +138,6 @@ def uncompile_blocks(blocks) -> None:
 def prefetch_by_blocks(manager, shards, config, account, itemsize: int, unit: int) -> None:
     """Note [blocks as the unit of prefetch], for blocks compiled after initialize
     (engine.compile()): refused where the device budget has no room for a block gathered whole."""
-    from offload.partition.prefetch import prefetch_limits, working_set_elems
-
     zero = config.zero_optimization
     gathered = [s.padded_numel for s in shards if s.gathers_to_a_buffer]
     if unit <= max(gathered, default=0):

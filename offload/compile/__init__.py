@@ -1,0 +1,1 @@
+"""Compiling a managed model: its blocks, each at its boundary (blocks.py)."""
