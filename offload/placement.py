@@ -13,7 +13,7 @@ prints it.
 # Note [automatic placement]
 Every byte kept on a higher tier is a byte a link does not move, every step.
 Per element of a parameter partition, with c the compute dtype's size, a
-step moves (Note [shared fp32 master] in offload/optim/sharded_adam.py):
+step moves (Note [shared fp32 master] in offload/optim/states.py):
 
     home NVMe         reads 2c (forward, backward), writes c (the new value)
     state NVMe        reads and writes 12 (master, exp_avg, exp_avg_sq); 8
@@ -51,7 +51,7 @@ parameters' sizes and order, the dtype and the budgets, so every rank with
 the same budgets makes the same plan (each rank's defaults differ with its
 free memory: ranks take the smallest). A model built under offload.init is
 built into its planned home (Note [building into the plan]). A shard whose
-state is on the device keeps its gradient there (Shard.grad_tier): it is
+state is on the device keeps its gradient there (Shard.gradient.tier): it is
 not copied down, and its update runs on the device at step() while the
 host's Adam runs the others (Note [optimizer overlap]).
 

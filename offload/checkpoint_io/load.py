@@ -366,7 +366,7 @@ def load_into(view, load_dir, tag: str | None = None, *, optimizer_states: bool 
         if not s.trainable:
             view.frozen_fingerprints.pop(str(s.index), None)  # its home was rewritten
         elif optimizer_states:
-            opt.load_state_tensors(s, *saved.state(s))
+            opt.states.load_state_tensors(s, *saved.state(s))
         else:  # the fp32 weights, with this engine's moments (DeepSpeed keeps them too)
             opt.set_master(s, saved.master(s))
     for b in mf.describe_model(view)["buffers"]:
@@ -392,7 +392,7 @@ def load_into(view, load_dir, tag: str | None = None, *, optimizer_states: bool 
 def _restore_grad(shard, grad: torch.Tensor | None) -> None:
     if grad is None:
         return  # no gradient yet in this window (clear_grad left it so)
-    if shard.grad_part is None:
-        shard.allocate_grad_part()
-    shard.grad_part.copy_(grad)
-    shard.has_grad = True
+    if shard.gradient.part is None:
+        shard.gradient.allocate()
+    shard.gradient.part.copy_(grad)
+    shard.gradient.pending = True

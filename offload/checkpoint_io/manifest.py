@@ -18,7 +18,7 @@ Note [checkpoint layout]
           nvme/param.{i}.swp    NVMe-tier partitions: byte copies of the swap files
           nvme/optim.{i}.swp    (Note [swap file format] in offload/aio/swap_format.py);
           nvme/moments.{i}.swp  [exp_avg | exp_avg_sq] where param.{i} is the fp32 master
-                                (Note [shared fp32 master] in offload/optim/sharded_adam.py)
+                                (Note [shared fp32 master] in offload/optim/states.py)
 A save writes everything under `.<tag>.tmp/`, fsyncs the files and
 directories, writes manifest.json, renames the directory to `<tag>` and only
 then rewrites `latest`. A crash at any moment leaves `latest` naming a
@@ -100,11 +100,11 @@ def describe_model(view) -> dict:
         "world_size": view.pg.world_size,
         "compute_dtype": str(view.compute_dtype).removeprefix("torch."),
         # Where the state was: informative (a run resumes into its own plan's tiers).
-        "optimizer_tier": "/".join(sorted(t.value for t in view.optimizer.state_tiers)),
+        "optimizer_tier": "/".join(sorted(t.value for t in view.optimizer.states.state_tiers)),
         # "state": None for a frozen parameter (Note [frozen parameters] in offload/placement.py).
         "parameters": [{"index": s.index, "name": s.name, "shape": list(s.shape),
                         "part_numel": s.part_numel, "home": s.home.value,
-                        "state": view.optimizer.state_tier(s).value if s.trainable else None}
+                        "state": view.optimizer.states.state_tier(s).value if s.trainable else None}
                        for s in view.shards],
         "buffers": buffers,
         "state_dict": state_dict,

@@ -124,7 +124,7 @@ def plan_items(view, exclude_frozen: bool = False) -> list[_Item]:
             else:
                 items.append(_Item(f"param.{s.index}", s.dtype, n, read=lambda s=s: _home_view(s)))
             continue
-        state = None if opt.state_tier(s) is Tier.NVME else opt.state_tensors(s)
+        state = None if opt.states.state_tier(s) is Tier.NVME else opt.state_tensors(s)
         if s.home is Tier.NVME:
             items.append(_Item(f"nvme/param.{s.index}.swp", copy_from=s.ctx.param_store.path_of(s)))
         else:
@@ -133,17 +133,17 @@ def plan_items(view, exclude_frozen: bool = False) -> list[_Item]:
                 state[0].data_ptr() == s.host_part.data_ptr()
             if not aliased:
                 items.append(_Item(f"param.{s.index}", s.dtype, n, read=lambda s=s: _home_view(s)))
-        if state is None and opt.shares_master(s):
+        if state is None and opt.states.shares_master(s):
             # Note [shared fp32 master]: the master is the parameter's file, saved above.
-            items.append(_Item(f"nvme/moments.{s.index}.swp", copy_from=opt.state_file(s)))
+            items.append(_Item(f"nvme/moments.{s.index}.swp", copy_from=opt.states.state_file(s)))
         elif state is None:
-            items.append(_Item(f"nvme/optim.{s.index}.swp", copy_from=opt.state_file(s)))
+            items.append(_Item(f"nvme/optim.{s.index}.swp", copy_from=opt.states.state_file(s)))
         else:
             for j, what in enumerate(("master", "exp_avg", "exp_avg_sq")):
                 items.append(_Item(f"{what}.{s.index}", torch.float32, n,
                                    read=lambda s=s, j=j: opt.state_tensors(s)[j]))
-        if s.has_grad:  # Note [saving inside an accumulation window]
-            items.append(_Item(f"grad.{s.index}", torch.float32, n, read=lambda s=s: s.grad_part))
+        if s.gradient.pending:  # Note [saving inside an accumulation window]
+            items.append(_Item(f"grad.{s.index}", torch.float32, n, read=lambda s=s: s.gradient.part))
     return items
 
 

@@ -87,7 +87,7 @@ def tier_needs(planned: list, config: Config, dtype: torch.dtype,
     for s in planned:
         home_bytes = s.padded_numel * dtype.itemsize if s.home is Tier.DEVICE else s.part_numel * dtype.itemsize
         if s.home is Tier.HOST and s.state is Tier.HOST and dtype == torch.float32:
-            home_bytes = 0  # the fp32 host home is the master itself (ShardedAdam._aliases_home)
+            home_bytes = 0  # the fp32 host home is the master itself (ShardStates.aliases_home in optim/states.py)
         add(s.home, "parameters", home_bytes)
         if s.state is None:
             continue  # frozen: its home alone (Note [frozen parameters] in offload/placement.py)

@@ -102,7 +102,7 @@ def shard_context(config: Config, layer: DeviceLayer, pg: ProcessGroupInfo, acco
     """The one way a ShardContext is made: compute on the layer's device (Note [one
     device choice] in offload/device/__init__.py); gradients live where the
     config's optimizer tier puts them (`OffloadOptimizerConfig.grad_tier`), unless
-    a shard's plan puts its state, and so its gradient, elsewhere (Shard.grad_tier)."""
+    a shard's plan puts its state, and so its gradient, elsewhere (Shard.gradient.tier)."""
     optimizer = config.zero_optimization.offload_optimizer
     if streams is None and layer.separate_memory:
         streams = CopyStreams(layer)
@@ -193,7 +193,7 @@ class Built:
         if shard.home is Tier.HOST and self.pin_home is not None and not shard.pinned_home:
             self.pin_home(shard)  # offload.init's homes too
         if shard.trainable and not shard.ctx.lazy_grads:
-            shard.allocate_grad_part()
+            shard.gradient.allocate()
         return part
 
     def stores(self) -> list:
@@ -327,7 +327,7 @@ def _list_parameters(named, config: Config, layer: DeviceLayer, pg: ProcessGroup
         key = plan.param_key.get(id(p)) if plan is not None else None
         built = adopted.get(id(p))
         if built is not None:
-            built.name = name
+            built.name = built.gradient.name = name  # its name in the model (its errors say it)
             # Under "auto" the plan, made now the whole model is known, may move it.
             index, home = built.index, None if auto_homes else built.home
             sources[index] = (key, built)
@@ -445,7 +445,7 @@ def _make_shards(planned: list[_Planned], ctx: ShardContext, dtype: torch.dtype)
             shards.append(Shard(pl.index, pl.name, pl.param, compute_dtype=dtype, home=pl.home, ctx=ctx))
         shards[-1].trainable = pl.trainable
         if pl.trainable:
-            shards[-1].grad_tier = grad_tier_of(pl.state)  # beside its optimizer state
+            shards[-1].gradient.tier = grad_tier_of(pl.state)  # beside its optimizer state
     return shards
 
 

@@ -41,8 +41,8 @@ def state_bytes(engine, shard, tier: Tier) -> dict[Tier, int]:
     opt = engine.optimizer
     state = 3 * shard.part_numel * 4
     if tier is Tier.HOST and shard.home is Tier.HOST and shard.dtype == torch.float32:
-        state -= shard.part_numel * 4  # the fp32 host home is the master (ShardedAdam._aliases_home)
-    if tier is Tier.NVME and opt.param_store is not None and shard.home is Tier.NVME and shard.dtype == torch.float32:
+        state -= shard.part_numel * 4  # the fp32 host home is the master (ShardStates.aliases_home)
+    if tier is Tier.NVME and opt.states.param_store is not None and shard.home is Tier.NVME and shard.dtype == torch.float32:
         state -= shard.part_numel * 4  # the parameter's file holds it (Note [shared fp32 master])
     need = {tier: state}
     if not shard.ctx.lazy_grads:
@@ -62,7 +62,7 @@ def _choose_tier(engine, shard, held: dict[Tier, int]) -> Tier | None:
         return all(account.fits(t, held.get(t, 0) + n) for t, n in state_bytes(engine, shard, tier).items())
     if fits(Tier.HOST):
         return Tier.HOST
-    if opt.state_store is not None:
+    if opt.states.state_store is not None:
         return Tier.NVME
     if engine.device_layer.separate_memory and fits(Tier.DEVICE):
         return Tier.DEVICE
@@ -99,11 +99,11 @@ def unfreeze(engine, shards: list) -> None:
     for s, tier in chosen:
         init = s.home_partition().float()  # fp32 from its home (not read where the home is the master)
         s.trainable = True
-        s.grad_tier = grad_tier_of(tier)
+        s.gradient.tier = grad_tier_of(tier)
         opt.adopt_unfrozen(s, tier, init)
         engine.step_runner.adopted(s)
         if not s.ctx.lazy_grads:
-            s.allocate_grad_part()
+            s.gradient.allocate()
         engine.manager.watch_gradients(s)
         engine.frozen_fingerprints.pop(str(s.index), None)
     tiers = {s.name: tier for s, tier in chosen}

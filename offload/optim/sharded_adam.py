@@ -7,7 +7,7 @@ moments, kept on the tier `offload_optimizer.device` names:
   HOST    host tensors; updated with the native fused kernel (offload.ops)
   NVME    one file per shard holding [master | exp_avg | exp_avg_sq], or only
           [exp_avg | exp_avg_sq] when the parameter's own file is the master
-          (Note [shared fp32 master]); the step streams them: reads of the
+          (Note [shared fp32 master] in optim/states.py); the step streams them: reads of the
           next shards are in flight while one is updated, writes are asynchronous
 After a shard's update its compute-dtype copy is refreshed at the parameter's
 home (see Note [shard layout] in offload/partition/shard.py): the fused
@@ -43,21 +43,22 @@ import torch
 
 from collections import deque
 
-from offload.aio.memory import BufferCache, aligned_tensor
+from offload.aio.memory import BufferCache
 from offload.host_worker import HostWorker
 from offload.ops import adam_step
 from offload.ops.adam import fused_torch_adam
 from offload.optim.driver import UpdateDriver
 from offload.optim.param_groups import check_group
-from offload.optim.state_access import StateAccess
-from offload.optim.state_stream import StateLayout, StateStream
+from offload.optim.state_access import state_dict_of, load_torch_state_dict
+from offload.optim.state_stream import StateStream
+from offload.optim.states import ShardStates
 from offload.accounting import MemoryAccount
 from offload.partition.shard import Shard
 from offload.tiers import Tier
 from offload.timeline import Timeline
 
 
-class ShardedAdam(StateAccess, torch.optim.Optimizer):
+class ShardedAdam(torch.optim.Optimizer):
     def __init__(self, shards: list[Shard], *,
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  adamw_mode: bool, tier: Tier, device: torch.device, account: MemoryAccount,
@@ -84,7 +85,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         tier: where every shard's state lives, but for those `state_tiers` (shard.index
         -> Tier: an auto placement, Note [automatic placement] in
         offload/placement.py) puts elsewhere. Each shard's gradient partition
-        is on the device where its state is (Shard.grad_tier)."""
+        is on the device where its state is (Shard.gradient.tier)."""
         if not shards:
             raise ValueError("optimizer got an empty parameter list")
         # Note [frozen parameters] (offload/placement.py): frozen shards have no state;
@@ -96,12 +97,11 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
                              f"{len(shards)}): there is nothing to train; unfreeze the ones to train "
                              "before offload.initialize")
         shards = self.shards
-        self.tier = tier
-        self._state_tiers = {s.index: (state_tiers or {}).get(s.index, tier) for s in shards}
+        # Where each shard's state lives, and its tensors or file: one owner (optim/states.py).
+        self.states = ShardStates(shards, tier=tier, state_tiers=state_tiers, device=device, account=account,
+                                  state_store=state_store, param_store=param_store)
         self.device = device
         self.account = account
-        self.state_store = state_store
-        self.param_store = param_store
         # zero_optimization.sub_group_size caps the optimizer-state elements read
         # ahead of the shard being updated in the streamed (NVMe) step.
         self.sub_group_size = sub_group_size
@@ -134,7 +134,6 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         self.state_buffers = BufferCache((2 + self.ahead) * 3 * 4 * largest + 3 * 4 * largest,
                                    charge=lambda n: account.charge(Tier.HOST, n, "idle optimizer buffers"),
                                    credit=lambda n: account.credit(Tier.HOST, n))
-        self._states: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # Sum of squares of the gradients updated since the engine last read it (this rank's partitions).
         self.grad_sq = 0.0
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -151,31 +150,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         as its master (moments zero). The shard is already home; it is trainable."""
         if not shard.trainable:
             raise ValueError(f"parameter {shard.name} is frozen: it has no optimizer state")
-        nbytes = 3 * shard.part_numel * 4
-        tier = self.state_tier(shard)
-        if tier is Tier.NVME:
-            shared = self.shares_master(shard)  # then the parameter's file holds `init`
-            nbytes = (2 if shared else 3) * shard.part_numel * 4
-            self.account.charge(Tier.NVME, nbytes, f"optimizer state of {shard.name}")
-            packed = torch.zeros(nbytes // 4, dtype=torch.float32)
-            if not shared:
-                packed[:shard.part_numel].copy_(init)
-            self.state_store.swap_out(self._key(shard), packed).wait()
-            self._adopt(shard)
-            return
-        if self._aliases_home(shard):
-            master = shard.host_part  # fp32 host home is the master itself
-            nbytes -= shard.part_numel * 4
-        elif tier is Tier.DEVICE:
-            master = init.to(self.device, torch.float32, copy=True)
-        else:
-            # Aligned: a new value homed on NVMe is written from it straight
-            # to disk, with no staging copy (Note [direct transfers]).
-            master = aligned_tensor(shard.part_numel, torch.float32).copy_(init.reshape(-1))
-        self.account.charge(tier, nbytes, f"optimizer state of {shard.name}")
-        m = torch.zeros_like(master)
-        v = torch.zeros_like(master)
-        self._states[shard.index] = (master, m, v)
+        self.states.init_state(shard, init)
         self._adopt(shard)
 
     def _adopt(self, shard: Shard) -> None:
@@ -226,49 +201,12 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
                                "(give every trainable parameter a group)")
         return gi
 
-    def _indexed(self) -> list[tuple[int, Shard]]:
+    def indexed(self) -> list[tuple[int, Shard]]:
         """(torch's state index, shard): the groups' params in order, the frozen ones
         counted but left out (they have no state)."""
         by_param = {id(s.param): s for s in self.shards}
         params = (p for g in self.param_groups for p in g["params"])
         return [(i, by_param[id(p)]) for i, p in enumerate(params) if id(p) in by_param]
-
-    def state_tier(self, shard: Shard) -> Tier | None:
-        """Where `shard`'s optimizer state lives; None: it is frozen and has none."""
-        return self._state_tiers.get(shard.index)
-
-    @property
-    def state_tiers(self) -> frozenset:
-        """Every tier some shard's state lives on."""
-        return frozenset(self._state_tiers.values())
-
-    def _aliases_home(self, shard: Shard) -> bool:
-        return (self.state_tier(shard) is Tier.HOST and shard.home is Tier.HOST
-                and shard.dtype == torch.float32)
-
-    # Note [shared fp32 master]
-    # With state on NVMe and an fp32 parameter homed on NVMe, the parameter's
-    # file holds exactly the master's bits (it is written from the master
-    # after each update). So the master is kept once, there: the state file
-    # holds only the two moments. That saves a write of 4 bytes/element per
-    # step, and usually a read too: when the gradient arrives during an
-    # overlapped backward, the parameter is gathered (its backward read it),
-    # and the update takes the master from that copy instead of the disk.
-    # The stream learns which shards arrive so (as it learns their order),
-    # and reads the master of any that does not.
-    def shares_master(self, shard: Shard) -> bool:
-        return (self.state_tier(shard) is Tier.NVME and shard.home is Tier.NVME
-                and shard.dtype == torch.float32 and self.param_store is not None)
-
-    def _layout(self, shard: Shard) -> StateLayout:
-        return StateLayout(shard.part_numel, self.shares_master(shard))
-
-    def _read_master(self, shard: Shard, out: torch.Tensor):
-        return self.param_store.read_part(shard, out)
-
-    @staticmethod
-    def _key(shard: Shard) -> str:
-        return f"optim.{shard.index}"
 
     def beside_compute(self, sharing: bool) -> None:
         """Updates from now on beside the compute thread: overlap_threads, else every core."""
@@ -303,7 +241,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         fp32 partitions, not in param.grad); the next backward starts from zero."""
         self.settle("optimizer.zero_grad()")
         for shard in self.shards:
-            shard.clear_grad()
+            shard.gradient.clear()
 
     @torch.no_grad()
     def update(self) -> None:
@@ -323,17 +261,18 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
                 self.flush_publishes()  # the shards updated, failed step or not
 
     def stepping(self) -> list[Shard]:
-        return [s for s in self.shards if s.has_grad]
+        return [s for s in self.shards if s.gradient.pending]
 
     def open_stream(self, order: list[Shard], skip_master: frozenset = frozenset()) -> StateStream | None:
         """The NVMe state of `order`'s shards, read ahead of their updates (None where
         none of them has its state on NVMe)."""
-        order = [s for s in order if self.state_tier(s) is Tier.NVME]
+        order = [s for s in order if self.states.state_tier(s) is Tier.NVME]
         if not order:
             return None
-        stream = StateStream(self.state_store, self._key, order, account=self.account,
+        states = self.states
+        stream = StateStream(states.state_store, states.key, order, account=self.account,
                              timeline=self.timeline, cap_elems=self.sub_group_size, buffers=self.state_buffers,
-                             ahead=self.ahead, layout_of=self._layout, read_master=self._read_master,
+                             ahead=self.ahead, layout_of=states.layout, read_master=states.read_master,
                              skip_master=skip_master)
         stream.start()
         return stream
@@ -343,11 +282,11 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
             if stream is not None:
                 stream.close()
         finally:
-            if self.param_store is not None:
+            if self.states.param_store is not None:
                 # The next forward must read the new parameters, not a file
                 # still being written.
                 try:
-                    self.param_store.store.wait_all()
+                    self.states.param_store.store.wait_all()
                 except OSError as exc:
                     self._param_write_error = self._param_write_error or exc
                 while self._param_writes:
@@ -378,10 +317,67 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
             raise RuntimeError(f"{reader} while an overlapped update runs: call step() first")
         self.driver.settle()
 
+    # ---- the state outside the step ------------------------------------------
+    # Each read or write of values waits for the updates in flight first (settle);
+    # the values themselves are self.states' (optim/states.py).
+    def state_dict(self) -> dict:
+        """torch's format, each shard's fp32 master beside its moments (optim/state_access.py)."""
+        self.settle("optimizer.state_dict()")
+        return state_dict_of(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's format, ours or torch's own Adam's (one process)."""
+        self.settle()
+        load_torch_state_dict(self, state_dict)
+
+    def master_partition(self, shard: Shard) -> torch.Tensor:
+        """This rank's fp32 master partition of `shard` (a copy, on the host); a frozen
+        shard's home value in fp32 (it has no master: Note [frozen parameters])."""
+        self.settle()
+        return self.states.master_partition(shard)
+
+    def state_tensors(self, shard: Shard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The live (master, exp_avg, exp_avg_sq) of a DEVICE/HOST-tier shard: not copies."""
+        self.settle()
+        return self.states.live(shard)
+
+    def set_master(self, shard: Shard, master: torch.Tensor) -> None:
+        """Replaces `shard`'s fp32 master: the weights were edited outside training
+        (offload.gathered); the moments stay. A frozen shard has no master: its edited
+        home is all there is."""
+        if not shard.trainable:
+            return
+        self.settle()
+        self.states.set_master(shard, master)
+
+    def group_listing(self, shard: Shard) -> int | None:
+        """The index of the parameter group a frozen shard's parameter is listed in (None:
+        in none). With one group (none given) every parameter joins it: 0."""
+        if self._one_group:
+            return 0
+        return next((gi for gi, g in enumerate(self.param_groups) if any(p is shard.param for p in g["params"])),
+                    None)
+
+    def adopt_unfrozen(self, shard: Shard, tier: Tier, init: torch.Tensor) -> None:
+        """A parameter frozen when the optimizer was made, trainable now (Note [unfreezing]
+        in engine/unfreeze.py): its state is made on `tier` (master `init`, this rank's
+        fp32 partition; moments zero, step count 0), in the group that lists it. The
+        caller checked the group and the budget; the shard is trainable already."""
+        gi = self.group_listing(shard)
+        if gi is None:
+            raise RuntimeError(f"parameter {shard.name} is in no parameter group")
+        self._frozen.pop(id(shard.param), None)
+        self.shard_steps[shard.index] = 0
+        if not self._one_group:
+            self._group_of[shard.index] = gi
+        self.shards = sorted([*self.shards, shard], key=lambda s: s.index)
+        self.states.adopt(shard, tier, init)
+        self._adopt(shard)
+
     def close(self) -> None:
         """Frees the state (the engine settled its step first: engine/engine.py close)."""
         self.state_buffers.clear()
-        self._states.clear()  # host or device memory held until the engine's last reference went
+        self.states.clear()
         if self._own_worker:
             self.worker.shutdown()
 
@@ -391,14 +387,14 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         with self.timeline.span("optimizer", shard.name):
             # Note [global gradient norm] (step/grad_norm.py): the gradients this update applies,
             # summed by the kernel as it reads them (added once it is applied: Note [a failed step]).
-            if self.state_tier(shard) is not Tier.NVME:
-                master, m, v = self._states[shard.index]
+            if self.states.state_tier(shard) is not Tier.NVME:
+                master, m, v = self.states.live(shard)
                 grad_sq = self._update(shard, master, m, v, group)
             else:
                 buf = stream.take(shard, master_value)  # the caller credits a charged master_value
                 grad_sq = self._update(shard, *stream.layout(shard).views(buf), group)
                 stream.put(shard, buf)
-            shard.clear_grad(applied=True)
+            shard.gradient.clear(applied=True)
             self.grad_sq += grad_sq
 
     def _update(self, shard: Shard, master, m, v, group: dict) -> float:
@@ -406,7 +402,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         self.shard_steps[shard.index] += 1
         step = self.shard_steps[shard.index]
-        grad = shard.grad_part.to(master.device, non_blocking=True)
+        grad = shard.gradient.part.to(master.device, non_blocking=True)
         home_out = self._home_out(shard)
         # Where the bytes are, not which layer (Note [one device choice]): the
         # native kernel reads host memory; masters in a GPU's memory take torch's.
@@ -428,9 +424,9 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
 
     def _home_out(self, shard: Shard) -> torch.Tensor | None:
         """Where this shard's new compute-dtype partition is written, or None if the master is it."""
-        on_device = self.state_tier(shard) is Tier.DEVICE
+        on_device = self.states.state_tier(shard) is Tier.DEVICE
         if shard.home is Tier.HOST:
-            return None if self._aliases_home(shard) else shard.host_part
+            return None if self.states.aliases_home(shard) else shard.host_part
         if shard.home is Tier.DEVICE and on_device:
             return None  # the home takes the master's value on the device (Shard.set_device_home)
         if shard.home is Tier.NVME and shard.dtype == torch.float32 and not on_device:
@@ -443,7 +439,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
         """Whether the shard's device home takes its new value up the bus right after
         its update, on any thread (Note [device homes' new values]); else step()
         publishes it on the compute thread (flush_publishes)."""
-        return (shard.home is Tier.DEVICE and self.state_tier(shard) is not Tier.DEVICE
+        return (shard.home is Tier.DEVICE and self.states.state_tier(shard) is not Tier.DEVICE
                 and shard.ctx.streams is not None and shard.ctx.pg.world_size == 1)
 
     def _publish(self, shard: Shard, master: torch.Tensor, written: torch.Tensor | None) -> None:
@@ -463,7 +459,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
                 part = written if written.device.type == "cpu" else written.to("cpu")
                 nbytes = part.numel() * part.element_size()
             self.account.charge(Tier.HOST, nbytes, f"new value of {shard.name} on its way to NVMe")
-            self._param_writes.append((self.param_store.write(shard, part, borrow=True), nbytes, part))
+            self._param_writes.append((self.states.param_store.write(shard, part, borrow=True), nbytes, part))
             while len(self._param_writes) > 2:  # new values in flight: bounded host memory
                 self._retire_param_write()
 
@@ -479,7 +475,7 @@ class ShardedAdam(StateAccess, torch.optim.Optimizer):
             self.state_buffers.give(part)
 
     def flush_publishes(self) -> None:
-        if Tier.NVME in self.state_tiers:
+        if Tier.NVME in self.states.state_tiers:
             # Idle state buffers are reused within a step, not across steps: kept,
             # they would sit resident through the next forward, on top of its
             # activations (300 MiB of a 0.9 GiB peak, GPT 67M on NVMe).

@@ -2,8 +2,8 @@
 
 Each shard's state is one file, [master | exp_avg | exp_avg_sq] in fp32, or
 [exp_avg | exp_avg_sq] where the parameter's own fp32 file is the master
-(Note [optimizer state tiers] and Note [shared fp32 master] in
-offload/optim/sharded_adam.py); `StateLayout` says which. A stream is
+(Note [optimizer state tiers] in offload/optim/sharded_adam.py, Note [shared
+fp32 master] in offload/optim/states.py); `StateLayout` says which. A stream is
 told the order in which updates are expected and keeps reads in flight
 ahead of the shard being updated, up to `ahead` times the largest shard's
 elements, or `cap_elems` (zero_optimization.sub_group_size) where that is

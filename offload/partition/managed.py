@@ -175,19 +175,19 @@ def _grad_access(kind: str, args):
             real = param.grad
             if real is not None:  # inside backward, before the hook takes it
                 return real
-            if not shard.has_grad or shard.grad_part is None:
+            if not shard.gradient.pending or shard.gradient.part is None:
                 return None
             if shard.ctx.pg.world_size > 1:
                 raise RuntimeError(
                     f"{shard.name}.grad: with {shard.ctx.pg.world_size} ranks each holds a partition of the "
                     "gradient, not the whole; clip with the config's gradient_clipping (the engine clips "
                     "every update) and read the norm with engine.get_global_grad_norm()")
-            return shard.grad_part[:shard.numel].view(shard.shape)
+            return shard.gradient.part[:shard.numel].view(shard.shape)
         value = args[1] if kind == "set" else None
         if value is not None:
             raise RuntimeError(f"{shard.name}.grad = tensor: the engine keeps gradients in its partitions; "
                                "set p.grad = None to clear them, or scale them in place (p.grad.mul_(c))")
-        shard.clear_grad()
+        shard.gradient.clear()
         return None
 
 

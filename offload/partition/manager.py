@@ -105,7 +105,7 @@ class ParameterManager:
         # unless the shard's optimizer state, and so its gradient, is on the device.
         self.to_host: GradientsToHost | None = None
         ctx = shards[0].ctx if shards else None
-        going_down = [s for s in shards if s.grad_tier is not Tier.DEVICE]
+        going_down = [s for s in shards if s.gradient.tier is not Tier.DEVICE]
         if ctx is not None and ctx.streams is not None and going_down:
             if host_worker is None:
                 raise ValueError("gradients copied to the host need the host worker that takes them in")
@@ -267,7 +267,7 @@ class ParameterManager:
     def _route_grad(self, shard: Shard, grad: torch.Tensor, owned: bool = False) -> None:
         """A final gradient (one rank's reduced partition with several) goes down to
         the host, or straight to hooks.take_grad where the shard's gradient stays on the device."""
-        if self.to_host is not None and shard.grad_tier is not Tier.DEVICE:
+        if self.to_host is not None and shard.gradient.tier is not Tier.DEVICE:
             self.to_host.put(shard, grad)
         else:
             self.hooks.take_grad(shard, grad, owned=owned)

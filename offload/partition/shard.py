@@ -24,12 +24,12 @@ from __future__ import annotations
 import torch
 
 from offload.aio.memory import aligned_tensor
-from offload.partition.shard_gradient import ShardGradient
+from offload.partition.shard_gradient import GradientPartition
 from offload.partition.shard_context import InFlight, Residency, ShardContext, _FailedRead, partition_numel
 from offload.tiers import Tier
 
 
-class Shard(ShardGradient):
+class Shard:
     def __init__(self, index: int, name: str, param: torch.nn.Parameter, *,
                  compute_dtype: torch.dtype, home: Tier, ctx: ShardContext):
         self.index = index
@@ -61,16 +61,8 @@ class Shard(ShardGradient):
         self.pinned_home = False  # host_part is pinned memory (engine/build.py _home_pinner)
         self._host_alias: torch.Tensor | None = None  # host_part as the layer's pinned buffer
         # fp32 gradient partition, accumulated across micro-steps, on the
-        # optimizer's side (Note [gradient partitions]): beside this shard's
-        # optimizer state (`grad_tier_of`; engine/build.py sets it from the plan).
-        self.grad_tier: Tier = ctx.grad_tier
-        self.grad_part: torch.Tensor | None = None
-        # Whether grad_part is charged to the account: not a staging buffer lent for one
-        # update (Note [updates from the staging buffer] in step/gradients.py).
-        self._grad_charged = False
-        # Whether any gradient arrived since the last optimizer step: like
-        # torch.optim, a parameter whose .grad stayed None is not stepped.
-        self.has_grad = False
+        # optimizer's side (Note [gradient partitions] in shard_gradient.py).
+        self.gradient = GradientPartition(self.name, self.part_numel, ctx, self.in_flight, ctx.grad_tier)
         self._placeholder = torch.zeros(1, dtype=compute_dtype, device=ctx.device).expand(self.shape)
 
     # ---- construction --------------------------------------------------
@@ -96,7 +88,7 @@ class Shard(ShardGradient):
                                f"{self.ctx.pg.rank}/{self.ctx.pg.world_size}; the engine runs on "
                                f"{ctx.device}, rank {ctx.pg.rank}/{ctx.pg.world_size} with its own "
                                "memory account: initialize the model where offload.init built it")
-        self.ctx = ctx
+        self.ctx = self.gradient.ctx = ctx  # its lazy_grads, among what the engine adds
 
     def adopt(self, value: torch.Tensor) -> None:
         """Takes the parameter's initial value (any dtype/device) into its home."""

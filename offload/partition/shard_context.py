@@ -111,7 +111,7 @@ class ShardContext:
 
     param_store: NVMe homes; None when no shard is homed on NVMe.
     grad_tier: where fp32 gradient partitions live unless a shard's own plan says
-    otherwise (Shard.grad_tier), and
+    otherwise (Shard.gradient.tier), and
     lazy_grads: whether they exist only while a gradient is pending (Note [gradient partitions]).
     gathered_buffers: gathered buffers on a CPU device, reused from step to step; None: allocated each time.
     layer: the device layer every host<->device copy goes through (Note [device layer]);

@@ -1,4 +1,4 @@
-"""A shard's fp32 gradient partition (a base of Shard).
+"""A shard's fp32 gradient partition: GradientPartition, one per Shard (shard.gradient).
 
 Note [gradient partitions]
 With optimizer state on the host or device, each shard keeps an fp32
@@ -20,61 +20,91 @@ import torch
 from offload.tiers import Tier
 
 
-class ShardGradient:
-    """Shard's gradient partition: `grad_part` on `grad_tier`, `has_grad` while one is pending
-    (the attributes are Shard's, set in its constructor)."""
+class GradientPartition:
+    """One shard's fp32 gradient partition: `part` on `tier`, `pending` while a gradient
+    waits for its update. Owned by its Shard (shard.gradient), whose in-flight update it
+    waits for before a new gradient goes in."""
+
+    def __init__(self, name: str, part_numel: int, ctx, in_flight, tier: Tier):
+        self.name, self.part_numel, self.ctx, self._in_flight = name, part_numel, ctx, in_flight
+        # Beside the shard's optimizer state (`grad_tier_of`; engine/build.py sets it from the plan).
+        self.tier = tier
+        self.part: torch.Tensor | None = None
+        # Whether `part` is charged to the account: not a staging buffer lent for one
+        # update (Note [updates from the staging buffer] in step/gradients.py).
+        self._charged = False
+        # Whether any gradient arrived since the last optimizer step: like
+        # torch.optim, a parameter whose .grad stayed None is not stepped.
+        self.pending = False
 
     @property
-    def grad_device(self) -> torch.device:
-        return self.ctx.device if self.grad_tier is Tier.DEVICE else torch.device("cpu")
+    def device(self) -> torch.device:
+        return self.ctx.device if self.tier is Tier.DEVICE else torch.device("cpu")
 
-    def allocate_grad_part(self) -> None:
-        self.ctx.account.charge(self.grad_tier, self.part_numel * 4, f"gradient of {self.name}")
-        self.grad_part = torch.zeros(self.part_numel, dtype=torch.float32, device=self.grad_device)
-        self._grad_charged = True
+    def allocate(self) -> None:
+        self.ctx.account.charge(self.tier, self.part_numel * 4, f"gradient of {self.name}")
+        self.part = torch.zeros(self.part_numel, dtype=torch.float32, device=self.device)
+        self._charged = True
 
-    def take_grad(self, grad: torch.Tensor, owned: bool = False) -> None:
-        """Adds this rank's gradient partition, averaged over ranks, into grad_part (fp32).
+    def take(self, grad: torch.Tensor, owned: bool = False) -> None:
+        """Adds this rank's gradient partition, averaged over ranks, into `part` (fp32).
         With one rank that is the whole gradient, any shape; with several, the
         part_numel elements a reduce-scatter gave this rank (Note [gradient buckets]).
         owned: `grad` is autograd's own tensor, which nothing else reuses (else a
         view of a staging buffer or a bucket, copied from)."""
-        self.await_update()  # the update reading the last window's gradient
+        if self._in_flight.update is not None:  # the update reading the last window's gradient
+            self._in_flight.update.result()  # one that raised raises here too
         mine = grad.detach().reshape(-1)
         if mine.numel() < self.part_numel:  # an empty parameter's partition is one padding element
             mine = torch.zeros(self.part_numel, dtype=torch.float32, device=mine.device)
         elif mine.numel() != self.part_numel:
             raise ValueError(f"gradient of {self.name}: {mine.numel()} elements, expected this rank's "
                              f"partition of {self.part_numel}")
-        if self.has_grad:
-            self.grad_part.add_(mine.to(self.grad_part.device, torch.float32))
+        if self.pending:
+            self.part.add_(mine.to(self.part.device, torch.float32))
         else:
             # The window's first gradient replaces the partition (no zeroing
             # pass between steps): autograd's own fp32 tensor is taken over;
             # anything else (a view into a staging buffer or a bucket, another
             # dtype) is copied into the partition kept from the last step. A fresh one per step cost a page fault per 4 KiB
             # (879k a step, 2.5 s of system time, GPT 0.94B on a GPU host).
-            if self.grad_part is None:
-                self.ctx.account.charge(self.grad_tier, self.part_numel * 4, f"gradient of {self.name}")
-                self._grad_charged = True
-            if (owned and mine.dtype == torch.float32 and mine.device == torch.device(self.grad_device)
+            if self.part is None:
+                self.ctx.account.charge(self.tier, self.part_numel * 4, f"gradient of {self.name}")
+                self._charged = True
+            if (owned and mine.dtype == torch.float32 and mine.device == torch.device(self.device)
                     and mine.is_contiguous() and mine.untyped_storage().nbytes() == self.part_numel * 4):
-                self.grad_part = mine
-            elif self.grad_part is not None:
-                self.grad_part.copy_(mine)
+                self.part = mine
+            elif self.part is not None:
+                self.part.copy_(mine)
             else:
-                self.grad_part = mine.to(self.grad_device, torch.float32, copy=True)
-        self.has_grad = True
+                self.part = mine.to(self.device, torch.float32, copy=True)
+        self.pending = True
 
-    def clear_grad(self, *, applied: bool = False) -> None:
+    def lend(self, staged: torch.Tensor):
+        """For one update from the staging buffer (Note [updates from the staging buffer]
+        in step/gradients.py): `staged` is the pending gradient, not charged nor kept;
+        returns what to give back to restore()."""
+        kept = self.part
+        self.part, self.pending = staged, True
+        return kept
+
+    def restore(self, kept) -> None:
+        """After the lent update: were it not applied (a failed step), the staged gradient
+        is copied into a partition of the shard's own, for the retry."""
+        staged, self.part = self.part, kept
+        if self.pending and staged is not None:
+            self.pending = False
+            self.take(staged)
+
+    def clear(self, *, applied: bool = False) -> None:
         """After the shard's update (applied: called by the update itself) or a skipped
         step: the next gradient replaces the partition; a lazy one is freed. Not while an
         update is still to read it (one step() left queued under the next forward, Note
         [updates under the next forward]): that update frees it as it ends."""
-        pending = self.in_flight.update is not None and not applied
-        if self.grad_part is not None and self.ctx.lazy_grads and not pending:
-            if self._grad_charged:
-                self.ctx.account.credit(self.grad_tier, self.part_numel * 4)
-                self._grad_charged = False
-            self.grad_part = None
-        self.has_grad = False  # the next gradient replaces the partition
+        pending = self._in_flight.update is not None and not applied
+        if self.part is not None and self.ctx.lazy_grads and not pending:
+            if self._charged:
+                self.ctx.account.credit(self.tier, self.part_numel * 4)
+                self._charged = False
+            self.part = None
+        self.pending = False  # the next gradient replaces the partition

@@ -22,7 +22,7 @@ from offload.tiers import Tier
 
 def all_finite(shards) -> bool:
     """Whether every pending gradient is finite (fp16: an overflowed step is skipped)."""
-    return all(bool(torch.isfinite(s.grad_part).all()) for s in shards if s.has_grad)
+    return all(bool(torch.isfinite(s.gradient.part).all()) for s in shards if s.gradient.pending)
 
 
 def square_sum(grad_part: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
@@ -45,13 +45,13 @@ class NormTerms(dict):
         self._largest, self._account, self._scratch = largest, account, None
 
     def take(self, shard) -> None:
-        if shard.grad_tier is Tier.DEVICE:  # on the compute thread, where the gradient is
-            self[shard.index] = square_sum(shard.grad_part)
+        if shard.gradient.tier is Tier.DEVICE:  # on the compute thread, where the gradient is
+            self[shard.index] = square_sum(shard.gradient.part)
             return
         if self._scratch is None:
             self._account.charge(Tier.HOST, self._largest * 4, "gradient norm scratch")
             self._scratch = torch.empty(self._largest, dtype=torch.float32)
-        self[shard.index] = square_sum(shard.grad_part, self._scratch)
+        self[shard.index] = square_sum(shard.gradient.part, self._scratch)
 
 
 def clip_coefficient(shards, max_norm: float, device: torch.device, pg,
@@ -62,9 +62,9 @@ def clip_coefficient(shards, max_norm: float, device: torch.device, pg,
     terms = terms or {}
     sq = torch.zeros(1, dtype=torch.float32, device=device)
     for s in shards:
-        if s.has_grad:
+        if s.gradient.pending:
             term = terms.get(s.index)
-            sq += (term if term is not None else square_sum(s.grad_part)).to(device)
+            sq += (term if term is not None else square_sum(s.gradient.part)).to(device)
     total = math.sqrt(float(pg.sum_scalar(sq).item()))
     coef = max_norm / (total + 1e-6)
     return total, (coef if coef < 1.0 else None)
@@ -75,8 +75,8 @@ def clip_by_global_norm(shards, max_norm: float, device: torch.device, pg) -> fl
     total, coef = clip_coefficient(shards, max_norm, device, pg)
     if coef is not None:
         for s in shards:
-            if s.has_grad:
-                s.grad_part.mul_(coef)
+            if s.gradient.pending:
+                s.gradient.part.mul_(coef)
     return total
 
 

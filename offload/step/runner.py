@@ -88,7 +88,7 @@ class StepRunner:
     @property
     def gradients_pending(self) -> bool:
         """Whether a backward since the last update left gradients not yet applied."""
-        return any(s.has_grad for s in self.shards)
+        return any(s.gradient.pending for s in self.shards)
 
     def state_dict(self) -> dict:
         """What a checkpoint saves of the step: the counters and the loss scale."""
@@ -174,7 +174,7 @@ class StepRunner:
         self.grad_norm.settle()  # summed by those updates (Note [global gradient norm])
         if self.phases.phase is StepPhase.UPDATING_DEFERRED:
             self.phases.to_ready(StepPhase.UPDATING_DEFERRED)
-        if self.policy.during_backward(self.optimizer.state_tiers, at_boundary=self.is_boundary()):
+        if self.policy.during_backward(self.optimizer.states.state_tiers, at_boundary=self.is_boundary()):
             # Updates start during this backward: an async checkpoint must have
             # read what it saves first (Note [consistent async checkpoint]).
             self._before_update()
@@ -199,13 +199,13 @@ class StepRunner:
 
     def _deferred(self) -> bool:
         """Whether step() may defer its updates under the next forward (Note [update names])."""
-        return self.policy.deferred(self.optimizer.state_tiers, [s.home for s in self.shards])
+        return self.policy.deferred(self.optimizer.states.state_tiers, [s.home for s in self.shards])
 
     def _carried(self) -> bool:
         """Whether this backward's updates may be carried under the next forward (Note [head
         first after backward] in transfers/device_copies.py)."""
         return self.manager.to_host is not None and self.policy.carried(
-            self.optimizer.state_tiers, [s.home for s in self.shards], world_size=self.pg.world_size)
+            self.optimizer.states.state_tiers, [s.home for s in self.shards], world_size=self.pg.world_size)
 
     def _plan_backward(self, carried: bool) -> None:
         """The copy-down path's plan for this backward (BackwardPlan, transfers/device_copies.py): each gradient
@@ -332,8 +332,8 @@ class StepRunner:
                 self.zero_grads()
                 return
             for s in self.shards:  # unscale with the scale backward used
-                if s.has_grad:
-                    s.grad_part.div_(self.loss_scaler.scale)
+                if s.gradient.pending:
+                    s.gradient.part.div_(self.loss_scaler.scale)
             self.loss_scaler.update(False, c.global_steps + c.skipped_steps + 1)
         self.grad_norm.settle()  # the last update's, before this one's sum starts
         clipped_norm, coef, defer = None, None, self._deferred()
@@ -391,22 +391,19 @@ class StepRunner:
         master: the parameter's partition that came down with it (Note [masters down
         with their gradients]), valid during the call."""
         in_backward = carried or self.phases.updating_in_backward
-        if in_backward and self.policy.from_staging(shard, grad, self.optimizer.state_tier(shard)):
+        if in_backward and self.policy.from_staging(shard, grad, self.optimizer.states.state_tier(shard)):
             # Note [updates from the staging buffer] (step/gradients.py): no copy into the partition.
-            kept, shard.grad_part, shard.has_grad = shard.grad_part, grad, True
+            kept = shard.gradient.lend(grad)
             try:
                 self.in_backward.submit(shard, carried=carried)  # on the host worker: updates now
             finally:
-                staged, shard.grad_part = shard.grad_part, kept
-                if shard.has_grad and staged is not None:  # not updated (a failed step): kept for the retry
-                    shard.has_grad = False
-                    shard.take_grad(staged)
+                shard.gradient.restore(kept)  # not updated (a failed step): kept for the retry
             return
-        shard.take_grad(grad, owned=owned)
+        shard.gradient.take(grad, owned=owned)
         terms = self.grad_norm.terms
         if terms is not None:  # on the host worker (Note [norm terms during backward])
             terms.take(shard)
-        if in_backward and shard.grad_tier is not Tier.DEVICE:
+        if in_backward and shard.gradient.tier is not Tier.DEVICE:
             # State on the device: updated at step() (in_backward.finish).
             self.in_backward.submit(shard, carried=carried, master=master)
 
@@ -414,11 +411,11 @@ class StepRunner:
         """Whether the parameter's partition goes down with this gradient: its update
         follows the take-in and takes the master from it (Note [masters down with their
         gradients] in transfers/device_copies.py)."""
-        return self.phases.updating_in_backward and self.optimizer.shares_master(shard)
+        return self.phases.updating_in_backward and self.optimizer.states.shares_master(shard)
 
     def zero_grads(self) -> None:
         for s in self.shards:
-            s.clear_grad()
+            s.gradient.clear()
 
 
 def _progress(msg: str, *args) -> None:

@@ -118,6 +118,6 @@ class UpdatePolicy:
     def from_staging(self, shard, grad: torch.Tensor, optim_tier) -> bool:
         """Whether `grad`, just taken in from its pinned staging buffer during backward, is
         updated from it (Note [updates from the staging buffer] in step/gradients.py)."""
-        return (shard.ctx.streams is not None and not shard.has_grad and optim_tier is Tier.HOST
+        return (shard.ctx.streams is not None and not shard.gradient.pending and optim_tier is Tier.HOST
                 and shard.home is not Tier.NVME and grad.dtype in (torch.float32, torch.bfloat16)
                 and grad.dim() == 1 and grad.numel() == shard.part_numel and grad.is_contiguous())

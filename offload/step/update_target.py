@@ -1,13 +1,13 @@
 """What the update schedulers (offload/step/updates.py) need of the optimizer whose
-updates they run: a small interface, so they depend on it rather than on ShardedAdam
-(which makes them, and so imports them)."""
+updates they run: a small interface, so they depend on it rather than on ShardedAdam,
+and their unit tests (tests/step/test_updates.py) can stand in for it."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
 from offload.accounting import MemoryAccount
+from offload.optim.states import ShardStates
 from offload.partition.shard import Shard
-from offload.tiers import Tier
 from offload.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -22,17 +22,11 @@ class UpdateTarget(Protocol):
 
     param_groups: list[dict]
     shards: list[Shard]
+    states: ShardStates  # where each shard's state lives (state_tier, state_tiers, shares_master)
     account: MemoryAccount
     timeline: Timeline
 
-    @property
-    def state_tiers(self) -> frozenset: ...
-
     def group_index(self, shard: Shard) -> int: ...
-
-    def state_tier(self, shard: Shard) -> Tier | None: ...
-
-    def shares_master(self, shard: Shard) -> bool: ...
 
     def stepping(self) -> list[Shard]: ...
 

@@ -122,11 +122,11 @@ class DeferredUpdates:
         # Device homes whose new value step() publishes (state on the device, or an
         # all-gather, a collective, with several ranks) are updated now, here.
         for shard in order:
-            if shard.has_grad and shard.home is Tier.DEVICE and not opt.uploads_after_update(shard):
+            if shard.gradient.pending and shard.home is Tier.DEVICE and not opt.uploads_after_update(shard):
                 self._update(shard, groups[opt.group_index(shard)], grad_scale)
         opt.flush_publishes()
         for shard in order:
-            if shard.has_grad:
+            if shard.gradient.pending:
                 done = self.worker.submit(self._update, shard, groups[opt.group_index(shard)], grad_scale)
                 shard.in_flight.update = done
                 self.pending.append(ShardUpdate(shard, done, shard.part_numel, False))
@@ -141,7 +141,7 @@ class DeferredUpdates:
 
     def _update(self, shard: Shard, group: dict, grad_scale: float | None) -> None:
         if grad_scale is not None:
-            shard.grad_part.mul_(grad_scale)  # as clip_by_global_norm would have, before the update
+            shard.gradient.part.mul_(grad_scale)  # as clip_by_global_norm would have, before the update
         self.optimizer.update_shard(shard, group, None)
 
     def settle(self) -> None:
@@ -192,10 +192,10 @@ class OverlappedUpdates:
         opt = self.optimizer
         opt.beside_compute(True)  # backward runs on the compute thread meanwhile
         order = self.arrival_order or list(reversed(opt.shards))
-        stream_order = [s for s in order if s.has_grad or s.param.requires_grad]
+        stream_order = [s for s in order if s.gradient.pending or s.param.requires_grad]
         stream = None
         try:
-            if Tier.NVME in opt.state_tiers:
+            if Tier.NVME in opt.states.state_tiers:
                 stream = self.worker.submit(opt.open_stream, stream_order, self.masters_from_gather).result()
         except BaseException:
             opt.beside_compute(False)  # no step in progress: a later backward may start one
@@ -269,10 +269,10 @@ class OverlappedUpdates:
                 late = [s for s in opt.stepping() if s.index not in st.updates] if update_late else []
                 # State on the device: its gradients stayed there and its updates run
                 # here, on the compute thread's stream, after the host's.
-                on_device = [s for s in late if opt.state_tier(s) is Tier.DEVICE]
+                on_device = [s for s in late if opt.states.state_tier(s) is Tier.DEVICE]
                 waiting = [u.done for u in st.updates.values()]
                 waiting += [self.worker.submit(self._run, st, s, st.groups[opt.group_index(s)], None)
-                            for s in late if opt.state_tier(s) is not Tier.DEVICE]
+                            for s in late if opt.states.state_tier(s) is not Tier.DEVICE]
                 error = None
                 for done in waiting:
                     try:
@@ -329,7 +329,7 @@ class OverlappedUpdates:
         (Note [shared fp32 master]); None when it is not gathered now. On the
         host it is a view: the gathered buffer is not reused while the view
         lives (offload/aio/memory.py BufferCache)."""
-        if not self.optimizer.shares_master(shard) or shard.residency is not Residency.GATHERED:
+        if not self.optimizer.states.shares_master(shard) or shard.residency is not Residency.GATHERED:
             return None
         start = shard.ctx.pg.rank * shard.part_numel
         flat = shard.param.data.reshape(-1)

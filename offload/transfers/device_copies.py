@@ -82,7 +82,7 @@ removed_waits: set[str] = set()
 
 # Note [masters down with their gradients]
 # With fp32 parameters and optimizer state both on NVMe the parameter's file
-# is the master (Note [shared fp32 master] in optim/sharded_adam.py), and an
+# is the master (Note [shared fp32 master] in optim/states.py), and an
 # update during backward takes it from the gathered parameter instead of the
 # disk. On a separate device that copy is the device's, released once its
 # backward has run, so the update used to read the master from NVMe again:

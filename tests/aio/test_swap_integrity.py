@@ -75,7 +75,7 @@ def test_flipped_byte_in_an_optimizer_file_stops_the_step_before_any_update(tmp_
     with _nvme_engine(tmp_path) as engine:
         _train(engine, data[:1])
         first = engine.step_runner.in_backward.arrival_order[0]  # the first update of the next step
-        path = engine.optimizer.state_file(first)
+        path = engine.optimizer.states.state_file(first)
         _flip(path)
         before, steps = _swap_files(engine), dict(engine.optimizer.shard_steps)
         x, y = data[1][0]
@@ -129,7 +129,7 @@ def test_failed_lent_in_place_write_keeps_the_value(tmp_path):
 
 def _inject(engine, err, after_units):
     # With one nvme_path the optimizer writes state and new parameter values through the state store.
-    engine.optimizer.state_store._io._inject_fault("pwrite", err, after_units=after_units)
+    engine.optimizer.states.state_store._io._inject_fault("pwrite", err, after_units=after_units)
 
 
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 import offload
 from offload.checkpoint_io.load import read_swap_file
+from offload.tiers import Tier
 from tests.support.harness import build, lm_loss, make_config, on_test_device
 from tests.support.models import VOCAB
 
@@ -180,9 +181,9 @@ def engine_state(engine):
     opt = engine.optimizer
     moments = {}
     for s in engine.shards:
-        if opt.tier.value == "nvme":
-            own_master = 0 if opt.shares_master(s) else 1  # Note [shared fp32 master]
-            packed = read_swap_file(opt.state_file(s), torch.float32, (2 + own_master) * s.part_numel)
+        if Tier.NVME in opt.states.state_tiers:
+            own_master = 0 if opt.states.shares_master(s) else 1  # Note [shared fp32 master]
+            packed = read_swap_file(opt.states.state_file(s), torch.float32, (2 + own_master) * s.part_numel)
             moments[s.name] = packed[own_master * s.part_numel:].clone()
         else:
             moments[s.name] = torch.cat([t.cpu() for t in opt.state_tensors(s)[1:]])

@@ -65,7 +65,7 @@ def resume(root: Path, tiers, saved_world: int, world: int, rank: int) -> None:
     saved0 = torch.load(root / "saved.rank0.pt", weights_only=False)
     with offload.initialize(build("tiny_gpt", seed=5), config(root, tiers, "x", rank)) as x:
         x.load_checkpoint(root / "ck")
-        indexed = x.optimizer._indexed()
+        indexed = x.optimizer.indexed()
         numels = {i: s.numel for i, s in indexed}
         full, groups = full_optimizer_state(root, saved_world, numels)
         at_load = x.optimizer.state_dict()

@@ -224,7 +224,7 @@ def test_on_the_sim_state_planned_on_the_device_stays_there_and_trains_like_plai
         engine.optimizer.zero_grad()
         measured = (counters.bytes_copied - before) / (len(per_step) - 2)
         weights = engine_weights(engine)
-        grads_on_device = {s.name for s in engine.shards if s.grad_tier is Tier.DEVICE}
+        grads_on_device = {s.name for s in engine.shards if s.gradient.tier is Tier.DEVICE}
     losses = torch.cat(losses)
     on_device = {s.name for s in plan.shards if s.state is Tier.DEVICE}
     assert all(s.home is Tier.DEVICE for s in plan.shards), plan.format()

@@ -57,7 +57,7 @@ def test_ctrl_c_in_a_transfer_of_the_step_stops_it_as_a_keyboard_interrupt(tmp_p
     engine = offload.initialize(build("tiny_gpt"), make_config("nvme", "nvme", tmp_path, clip=1.0))
     try:
         engine.backward(lm_loss(engine(x), y))
-        io = engine.optimizer.param_store.store._io
+        io = engine.optimizer.states.param_store.store._io
         real_pwrite = io.pwrite
         interrupted = []
 

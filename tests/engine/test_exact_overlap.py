@@ -57,7 +57,7 @@ def _spy(monkeypatch):
         return submit(self, shard, **kwargs)
 
     def counted_start(self, order, **kwargs):
-        seen["under the next forward"] += sum(s.has_grad for s in order)
+        seen["under the next forward"] += sum(s.gradient.pending for s in order)
         return start(self, order, **kwargs)
 
     monkeypatch.setattr(OverlappedUpdates, "submit", counted_submit)

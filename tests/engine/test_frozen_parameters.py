@@ -416,7 +416,7 @@ def test_close_hands_the_frozen_host_homes_back_as_they_are_and_frees_what_it_ca
     model = lora_gpt(dtype=torch.bfloat16)
     engine = offload.initialize(model, config("cpu", "cpu", tmp_path / "b"))
     train_engine(engine, batches(2, seed=1))
-    shards, states = engine.shards, engine.optimizer._states
+    shards, states = engine.shards, engine.optimizer.states._tensors
     available = psutil.virtual_memory()._replace(available=1)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: available)
     engine.close()

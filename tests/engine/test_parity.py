@@ -171,7 +171,7 @@ def test_deepspeed_buffer_keys_are_honoured_and_change_nothing_numerically(tmp_p
         # One store per thread (Note [one store per thread]): the compute
         # thread's parameter store and the optimizer's state store.
         param_store = engine.shards[1].ctx.param_store.store
-        state_store = engine.optimizer.state_store
+        state_store = engine.optimizer.states.state_store
         assert param_store.config.buffer_bytes == max(2 * 100 * 4, 2 * 4096)  # the store's minimum
         assert state_store.config.buffer_bytes == 4 * max(s.part_numel for s in engine.shards) * 4
     ref_model, ref_losses = run_reference(model, data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01)

@@ -203,7 +203,7 @@ def _train_tiny_with_late_writes(cfg, data):
     torch.manual_seed(0)
     model = ManyTiny()
     with offload.initialize(model, cfg) as engine:
-        writer = engine.optimizer.param_store.store  # the optimizer's own (Note [one store per thread])
+        writer = engine.optimizer.states.param_store.store  # the optimizer's own (Note [one store per thread])
         reader = engine.shards[0].ctx.param_store.store  # the compute thread's
         assert writer is not reader
         late = writer._io = LateWrites(writer._io)

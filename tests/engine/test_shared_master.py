@@ -10,6 +10,7 @@ import torch
 
 import offload
 from offload.checkpoint_io.load import read_swap_file
+from offload.tiers import Tier
 from tests.checkpoint_io import checkpoint_runs as runs
 from tests.support.harness import batches, build, make_config, run_reference, train_engine
 
@@ -29,12 +30,12 @@ def test_state_file_holds_only_the_moments_and_masters_come_from_gathered_copies
     ref_model, ref_losses = run_reference(model, data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01)
     with offload.initialize(copy.deepcopy(model), make_config("nvme", "nvme", tmp_path)) as engine:
         opt = engine.optimizer
-        assert all(opt.shares_master(s) for s in engine.shards)
+        assert all(opt.states.shares_master(s) for s in engine.shards)
         for s in engine.shards:  # two moments, no master
-            read_swap_file(opt.state_file(s), torch.float32, 2 * s.part_numel)
+            read_swap_file(opt.states.state_file(s), torch.float32, 2 * s.part_numel)
             with pytest.raises(Exception, match="expected at least"):
-                read_swap_file(opt.state_file(s), torch.float32, 2 * s.part_numel + 1)
-        assert opt.state_bytes() == sum(8 * s.part_numel for s in engine.shards)
+                read_swap_file(opt.states.state_file(s), torch.float32, 2 * s.part_numel + 1)
+        assert opt.states.state_bytes(opt.shards) == sum(8 * s.part_numel for s in engine.shards)
         losses = train_engine(engine, data)
         # Weights are read by their backward, so their masters came along;
         # a bias's gradient needs no value, so it is never gathered then.
@@ -102,10 +103,10 @@ def test_checkpoint_moves_between_shared_and_own_master_layouts(tmp_path, saved_
 
 def _moments(engine, shard):
     opt = engine.optimizer
-    if opt.tier.value != "nvme":
+    if Tier.NVME not in opt.states.state_tiers:
         return torch.cat([t.cpu() for t in opt.state_tensors(shard)[1:]])
-    own_master = 0 if opt.shares_master(shard) else 1
-    packed = read_swap_file(opt.state_file(shard), torch.float32, (2 + own_master) * shard.part_numel)
+    own_master = 0 if opt.states.shares_master(shard) else 1
+    packed = read_swap_file(opt.states.state_file(shard), torch.float32, (2 + own_master) * shard.part_numel)
     return packed[own_master * shard.part_numel:].clone()
 
 

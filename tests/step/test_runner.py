@@ -16,18 +16,25 @@ from offload.tiers import Tier
 from offload.timeline import Timeline
 
 
+class Gradient:
+    """A shard's gradient partition, as the runner sees it (partition/shard_gradient.py)."""
+
+    def __init__(self, n):
+        self.part, self.pending, self.tier = torch.zeros(n), False, Tier.HOST
+
+    def take(self, grad, owned=False):
+        self.part += grad
+        self.pending = True
+
+    def clear(self, applied=False):
+        self.part.zero_()
+        self.pending = False
+
+
 class Shard:
     def __init__(self, n):
-        self.part_numel, self.home, self.grad_tier, self.trainable = n, Tier.HOST, Tier.HOST, True
-        self.grad_part, self.has_grad = torch.zeros(n), False
-
-    def take_grad(self, grad, owned=False):
-        self.grad_part += grad
-        self.has_grad = True
-
-    def clear_grad(self):
-        self.grad_part.zero_()
-        self.has_grad = False
+        self.part_numel, self.home, self.trainable = n, Tier.HOST, True
+        self.gradient = Gradient(n)
 
 
 class Manager:
@@ -37,17 +44,17 @@ class Manager:
     def backward(self, shards, value=1.0):
         """What a backward leaves: each shard's gradient, one more pass counted."""
         for s in shards:
-            s.take_grad(torch.full((s.part_numel,), value))
+            s.gradient.take(torch.full((s.part_numel,), value))
         self.backward_passes += 1
 
 
 class Optimizer:
     """Records the updates; `fail` makes the next one raise."""
 
-    state_tiers = frozenset({Tier.HOST})
+    state_tiers = frozenset({Tier.HOST})  # where the state lives (ShardedAdam.states)
 
     def __init__(self, shards):
-        self.shards, self.grad_sq = shards, 0.0
+        self.shards, self.grad_sq, self.states = shards, 0.0, self
         self.param_groups = [{"lr": 0.1}]
         self.updates, self.fail, self.runner = [], None, None
 
@@ -55,7 +62,7 @@ class Optimizer:
         if self.fail is not None:
             error, self.fail = self.fail, None
             raise error
-        self.updates.append([s.grad_part.clone() for s in self.shards if s.has_grad])
+        self.updates.append([s.gradient.part.clone() for s in self.shards if s.gradient.pending])
 
     def step(self):  # the driver: ShardedAdam.step hands the whole update to the runner
         self.runner.update()

@@ -11,6 +11,7 @@ import torch
 from offload.accounting import MemoryAccount
 from offload.host_worker import HostWorker
 from offload.partition.shard_context import InFlight, Residency
+from offload.partition.shard_gradient import GradientPartition
 from offload.step.updates import DeferredUpdates, OverlappedUpdates
 from offload.tiers import Tier
 from offload.timeline import Timeline
@@ -20,12 +21,13 @@ class Shard:
     def __init__(self, index, n):
         self.index, self.part_numel, self.name = index, n, f"p{index}"
         self.home, self.residency, self.in_flight = Tier.HOST, Residency.RELEASED, InFlight()
-        self.grad_part, self.has_grad = torch.zeros(n), False
+        self.gradient = GradientPartition(self.name, n, None, self.in_flight, Tier.HOST)
+        self.gradient.part = torch.zeros(n)
         self.param = torch.nn.Parameter(torch.zeros(n))
 
     def give(self, value):
-        self.grad_part.fill_(value)
-        self.has_grad = True
+        self.gradient.part.fill_(value)
+        self.gradient.pending = True
 
 
 class Optimizer:
@@ -36,6 +38,7 @@ class Optimizer:
     def __init__(self, shards):
         self.shards, self.param_groups = shards, [{"lr": 0.5}]
         self.account, self.timeline = MemoryAccount({}), Timeline(enabled=False)
+        self.states = self  # where the state lives: on the host, not shared with a home
         self.state_tiers = frozenset({Tier.HOST})
         self.updates, self.sharing, self.flushes = [], [], 0
         self.fail, self.gate = None, threading.Event()
@@ -51,7 +54,7 @@ class Optimizer:
         return False
 
     def stepping(self):
-        return [s for s in self.shards if s.has_grad]
+        return [s for s in self.shards if s.gradient.pending]
 
     def open_stream(self, order, skip_master=frozenset()):
         return None
@@ -63,8 +66,8 @@ class Optimizer:
         self.gate.wait(10)
         if shard.name == self.fail:
             raise OSError(f"update of {shard.name} failed")
-        self.updates.append((shard.name, shard.grad_part.clone(), group["lr"], threading.current_thread().name))
-        shard.has_grad = False
+        self.updates.append((shard.name, shard.gradient.part.clone(), group["lr"], threading.current_thread().name))
+        shard.gradient.pending = False
 
     def uploads_after_update(self, shard):
         return True
@@ -93,7 +96,7 @@ def test_deferred_updates_run_in_the_order_given_on_the_host_worker_each_scaled(
     deferred = DeferredUpdates(opt, worker)
     for s, g in zip(shards, (1.0, 2.0, 3.0)):
         s.give(g)
-    shards[1].has_grad = False  # no gradient this step: not updated
+    shards[1].gradient.pending = False  # no gradient this step: not updated
     opt.gate.clear()
     deferred.start([shards[2], shards[1], shards[0]], grad_scale=0.5)
     assert deferred.active and shards[2].in_flight.update is not None and shards[1].in_flight.update is None
@@ -122,7 +125,7 @@ def test_a_failed_deferred_update_is_raised_once_by_settle_and_the_others_still_
     with pytest.raises(OSError, match="update of p0 failed"):
         deferred.settle()
     assert [name for name, *_ in opt.updates] == ["p1", "p2"]
-    assert shards[0].has_grad  # kept: not updated
+    assert shards[0].gradient.pending  # kept: not updated
     deferred.settle()  # raised once: nothing is pending now
     assert all(s.in_flight.update is None for s in shards)
 
@@ -177,7 +180,7 @@ def test_a_failed_update_in_backward_stops_the_later_ones_and_leaves_their_gradi
         overlapped.submit(shards[i])
     with pytest.raises(OSError, match="update of p2 failed"):
         overlapped.finish()
-    assert opt.updates == [] and all(s.has_grad for s in shards)  # Note [a failed step]: all left for the retry
+    assert opt.updates == [] and all(s.gradient.pending for s in shards)  # Note [a failed step]: all left for the retry
     assert opt.flushes >= 1  # what was updated is published, failed step or not
 
 
@@ -189,7 +192,7 @@ def test_abandon_waits_for_the_submitted_and_updates_no_late_one(worker):
     shards[2].give(2.0)
     overlapped.submit(shards[2])
     overlapped.abandon()
-    assert [name for name, *_ in opt.updates] == ["p2"] and shards[0].has_grad and not overlapped.active
+    assert [name for name, *_ in opt.updates] == ["p2"] and shards[0].gradient.pending and not overlapped.active
 
 
 def test_carry_ends_the_step_and_its_late_gradients_still_find_it(worker):
