@@ -16,6 +16,8 @@ from offload.step.update_policy import UpdatePolicy
 from offload.tiers import Tier, grad_tier_of
 from offload.node import node_share
 from offload.partition.prefetch import working_set_elems
+from offload.transfers.device_copies import ring_bytes, upload_pool_bytes
+from offload.aio.memory import pins
 
 
 def gathers_to_a_buffer(pl, separate_memory: bool, world_size: int) -> bool:
@@ -68,7 +70,9 @@ def tier_needs(planned: list, config: Config, dtype: torch.dtype,
     homes, fp32 gradients, optimizer state, the swap stores' staging buffers
     (staging_bytes), idle gathered buffers kept for reuse (on a CPU device: the
     BufferCache build.py makes, 3 x the largest parameter gathered into a
-    buffer, not a zero-copy host home), and with NVMe optimizer state
+    buffer, not a zero-copy host home), beside a device with memory of its own
+    the copy streams' buffers (the gradient staging ring, the pinned upload
+    buffers of device homes' new values), and with NVMe optimizer state
     what its update keeps in flight (docs/ARCHITECTURE.md, "Memory budget").
     Saved activations are the model's and depend on the inputs: they get what
     the device budget leaves, which the returned line states."""
@@ -107,6 +111,17 @@ def tier_needs(planned: list, config: Config, dtype: torch.dtype,
         add(Tier.DEVICE, "offloaded parameters gathered at once (working set)", working * dtype.itemsize)
     if gathered and not separate_memory:  # only gathers into a buffer use them (Note [zero-copy gather])
         add(Tier.HOST, "idle gathered buffers kept for reuse", 3 * max(gathered) * dtype.itemsize)
+    if separate_memory:  # the copy streams' own host buffers (transfers/device_copies.py)
+        # Gradients go down through the ring unless they stay beside device state; a frozen
+        # parameter has none (an unfrozen one grows the ring: engine/unfreeze.py).
+        down = [s for s in planned if (grad_tier_of(s.state) if s.state is not None
+                                       else zero.offload_optimizer.grad_tier) is not Tier.DEVICE]
+        if down:  # the manager makes the ring where any may go down; sized by the trainable
+            largest = max((s.part_numel for s in down if s.state is not None), default=1)
+            add(Tier.HOST, "gradient staging ring", ring_bytes(largest * 4))
+        device_homes = [s.padded_numel * dtype.itemsize for s in planned if s.home is Tier.DEVICE]
+        if device_homes and pins(cuda=True, pin_memory=zero.offload_param.pin_memory):
+            add(Tier.HOST, "upload staging buffers", upload_pool_bytes(max(device_homes)))
     nvme_state = [s.part_numel for s in planned if s.state is Tier.NVME]
     if nvme_state:
         homes_on_nvme = any(s.home is Tier.NVME for s in planned)

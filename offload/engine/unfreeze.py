@@ -96,6 +96,20 @@ def unfreeze(engine, shards: list) -> None:
         for t, n in need.items():
             held[t] = held.get(t, 0) + n
         chosen.append((s, tier))
+    # Their gradients go down through the staging ring, made for the largest trainable one.
+    to_host = engine.manager.to_host
+    down = [s.part_numel * 4 for s, tier in chosen if grad_tier_of(tier) is not Tier.DEVICE]
+    growth = to_host.ring_growth(max(down)) if to_host is not None and down else 0
+    if growth and not account.fits(Tier.HOST, held.get(Tier.HOST, 0) + growth):
+        usage = account.usage(Tier.HOST)
+        raise MemoryError(
+            f"requires_grad set to True on {_named([x.name for x in shards])}, frozen when the engine was built: "
+            f"their gradients need the gradient staging ring {growth} bytes larger on the host tier, which holds "
+            f"{usage.now} of its budget {usage.budget}; nothing was changed and training goes on as before. "
+            "Raise memory.host_budget, or unfreeze fewer parameters")
+    if growth:
+        engine.step_runner.deferred.settle()  # the ring holds no gradient between steps once they ran
+        to_host.grow_ring(max(down))
     for s, tier in chosen:
         init = s.home_partition().float()  # fp32 from its home (not read where the home is the master)
         s.trainable = True

@@ -109,7 +109,9 @@ class ParameterManager:
         if ctx is not None and ctx.streams is not None and going_down:
             if host_worker is None:
                 raise ValueError("gradients copied to the host need the host worker that takes them in")
-            self.to_host = GradientsToHost(ctx.streams, max(s.part_numel for s in going_down) * 4, on_grad,
+            # The ring sized for the trainable ones: a frozen parameter has no gradient.
+            largest = max((s.part_numel for s in going_down if s.trainable), default=1)
+            self.to_host = GradientsToHost(ctx.streams, largest * 4, on_grad,
                                            host_worker, brings_master=hooks.brings_master,
                                            ledger=ctx.account.pinned, pin=ctx.layer.page_locks)
             on_grad = self._route_grad  # a reduced partition goes down as well

@@ -59,6 +59,24 @@ from offload.tiers import Tier
 GRADIENT_BUFFERS = 4  # the staging ring holds this many of the largest gradient
 UPLOAD_BUFFERS = 4  # device homes' new values in flight host->device at once
 
+
+def ring_bytes(largest_bytes: int) -> int:
+    """Host bytes of the gradient staging ring, for gradients of at most `largest_bytes`
+    (made with the manager; reserved by initialize: engine/budgets.py tier_needs)."""
+    return round_up(GRADIENT_BUFFERS * max(largest_bytes, 4096))
+
+
+def upload_pool(largest_bytes: int) -> tuple[int, int]:
+    """(pool budget, buffer bytes) of the pinned upload buffers for device homes of at
+    most `largest_bytes`."""
+    return UPLOAD_BUFFERS * max(largest_bytes, 4096), round_up(max(largest_bytes, 1))
+
+
+def upload_pool_bytes(largest_bytes: int) -> int:
+    """Host bytes those buffers take, made at once (as many whole buffers as the budget holds)."""
+    budget, buffer = upload_pool(largest_bytes)
+    return budget // buffer * buffer
+
 # The waits of Note [copy streams], by name. Tests remove one at a time to show
 # the simulator catches its absence (tests/engine/test_sim_engine.py); nothing else may.
 WAITS = ("h2d-after-compute", "compute-after-h2d", "staging-after-h2d", "d2h-after-compute", "host-after-d2h")
@@ -142,9 +160,9 @@ class CopyStreams:
     def make_upload_pool(self, largest_bytes: int, *, ledger=None, pin: bool = False) -> None:
         """Pinned buffers for copies of pageable values (device homes' new values): made
         now, at initialize, so a pinned_budget too small for them fails here."""
-        self.uploads = BufferPool(UPLOAD_BUFFERS * max(largest_bytes, 4096), pin=pin, ledger=ledger,
-                                  buffer_bytes=max(largest_bytes, 1), what="upload staging buffer",
-                                  register=self.layer.register_pinned)
+        budget, buffer = upload_pool(largest_bytes)
+        self.uploads = BufferPool(budget, pin=pin, ledger=ledger, buffer_bytes=buffer,
+                                  what="upload staging buffer", register=self.layer.register_pinned)
         self.uploads.fill()
 
     def to_device_staged(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
@@ -231,8 +249,10 @@ class GradientsToHost:
         self.layer = streams.layer
         self._deliver = deliver
         self.worker = worker
-        # The bytes four of the largest gradient's buffers took (Note [gradient staging ring]).
-        self.ring = StagingRing(GRADIENT_BUFFERS * max(largest_bytes, 4096), pin=pin, ledger=ledger,
+        # The bytes four of the largest gradient's buffers took (Note [gradient staging ring]):
+        # of a trainable parameter (a frozen one has no gradient), grown when one is unfrozen.
+        self._pin, self._ledger = pin, ledger
+        self.ring = StagingRing(ring_bytes(largest_bytes), pin=pin, ledger=ledger,
                                 layer=self.layer, what="gradient staging ring")
         self.plan = NO_PLAN
         self.brings_master = brings_master
@@ -330,6 +350,25 @@ class GradientsToHost:
     def close(self) -> None:
         self.discard()
         self.ring.close()
+
+    def ring_growth(self, largest_bytes: int) -> int:
+        """Host bytes the ring grows by to take gradients of `largest_bytes` (0: it does)."""
+        return max(0, ring_bytes(largest_bytes) - self.ring.capacity)
+
+    def grow_ring(self, largest_bytes: int) -> None:
+        """A larger ring, for a parameter unfrozen since it was made; called between steps,
+        with no gradient in it (its updates settled). The new ring is charged before
+        the old one goes: a refused charge leaves the old one in place."""
+        if not self.ring_growth(largest_bytes):
+            return
+        self._wait_taken_in()
+        if self.ring.in_use_bytes:
+            raise RuntimeError(f"gradient staging ring: {self.ring.in_use_bytes} bytes still in use; "
+                               "it grows only between steps")
+        new = StagingRing(ring_bytes(largest_bytes), pin=self._pin, ledger=self._ledger, layer=self.layer,
+                          what="gradient staging ring")
+        old, self.ring = self.ring, new
+        old.close()
 
     def _wait_taken_in(self) -> None:
         if self.worker.on_worker():

@@ -259,7 +259,9 @@ def test_on_the_sim_state_on_all_three_tiers_trains_exactly_and_keeps_its_accoun
     monkeypatch.setenv("OFFLOAD_DEVICE", "sim")
     model, data = deep_gpt(), batches(6, seed=2)
     cpu_weights, cpu_losses, _ = run_engine(model, data, make_config("cpu", "cpu", tmp_path / "cpu"))
-    cfg = auto_config(tmp_path / "auto", device_budget=3_000_000, host_budget=1_600_000)
+    # The host budget holds the copy streams' own buffers (the gradient staging ring, the
+    # pinned uploads of device homes' values) and some state beside them; the rest spills.
+    cfg = auto_config(tmp_path / "auto", device_budget=3_000_000, host_budget=1_900_000)
     host_now = []
     with offload.initialize(copy.deepcopy(model), cfg) as engine:
         assert engine.placement().state_tiers == {Tier.DEVICE, Tier.HOST, Tier.NVME}, engine.placement().format()
