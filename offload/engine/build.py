@@ -327,7 +327,7 @@ def _list_parameters(named, config: Config, layer: DeviceLayer, pg: ProcessGroup
         key = plan.param_key.get(id(p)) if plan is not None else None
         built = adopted.get(id(p))
         if built is not None:
-            built.name = built.gradient.name = name  # its name in the model (its errors say it)
+            built.name = name
             # Under "auto" the plan, made now the whole model is known, may move it.
             index, home = built.index, None if auto_homes else built.home
             sources[index] = (key, built)

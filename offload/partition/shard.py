@@ -62,7 +62,7 @@ class Shard:
         self._host_alias: torch.Tensor | None = None  # host_part as the layer's pinned buffer
         # fp32 gradient partition, accumulated across micro-steps, on the
         # optimizer's side (Note [gradient partitions] in shard_gradient.py).
-        self.gradient = GradientPartition(self.name, self.part_numel, ctx, self.in_flight, ctx.grad_tier)
+        self.gradient = GradientPartition(self, ctx.grad_tier)
         self._placeholder = torch.zeros(1, dtype=compute_dtype, device=ctx.device).expand(self.shape)
 
     # ---- construction --------------------------------------------------
@@ -88,7 +88,7 @@ class Shard:
                                f"{self.ctx.pg.rank}/{self.ctx.pg.world_size}; the engine runs on "
                                f"{ctx.device}, rank {ctx.pg.rank}/{ctx.pg.world_size} with its own "
                                "memory account: initialize the model where offload.init built it")
-        self.ctx = self.gradient.ctx = ctx  # its lazy_grads, among what the engine adds
+        self.ctx = ctx
 
     def adopt(self, value: torch.Tensor) -> None:
         """Takes the parameter's initial value (any dtype/device) into its home."""

@@ -15,6 +15,8 @@ be read.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from offload.tiers import Tier
@@ -25,8 +27,11 @@ class GradientPartition:
     waits for its update. Owned by its Shard (shard.gradient), whose in-flight update it
     waits for before a new gradient goes in."""
 
-    def __init__(self, name: str, part_numel: int, ctx, in_flight, tier: Tier):
-        self.name, self.part_numel, self.ctx, self._in_flight = name, part_numel, ctx, in_flight
+    def __init__(self, shard, tier: Tier):
+        """shard: its owner, held weakly (no cycle), whose name, context, partition size
+        and in-flight update it reads, never copies: offload.init's shards change their
+        context and name when the engine takes them over."""
+        self._shard = weakref.proxy(shard)
         # Beside the shard's optimizer state (`grad_tier_of`; engine/build.py sets it from the plan).
         self.tier = tier
         self.part: torch.Tensor | None = None
@@ -36,6 +41,22 @@ class GradientPartition:
         # Whether any gradient arrived since the last optimizer step: like
         # torch.optim, a parameter whose .grad stayed None is not stepped.
         self.pending = False
+
+    @property
+    def name(self) -> str:
+        return self._shard.name
+
+    @property
+    def part_numel(self) -> int:
+        return self._shard.part_numel
+
+    @property
+    def ctx(self):
+        return self._shard.ctx
+
+    @property
+    def _in_flight(self):
+        return self._shard.in_flight
 
     @property
     def device(self) -> torch.device:

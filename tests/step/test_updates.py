@@ -21,7 +21,7 @@ class Shard:
     def __init__(self, index, n):
         self.index, self.part_numel, self.name = index, n, f"p{index}"
         self.home, self.residency, self.in_flight = Tier.HOST, Residency.RELEASED, InFlight()
-        self.gradient = GradientPartition(self.name, n, None, self.in_flight, Tier.HOST)
+        self.gradient = GradientPartition(self, Tier.HOST)
         self.gradient.part = torch.zeros(n)
         self.param = torch.nn.Parameter(torch.zeros(n))
 
