@@ -163,10 +163,12 @@ setup(
     extras_require={
         "bench": ["matplotlib"],
         # the Trainer/Accelerate/Lightning/PEFT tests, and the docs site's strict build
-        "test": ["pytest", "transformers", "accelerate", "lightning", "peft", "mkdocs", "mkdocstrings[python]"],
+        "test": ["pytest", "transformers", "accelerate", "lightning", "peft", "bitsandbytes", "mkdocs",
+                 "mkdocstrings[python]"],
         "docs": ["mkdocs", "mkdocstrings[python]"],
         "hf": ["transformers", "accelerate"],
         "peft": ["transformers", "accelerate", "peft"],  # examples/lora_finetune.py
+        "qlora": ["transformers", "accelerate", "peft", "bitsandbytes"],  # a 4-bit base (partition/quantized.py)
     },
     entry_points={"console_scripts": ["offload=offload.cli:main"]},
 )

@@ -117,6 +117,11 @@ class ParamSpec:
     persistent: bool = False  # under stage3_param_persistence_threshold: a device home in any plan
     fixed_home: Tier | None = None  # already homed (built under offload.init)
     trainable: bool = True  # False: frozen, a home and nothing else (Note [frozen parameters])
+    # A home's own bytes an element where they are not the compute dtype's (a quantized
+    # frozen weight's packed bytes: 1), and the bytes kept whole beside compute with it
+    # (its quantization state): Note [quantized frozen weights] in partition/quantized.py.
+    itemsize: int | None = None
+    side_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,8 @@ class ShardPlacement:
     padded_numel: int
     home: Tier
     state: Tier | None  # None: frozen, no optimizer state and no gradient (Note [frozen parameters])
+    itemsize: int | None = None  # as ParamSpec's
+    side_bytes: int = 0
 
     @property
     def trainable(self) -> bool:
@@ -167,7 +174,7 @@ class Placement:
         the master itself: counted with the state)."""
         held = dict.fromkeys(Tier, 0)
         for s in self.shards:
-            held[s.home] += _home_bytes(s, self.itemsize)
+            held[s.home] += _home_bytes(s, s.itemsize or self.itemsize)
         return held
 
     def state_bytes(self) -> dict[Tier, int]:
@@ -190,10 +197,10 @@ class Placement:
         nvme = bus = 0
         for s in self.shards:
             n = s.part_numel
-            nvme += n * _nvme_per_elem(s.home, s.state, c)
+            nvme += n * _nvme_per_elem(s.home, s.state, s.itemsize or c)
             if self.separate_memory:
                 if not s.trainable:  # read up for forward and backward, never written
-                    bus += 0 if s.home is Tier.DEVICE else n * 2 * c
+                    bus += 0 if s.home is Tier.DEVICE else n * 2 * (s.itemsize or c)
                     continue
                 if s.state is Tier.DEVICE:  # updated where its gradient is: new values go down to a home off it
                     bus += 0 if s.home is Tier.DEVICE else n * 3 * c
@@ -278,7 +285,7 @@ def uniform(specs: list[ParamSpec], *, home_tier: Tier, state: Tier, itemsize: i
         return Tier.DEVICE if spec.persistent else home_tier
     pick = home_of or default_home
     shards = tuple(ShardPlacement(s.name, s.part_numel, s.padded_numel, s.fixed_home or pick(s),
-                                  state if s.trainable else None)
+                                  state if s.trainable else None, s.itemsize, s.side_bytes)
                    for s in specs)
     return Placement(shards, itemsize, separate_memory)
 
@@ -289,6 +296,7 @@ def plan_placement(specs: list[ParamSpec], budgets: Budgets, *, itemsize: int, s
     tier of one side (None: that side is planned too)."""
     c = itemsize
     n = len(specs)
+    c_of = [s.itemsize or c for s in specs]  # each home's bytes an element
     home: list[Tier] = [Tier.HOST] * n
     state: list[Tier | None] = [Tier.HOST] * n
     low_home = Tier.NVME if budgets.nvme_homes else Tier.HOST
@@ -304,7 +312,7 @@ def plan_placement(specs: list[ParamSpec], budgets: Budgets, *, itemsize: int, s
         for i in reversed(range(n)):
             if not planned_home[i] or specs[i].trainable is not trainable:
                 continue
-            need = specs[i].padded_numel * c
+            need = specs[i].padded_numel * c_of[i]
             if device_left is None or need <= device_left:
                 home[i] = Tier.DEVICE
                 planned_home[i] = False
@@ -327,7 +335,7 @@ def plan_placement(specs: list[ParamSpec], budgets: Budgets, *, itemsize: int, s
         device_homes(trainable=False)
     # 3. the host, by NVMe bytes saved per host byte held.
     host_left = budgets.host
-    held = sum(specs[i].part_numel * _host_per_elem(home[i], state[i], c) for i in range(n))
+    held = sum(specs[i].part_numel * _host_per_elem(home[i], state[i], c_of[i]) for i in range(n))
     if host_left is not None:
         host_left -= held
     notes = []
@@ -337,6 +345,7 @@ def plan_placement(specs: list[ParamSpec], budgets: Budgets, *, itemsize: int, s
     def options(i: int):
         homes = [home[i]] + ([Tier.HOST] if planned_home[i] and home[i] is Tier.NVME else [])
         states = [state[i]] + ([Tier.HOST] if state_tier is None and state[i] is Tier.NVME else [])
+        c = c_of[i]
         now_moved, now_held = _nvme_per_elem(home[i], state[i], c), _host_per_elem(home[i], state[i], c)
         for h in homes:
             for st in states:
@@ -371,7 +380,7 @@ def plan_placement(specs: list[ParamSpec], budgets: Budgets, *, itemsize: int, s
     if host_left is not None and host_left < 0:
         notes.append(f"the host budget is {-host_left} bytes short even with everything "
                      "that may go lower on NVMe")
-    shards = tuple(ShardPlacement(s.name, s.part_numel, s.padded_numel, home[i], state[i])
+    shards = tuple(ShardPlacement(s.name, s.part_numel, s.padded_numel, home[i], state[i], s.itemsize, s.side_bytes)
                    for i, s in enumerate(specs))
     return Placement(shards, c, separate_memory, budgets=budgets, notes=tuple(notes))
 

@@ -92,6 +92,8 @@ def consolidate(ckpt_dir, out_path, tag: str | None = None, dtype: torch.dtype =
             saved_as[index] = key
             plan.append((key, dtype, tuple(params[index]["shape"])))
             make.append(lambda p=params[index]: full_param(p))
+        elif what == "derived":  # a quantized layer's own state, not in the checkpoint
+            left_out.append(key)
         else:
             b = buffers[key]
             saved_dtype = getattr(torch, b["dtype"])

@@ -88,10 +88,15 @@ def write_latest(root: Path, tag: str) -> None:
 def describe_model(view) -> dict:
     """What a checkpoint must match to be loaded into this engine (and what consolidation needs)."""
     index_of = {id(s.param): s.index for s in view.shards}
+    real_buffers = {name for name, _ in view.module.named_buffers()}
     state_dict, buffers = [], []
     for key, value in view.module.state_dict(keep_vars=True).items():
         if id(value) in index_of:
             state_dict.append([key, "param", index_of[id(value)]])
+        elif key not in real_buffers:
+            # A layer's own extra entries (a 4-bit weight's quantization state): made by the
+            # layer from its frozen weight, constant, not saved (Note [quantized frozen weights]).
+            state_dict.append([key, "derived", None])
         else:
             state_dict.append([key, "buffer", None])
             buffers.append({"name": key, "dtype": str(value.dtype).removeprefix("torch."),

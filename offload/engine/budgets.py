@@ -89,10 +89,13 @@ def tier_needs(planned: list, config: Config, dtype: torch.dtype,
 
     zero = config.zero_optimization
     for s in planned:
-        home_bytes = s.padded_numel * dtype.itemsize if s.home is Tier.DEVICE else s.part_numel * dtype.itemsize
+        c = s.itemsize or dtype.itemsize  # a quantized home's own (Note [quantized frozen weights])
+        home_bytes = s.padded_numel * c if s.home is Tier.DEVICE else s.part_numel * c
         if s.home is Tier.HOST and s.state is Tier.HOST and dtype == torch.float32:
             home_bytes = 0  # the fp32 host home is the master itself (ShardStates.aliases_home in optim/states.py)
         add(s.home, "parameters", home_bytes)
+        # A quantized weight's quantization state, whole beside compute (partition/quantized.py).
+        add(Tier.DEVICE if separate_memory else Tier.HOST, "quantization state", s.side_bytes)
         if s.state is None:
             continue  # frozen: its home alone (Note [frozen parameters] in offload/placement.py)
         if grad_backlog_elems is None or s.state is Tier.DEVICE:
@@ -119,7 +122,7 @@ def tier_needs(planned: list, config: Config, dtype: torch.dtype,
         if down:  # the manager makes the ring where any may go down; sized by the trainable
             largest = max((s.part_numel for s in down if s.state is not None), default=1)
             add(Tier.HOST, "gradient staging ring", ring_bytes(largest * 4))
-        device_homes = [s.padded_numel * dtype.itemsize for s in planned if s.home is Tier.DEVICE]
+        device_homes = [s.padded_numel * (s.itemsize or dtype.itemsize) for s in planned if s.home is Tier.DEVICE]
         if device_homes and pins(cuda=True, pin_memory=zero.offload_param.pin_memory):
             add(Tier.HOST, "upload staging buffers", upload_pool_bytes(max(device_homes)))
     nvme_state = [s.part_numel for s in planned if s.state is Tier.NVME]
@@ -238,7 +241,8 @@ def plan(planned: list, config: Config, layer, pg, *, threshold: int, within: Bu
     param, optimizer = zero.offload_param, zero.offload_optimizer
     itemsize = config.precision.dtype.itemsize
     specs = [ParamSpec(pl.name, pl.part_numel, pl.padded_numel, persistent=pl.param.numel() <= threshold,
-                       fixed_home=pl.given_home, trainable=pl.trainable) for pl in planned]
+                       fixed_home=pl.given_home, trainable=pl.trainable, itemsize=pl.itemsize,
+                       side_bytes=pl.side_bytes) for pl in planned]
     if param.auto or optimizer.auto:
         placement = plan_placement(specs, within or auto_budgets(config, layer, pg, host), itemsize=itemsize,
                                    separate_memory=layer.separate_memory,

@@ -37,6 +37,7 @@ from offload.transfers.nvme_home import ParamStore
 from offload.engine import budgets
 from offload.engine.reserve import Reserve, reserve, settle_plan
 from offload.engine.stores import check_free_space, open_store
+from offload.partition.quantized import check_layers, check_quantized, quantized_kind, state_bytes, state_to
 from offload.partition.shard import Shard
 from offload.partition.shard_context import PartitionStore, ShardContext, partition_numel
 from offload.placement import Placement
@@ -127,6 +128,10 @@ class _Planned:
     reuse: bool = False
     trainable: bool = True  # requires_grad at initialize (Note [frozen parameters] in offload/placement.py)
     home: Tier | None = None  # where it lives: set by the placement (Note [automatic placement])
+    # A quantized frozen weight's home dtype's bytes and its quantization state's
+    # (Note [quantized frozen weights] in partition/quantized.py); else None and 0.
+    itemsize: int | None = None
+    side_bytes: int = 0
     state: Tier | None = Tier.HOST  # where its optimizer state lives (None: frozen): set by the placement
 
 
@@ -241,7 +246,8 @@ def discard_home(shard: Shard) -> None:
 
 
 def _check_dtype(name: str, p: torch.nn.Parameter) -> None:
-    if not p.is_floating_point():
+    check_quantized(name, p)
+    if not p.is_floating_point() and quantized_kind(p) is None:
         raise TypeError(f"parameter {name} has dtype {p.dtype}; offload trains floating-point parameters")
     if p.device.type == "meta":
         raise ValueError(f"parameter {name} is on the meta device: pass its values with "
@@ -278,6 +284,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
         plan = WeightPlan.check(model, open_weights(weights))
     adopted = builder.shard_of if builder is not None else {}
     named = list(model.named_parameters(remove_duplicate=True))
+    check_layers(model)  # a 4-bit weight only where its layer can be paged
     _check_given(model, named, plan, adopted)
     planned, sources, replacements = _list_parameters(named, config, layer, pg, plan, adopted, builder)
     placement, configs, staging, notes = _plan_within_budgets(model, named, planned, config, layer, pg, builder,
@@ -289,7 +296,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
                     and pl.built.dtype == config.precision.dtype and pl.built.home is pl.home)
     account.budget_notes.update(notes)
     check_free_space(configs, pg)  # before anything is written or moved, with this host's other ranks
-    _take_over(model, planned, replacements, plan, config, layer, builder, run_dirs)
+    _take_over(model, planned, replacements, plan, config, layer, account, builder, run_dirs)
     ctx, param_writer, state_store, pinned, pin = _open_shared(planned, placement, configs, staging, config,
                                                                layer, pg, account, timeline, run_dirs, builder)
     return Built(_make_shards(planned, ctx, config.precision.dtype), ctx, state_store, param_writer,
@@ -342,8 +349,10 @@ def _list_parameters(named, config: Config, layer: DeviceLayer, pg: ProcessGroup
             if key is not None:
                 sources[index] = (key, None)
         part = partition_numel(p.numel(), pg.world_size)
+        quantized = quantized_kind(p) is not None
         planned.append(_Planned(index, name, p, home, part, part * pg.world_size, built,
-                                trainable=p.requires_grad))
+                                trainable=p.requires_grad, itemsize=p.element_size() if quantized else None,
+                                side_bytes=state_bytes(p) if quantized else 0))
     return planned, sources, replacements
 
 
@@ -375,7 +384,7 @@ def _plan_within_budgets(model, named, planned: list[_Planned], config: Config, 
 
 
 def _take_over(model, planned: list[_Planned], replacements: dict, plan, config: Config, layer: DeviceLayer,
-               builder, run_dirs: RunDirectories) -> None:
+               account: MemoryAccount, builder, run_dirs: RunDirectories) -> None:
     """The model becomes the engine's: offload.init's builder hands its shards over, meta
     parameters get their placeholders, buffers their values and device."""
     if builder is not None:
@@ -386,6 +395,11 @@ def _take_over(model, planned: list[_Planned], replacements: dict, plan, config:
                 if pid in replacements:
                     mod._parameters[local] = replacements[pid]
     _set_buffers(model, plan, config.precision.dtype, layer.device)
+    for pl in planned:
+        if pl.side_bytes:  # a quantized weight's state, whole beside compute (partition/quantized.py)
+            state_to(pl.param, layer.device)
+            account.charge(Tier.DEVICE if layer.separate_memory else Tier.HOST, pl.side_bytes,
+                           f"quantization state of {pl.name}")
 
 
 def _open_shared(planned: list[_Planned], placement: Placement, configs: dict, staging, config: Config,
@@ -414,7 +428,7 @@ def _open_shared(planned: list[_Planned], placement: Placement, configs: dict, s
         param_store = ParamStore(builder.store if have_param_store else stores["param"], pg, timeline,
                                  staging=staging_pool)
         param_writer = ParamStore(stores.get("writer") or stores["state"], pg, timeline)
-    gathered = [pl.padded_numel * dtype.itemsize for pl in planned
+    gathered = [pl.padded_numel * (pl.itemsize or dtype.itemsize) for pl in planned
                 if budgets.gathers_to_a_buffer(pl, layer.separate_memory, pg.world_size)]
     gathered_buffers = None
     if gathered:
@@ -426,7 +440,7 @@ def _open_shared(planned: list[_Planned], placement: Placement, configs: dict, s
     ctx = shard_context(config, layer, pg, account, param_store=param_store, gathered_buffers=gathered_buffers,
                         lazy_grads=budgets.lazy_gradients(config, placement.state_tiers,
                                                           separate_memory=layer.separate_memory))
-    device_homes = [pl.padded_numel * dtype.itemsize for pl in planned if pl.home is Tier.DEVICE]
+    device_homes = [pl.padded_numel * (pl.itemsize or dtype.itemsize) for pl in planned if pl.home is Tier.DEVICE]
     if ctx.streams is not None and device_homes and pin:
         # Device homes' new values go up through pinned buffers (Note [copy streams]).
         ctx.streams.make_upload_pool(max(device_homes), ledger=pinned, pin=layer.page_locks)
@@ -442,7 +456,9 @@ def _make_shards(planned: list[_Planned], ctx: ShardContext, dtype: torch.dtype)
             pl.built.join(ctx)
             shards.append(pl.built)
         else:
-            shards.append(Shard(pl.index, pl.name, pl.param, compute_dtype=dtype, home=pl.home, ctx=ctx))
+            # A quantized weight keeps its packed dtype (Note [quantized frozen weights]).
+            own = pl.param.dtype if pl.itemsize is not None else dtype
+            shards.append(Shard(pl.index, pl.name, pl.param, compute_dtype=own, home=pl.home, ctx=ctx))
         shards[-1].trainable = pl.trainable
         if pl.trainable:
             shards[-1].gradient.tier = grad_tier_of(pl.state)  # beside its optimizer state

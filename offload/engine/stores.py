@@ -35,7 +35,7 @@ def staging_plan(planned: list, config: Config, dtype: torch.dtype, separate_mem
     if not nvme or not nvme_home.stages_reads(world_size, separate_memory):
         return None
     zero = config.zero_optimization
-    buffer_bytes = round_up(max(pl.part_numel for pl in nvme) * dtype.itemsize)
+    buffer_bytes = round_up(max(pl.part_numel * (pl.itemsize or dtype.itemsize) for pl in nvme))
     largest_offloaded = max(pl.padded_numel for pl in planned if pl.home is not Tier.DEVICE)
     bucket, _, _ = prefetch_limits(zero, largest_offloaded)
     depth = nvme_home.staging_depth([pl.padded_numel for pl in nvme], bucket)
@@ -67,7 +67,7 @@ def store_configs(planned: list, config: Config, rank: int, have_param_store: bo
     for new parameter values (where state and parameters have different paths)."""
     zero = config.zero_optimization
     dtype = config.precision.dtype
-    nvme_sizes = [pl.part_numel * dtype.itemsize for pl in planned if pl.home is Tier.NVME]
+    nvme_sizes = [pl.part_numel * (pl.itemsize or dtype.itemsize) for pl in planned if pl.home is Tier.NVME]
     nvme_state = [pl.part_numel for pl in planned if pl.state is Tier.NVME]
     param_path = os.fspath(zero.offload_param.nvme_path) if nvme_sizes else None
     state_path = os.fspath(zero.offload_optimizer.nvme_path) if nvme_state else None

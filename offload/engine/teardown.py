@@ -10,6 +10,7 @@ import psutil
 
 from offload.compile.blocks import uncompile_blocks
 from offload.partition.managed import unmanage
+from offload.partition.quantized import unpage
 from offload.tiers import Tier
 
 log = logging.getLogger("offload")
@@ -39,6 +40,7 @@ def give_values_back(engine) -> bool:
         log.exception("engine.close(): could not read the parameters back")
         return False
     unmanage(engine.shards)
+    unpage(engine.paged_modules)
     for shard in engine.shards:
         shard.param.data = values[shard.name].to(shard.original_dtype)
     return True
@@ -70,6 +72,7 @@ def remove_swap_files(engine) -> None:
 
 def abort(engine) -> None:
     unmanage(engine.shards)
+    unpage(engine.paged_modules)
     # Note [an interrupted initialize] (build.py): the shards not placed kept or got back their tensor.
     for shard in engine._placed:
         if engine.pg.world_size > 1:

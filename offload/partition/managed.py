@@ -112,6 +112,8 @@ def _refuse(param, what: str) -> RuntimeError:
 class ManagedParameter(torch.nn.Parameter):
     """An nn.Parameter whose value lives in a Shard (Note [reading a parameter outside the engine])."""
 
+    _offload_original = torch.nn.Parameter  # the class `unmanage` gives back
+
     def __repr__(self):
         return "Parameter containing:\n" + repr(self.detach())
 
@@ -325,13 +327,45 @@ def manage(manager, shards) -> None:
     """Gives each shard's parameter the ManagedParameter class, for the engine's life."""
     for shard in shards:
         p = shard.param
-        if type(p) is torch.nn.Parameter:
+        if not isinstance(p, ManagedParameter):
             # The same object (the model, the user's optimizer and their param groups hold it), another
             # class: torch dispatches __torch_function__ by the tensor's class (Note [reading a parameter
-            # outside the engine]).
-            p.__class__ = ManagedParameter
+            # outside the engine]). A Parameter subclass (bitsandbytes' Params4bit) keeps its own class
+            # below ours: its attributes (quant_state) and isinstance checks stay.
+            p.__class__ = managed_class(type(p))
         p._offload_shard = shard
         p._offload_manager = manager
+
+
+_MANAGED: dict[type, type] = {}
+
+
+def managed_class(cls: type) -> type:
+    """ManagedParameter over a parameter's own class: ManagedParameter itself for an
+    nn.Parameter, else a subclass of both (one per class), ManagedParameter first."""
+    if cls is torch.nn.Parameter:
+        return ManagedParameter
+    if cls not in _MANAGED:
+        _MANAGED[cls] = type(cls.__name__, (ManagedParameter, cls), {"_offload_original": cls,
+                                                                     "__module__": cls.__module__,
+                                                                     "to": _to_in_place})
+    return _MANAGED[cls]
+
+
+def _to_in_place(self, *args, **kwargs):
+    """`.to()` of a managed parameter whose class has its own (bitsandbytes' Params4bit
+    re-wraps its data and moves its quant_state): Trainer's and Accelerate's
+    model.to(its device) gets the parameter itself, as for any managed parameter;
+    another device or dtype is refused rather than letting the class rewrap the
+    placeholder (which module._apply would then write home over the real bytes)."""
+    device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    with engine_access():
+        here, own = self.device, self.dtype
+    if (device is None or torch.device(device).type == here.type) and dtype in (None, own):
+        return self
+    raise RuntimeError(f"parameter {self._offload_shard.name} ({type(self).__name__}) is placed by the engine: "
+                       f".to({device or dtype}) would convert it; the engine computes on {here} (leave the "
+                       "model where initialize put it)")
 
 
 def refuse_state_dict_larger_than_memory(module: torch.nn.Module, shards) -> object:
@@ -359,8 +393,8 @@ def unmanage(shards) -> None:
     """The engine is closing: plain nn.Parameters again."""
     for shard in shards:
         p = shard.param
-        if type(p) is ManagedParameter:
-            p.__class__ = torch.nn.Parameter  # the swap above, undone
+        if isinstance(p, ManagedParameter):
+            p.__class__ = p._offload_original  # the swap above, undone
         for attr in ("_offload_shard", "_offload_manager"):
             p.__dict__.pop(attr, None)
 

@@ -1,0 +1,266 @@
+"""QLoRA as users run it (Note [quantized frozen weights] in offload/partition/quantized.py):
+a Hugging Face Llama loaded with bitsandbytes 4-bit (nf4 with double quantization, and
+fp4), prepared by peft's prepare_model_for_kbit_training, with LoRA on q_proj and v_proj,
+trains through the engine exactly as plain PEFT QLoRA on plain PyTorch, in the user's own
+loop and with Trainer, with the base homed on the host, on NVMe and by the auto plan; the
+homes hold the packed bytes to the byte; what cannot be paged is refused by name before
+anything moves. Skipped without transformers, peft and bitsandbytes."""
+import copy
+
+import pytest
+import torch
+
+import offload
+from offload.aio.memory import _unshared
+from offload.partition.quantized import Matmul4bit, page_modules, quantized_kind, state_bytes, unpage
+from offload.tiers import Tier
+from tests.support.layer_under_test import exact, test_device
+
+pytestmark = [pytest.mark.any_device]  # Note [the device a test runs on] (tests/conftest.py)
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+bnb = pytest.importorskip("bitsandbytes")
+
+LR, WD = 2e-3, 0.01
+
+
+@pytest.fixture(scope="module")
+def saved_base(tmp_path_factory):
+    """A small bf16 Llama on disk, as from_pretrained reads a hub model (hidden size 64:
+    a multiple of bitsandbytes' 64-element blocks)."""
+    path = tmp_path_factory.mktemp("base")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def qlora(path, quant_type="nf4", double=True):
+    """A QLoRA as PEFT documents it: the base in 4-bit, prepared for k-bit training, LoRA on top."""
+    quantization = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
+                                                   bnb_4bit_use_double_quant=double,
+                                                   bnb_4bit_compute_dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization,
+                                                              device_map=str(test_device()), dtype=torch.bfloat16)
+    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    torch.manual_seed(3)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                       lora_dropout=0.0, init_lora_weights="gaussian"))
+    model.train()
+    return model
+
+
+def batches(n=4, batch=2):
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, 64, (n * batch, 12), generator=gen)
+    return [{"input_ids": rows[i:i + batch], "labels": rows[i:i + batch]} for i in range(0, len(rows), batch)]
+
+
+def config(where, path):
+    side = {"device": where, "nvme_path": str(path)} if where in ("nvme", "auto") else {"device": where}
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                  "offload_param": dict(side), "offload_optimizer": dict(side)}}
+
+
+def plain_run(model, data):
+    """Plain PEFT QLoRA: torch's AdamW over the adapters (fp32: prepare_model_for_kbit_training
+    keeps the non-quantized parameters in fp32, as the engine's fp32 compute dtype does)."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    losses = []
+    for batch in data:
+        loss = model(**{k: v.to(test_device()) for k, v in batch.items()}).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().float().cpu())
+    return torch.stack(losses), {n: p.detach().float().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def engine_run(engine, model, data):
+    losses = []
+    for batch in data:
+        loss = model(**{k: v.to(engine.device) for k, v in batch.items()}).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().float().cpu())
+    trained = {s.name for s in engine.shards if s.trainable}
+    return torch.stack(losses), {n: v for n, v in engine.full_state_dict(master=True).items() if n in trained}
+
+
+def assert_same(got, want):
+    (losses, weights), (ref_losses, ref_weights) = got, want
+    torch.testing.assert_close(losses, ref_losses, **exact())
+    assert weights.keys() == ref_weights.keys() and weights
+    for name, value in ref_weights.items():
+        torch.testing.assert_close(weights[name], value, msg=lambda m: f"{name}: {m}", **exact())
+
+
+def quantized_params(model):
+    return [(n, p) for n, p in model.named_parameters() if quantized_kind(p) is not None]
+
+
+@pytest.mark.parametrize("where,quant_type,double", [("cpu", "nf4", True), ("nvme", "nf4", True),
+                                                      ("auto", "nf4", True), ("nvme", "fp4", False)])
+def test_a_qlora_in_your_own_loop_equals_plain_peft(saved_base, tmp_path, where, quant_type, double):
+    data = batches()
+    want = plain_run(qlora(saved_base, quant_type, double), data)
+    model = qlora(saved_base, quant_type, double)
+    base = quantized_params(model)
+    assert len(base) == 14
+    packed = {n: p.detach().clone() for n, p in base}
+    with offload.initialize(model, config(where, tmp_path)) as engine:
+        got = engine_run(engine, model, data)
+        plan = engine.placement()
+        # The homes hold the packed bytes, untouched by training.
+        for name, value in packed.items():
+            assert torch.equal(dict(model.named_parameters())[name].detach(), value), name
+    assert_same(got, want)
+    assert {s.name for s in plan.shards if s.trainable} == set(want[1])
+    # The plan counts a quantized home at its packed size: 1 byte a packed element (two weights).
+    quantized = {s.name: s for s in plan.shards if s.itemsize is not None}
+    assert set(quantized) == set(packed) and all(s.itemsize == 1 and s.state is None for s in quantized.values())
+    # Closing gives the layers and weights their own classes, quant_state and all.
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    assert type(layer) is bnb.nn.Linear4bit and type(layer.weight) is bnb.nn.Params4bit
+    assert layer.weight.quant_state is not None and torch.equal(layer.weight.data, packed[
+        "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])
+
+
+@pytest.mark.parametrize("where", ["cpu", "nvme"])
+def test_quantized_homes_hold_their_packed_bytes_to_the_byte(saved_base, tmp_path, where):
+    model = qlora(saved_base)
+    base = quantized_params(model)
+    quantized = sum(p.numel() for _, p in base)  # uint8: one byte each
+    others = sum(p.numel() * 4 for _, p in model.named_parameters() if quantized_kind(p) is None)
+    side = sum(state_bytes(p) for _, p in base)
+    assert side > 0
+    with offload.initialize(model, config(where, tmp_path)) as engine:
+        homes = engine.placement().home_bytes()
+        tier = Tier.NVME if where == "nvme" else Tier.HOST
+        frozen = [s for s in engine.placement().shards if s.itemsize is not None]
+        assert sum(s.part_numel for s in frozen) == quantized
+        if where == "nvme":
+            assert homes[Tier.NVME] == quantized + others  # the adapters' files too (their masters)
+        else:  # fp32 host homes of the trainable adapters are their masters (counted with the state)
+            trainable = sum(p.numel() * 4 for _, p in model.named_parameters() if p.requires_grad)
+            assert homes[tier] == quantized + others - trainable
+        # The quantization state is counted whole beside compute, to the byte.
+        assert sum(s.side_bytes for s in engine.placement().shards) == side
+
+
+def test_backward_reads_a_quantized_weight_again_instead_of_keeping_its_buffer(saved_base, tmp_path):
+    """bitsandbytes' own matmul keeps a view of the gathered buffer for backward; the paged
+    layer saves the weight through autograd's hooks, so after forward no gathered buffer is
+    held by anyone but the engine's cache (and backward gathers again)."""
+    model = qlora(saved_base)
+    with offload.initialize(model, config("nvme", tmp_path)) as engine:
+        batch = batches(1)[0]
+        loss = model(**{k: v.to(engine.device) for k, v in batch.items()}).loss
+        cache = engine.shard_context.gathered_buffers
+        if not engine.device_layer.separate_memory:  # the cpu layer gathers NVMe homes into cached host buffers
+            assert cache._idle and all(_unshared(buf) for buf in cache._idle)
+        engine.backward(loss)
+        engine.step()
+
+
+@pytest.mark.parametrize("quant_type,double,bias", [("nf4", True, False), ("nf4", False, True), ("fp4", True, True)])
+def test_the_paged_layer_computes_what_bitsandbytes_computes(quant_type, double, bias):
+    torch.manual_seed(0)
+    plain = bnb.nn.Linear4bit(128, 64, bias=bias, compute_dtype=torch.bfloat16, compress_statistics=double,
+                              quant_type=quant_type).to(test_device())
+    paged = copy.deepcopy(plain)
+    swapped = page_modules(paged, {id(paged.weight)})
+    assert len(swapped) == 1 and type(paged).__name__ == "Linear4bit"
+    x = torch.randn(3, 5, 128, device=test_device())
+    outs = []
+    for layer in (plain, paged):
+        xi = x.clone().requires_grad_()
+        out = layer(xi)
+        out.backward(torch.ones_like(out))
+        outs.append((out.detach(), xi.grad))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=0, atol=0)
+    unpage(swapped)
+    assert type(paged) is bnb.nn.Linear4bit
+    assert Matmul4bit.__name__ == "Matmul4bit"
+
+
+def test_a_trainable_quantized_weight_is_refused_before_anything_moves(tmp_path):
+    """A packed weight stored in bf16 (bitsandbytes' quant_storage, as FSDP QLoRA loads it)
+    can be marked trainable; bitsandbytes cannot train it, and the engine says so."""
+    layer = bnb.nn.Linear4bit(64, 64, bias=False, quant_type="nf4", quant_storage=torch.bfloat16).to(test_device())
+    model = torch.nn.Sequential(layer, torch.nn.Linear(64, 8))
+    layer.weight.requires_grad_(True)
+    before = layer.weight.detach().view(torch.uint8).clone()  # bf16 words of packed codes: compare bytes
+    with pytest.raises(ValueError, match="0.weight is a quantized .* requires_grad=True.*LoRA"):
+        offload.initialize(model, config("nvme", tmp_path))
+    assert type(layer.weight) is bnb.nn.Params4bit and torch.equal(layer.weight.detach().view(torch.uint8), before)
+    assert type(layer) is bnb.nn.Linear4bit
+
+
+def test_trainer_and_accelerate_moving_the_model_keep_the_packed_bytes(saved_base, tmp_path):
+    """Params4bit has its own .to(), which re-wraps its data: model.to(its device) must
+    neither rewrap the placeholder nor write it home."""
+    model = qlora(saved_base)
+    name, weight = quantized_params(model)[0]
+    before, state = weight.detach().clone(), weight.quant_state
+    with offload.initialize(model, config("cpu", tmp_path)):
+        model.to(test_device())
+        assert dict(model.named_parameters())[name] is weight and weight.quant_state is state
+        assert torch.equal(weight.detach(), before)
+        with pytest.raises(RuntimeError, match=f"{name} .Params4bit. is placed by the engine"):
+            weight.to("meta")
+
+
+def test_an_8bit_base_is_refused_naming_4bit(saved_base, tmp_path):
+    quantization = transformers.BitsAndBytesConfig(load_in_8bit=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved_base, quantization_config=quantization,
+                                                              device_map=str(test_device()), dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="8-bit weight .*load_in_4bit"):
+        offload.initialize(model, config("cpu", tmp_path))
+
+
+def test_a_4bit_weight_outside_a_linear4bit_is_refused(tmp_path):
+    layer = bnb.nn.Linear4bit(64, 64, bias=False, quant_type="nf4").to(test_device())
+    holder = torch.nn.Module()
+    holder.table = layer.weight  # a 4-bit weight as another module's parameter
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), holder)
+    model[1].register_parameter("table", layer.weight)
+    with pytest.raises(TypeError, match="table is a bitsandbytes 4-bit weight held by a Module"):
+        offload.initialize(model, config("cpu", tmp_path))
+
+
+def test_a_qlora_with_trainer_equals_plain_trainer(saved_base, tmp_path):
+    rows = [{"input_ids": r, "labels": r} for b in batches(8) for r in b["input_ids"]]
+
+    def args(out):
+        return transformers.TrainingArguments(
+            str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3, learning_rate=LR,
+            weight_decay=WD, max_grad_norm=0.0, optim="adamw_torch", logging_steps=1, save_strategy="no",
+            report_to=[], use_cpu=test_device().type == "cpu", seed=0, data_seed=0, disable_tqdm=True,
+            dataloader_drop_last=True, lr_scheduler_type="constant")
+
+    plain = transformers.Trainer(model=qlora(saved_base), args=args(tmp_path / "plain"), train_dataset=rows)
+    plain.train()
+    want = [e["loss"] for e in plain.state.log_history if "loss" in e]
+    model = qlora(saved_base)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    cfg = config("nvme", tmp_path / "nvme")
+    cfg["gradient_accumulation_steps"] = 2
+    engine, optimizer, _, _ = offload.deepspeed.initialize(model=model, model_parameters=[p for _, p in named],
+                                                           config=cfg)
+    with engine:
+        trainer = transformers.Trainer(model=model, args=args(tmp_path / "run"), train_dataset=rows,
+                                       optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                                                               lambda _: 1.0)))
+        trainer.train()
+        got = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        weights = {n: v for n, v in engine.full_state_dict(master=True).items() if "lora_" in n}
+    assert got == want and len(got) == 3
+    ref = {n: p.detach().cpu() for n, p in plain.model.named_parameters() if "lora_" in n}
+    assert weights.keys() == ref.keys()
+    for name, value in ref.items():
+        torch.testing.assert_close(weights[name], value, msg=lambda m: f"{name}: {m}", **exact())
