@@ -37,7 +37,7 @@ from offload.transfers.nvme_home import ParamStore
 from offload.engine import budgets
 from offload.engine.reserve import Reserve, reserve, settle_plan
 from offload.engine.stores import check_free_space, open_store
-from offload.partition.quantized import check_layers, check_quantized, quantized_kind, state_bytes, state_to
+from offload.partition.quantized import check_layers, check_quantized, page_modules, quantized_kind, state_bytes
 from offload.partition.shard import Shard
 from offload.partition.shard_context import PartitionStore, ShardContext, partition_numel
 from offload.placement import Placement
@@ -267,14 +267,15 @@ def _owners(model: torch.nn.Module, attr: str) -> dict[int, list[tuple[torch.nn.
 
 def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, pg: ProcessGroupInfo,
                  account: MemoryAccount, timeline, run_dirs: RunDirectories, builder=None,
-                 weights=None, compiled=()) -> Built:
+                 weights=None, compiled=(), paged: list | None = None) -> Built:
     """Every parameter's shard, its home decided and nothing moved yet (`Built.place` moves them).
 
     timeline: an offload.timeline.Timeline the parameter reads are recorded on;
     builder: an offload.init ModelBuilder whose homed shards are adopted;
     weights: anything offload.engine.weights.open_weights takes;
     layer: the engine's device layer; its device is where compute runs;
-    compiled: the blocks the config compiles, each gathered whole (Note [compiled blocks]).
+    compiled: the blocks the config compiles, each gathered whole (Note [compiled blocks]);
+    paged: where the quantized layers given their paged class are recorded (for teardown).
     In stages, each named: check what was given, list the parameters, plan them
     within the budgets, take the model over, open what the shards share, make them."""
     plan = None
@@ -284,7 +285,8 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
         plan = WeightPlan.check(model, open_weights(weights))
     adopted = builder.shard_of if builder is not None else {}
     named = list(model.named_parameters(remove_duplicate=True))
-    check_layers(model)  # a 4-bit weight only where its layer can be paged
+    check_layers(model)  # a quantized weight only where its layer can be paged
+    paged = paged if paged is not None else []
     _check_given(model, named, plan, adopted)
     planned, sources, replacements = _list_parameters(named, config, layer, pg, plan, adopted, builder)
     placement, configs, staging, notes = _plan_within_budgets(model, named, planned, config, layer, pg, builder,
@@ -296,7 +298,7 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
                     and pl.built.dtype == config.precision.dtype and pl.built.home is pl.home)
     account.budget_notes.update(notes)
     check_free_space(configs, pg)  # before anything is written or moved, with this host's other ranks
-    _take_over(model, planned, replacements, plan, config, layer, account, builder, run_dirs)
+    _take_over(model, planned, replacements, plan, config, layer, account, builder, run_dirs, paged)
     ctx, param_writer, state_store, pinned, pin = _open_shared(planned, placement, configs, staging, config,
                                                                layer, pg, account, timeline, run_dirs, builder)
     return Built(_make_shards(planned, ctx, config.precision.dtype), ctx, state_store, param_writer,
@@ -384,7 +386,7 @@ def _plan_within_budgets(model, named, planned: list[_Planned], config: Config, 
 
 
 def _take_over(model, planned: list[_Planned], replacements: dict, plan, config: Config, layer: DeviceLayer,
-               account: MemoryAccount, builder, run_dirs: RunDirectories) -> None:
+               account: MemoryAccount, builder, run_dirs: RunDirectories, paged: list) -> None:
     """The model becomes the engine's: offload.init's builder hands its shards over, meta
     parameters get their placeholders, buffers their values and device."""
     if builder is not None:
@@ -395,9 +397,11 @@ def _take_over(model, planned: list[_Planned], replacements: dict, plan, config:
                 if pid in replacements:
                     mod._parameters[local] = replacements[pid]
     _set_buffers(model, plan, config.precision.dtype, layer.device)
+    # Quantized layers compute through the engine's gathers, their state whole beside
+    # compute (Note [quantized frozen weights] in partition/quantized.py).
+    paged.extend(page_modules(model, {id(pl.param) for pl in planned if pl.itemsize is not None}, layer.device))
     for pl in planned:
-        if pl.side_bytes:  # a quantized weight's state, whole beside compute (partition/quantized.py)
-            state_to(pl.param, layer.device)
+        if pl.side_bytes:
             account.charge(Tier.DEVICE if layer.separate_memory else Tier.HOST, pl.side_bytes,
                            f"quantization state of {pl.name}")
 

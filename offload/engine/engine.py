@@ -38,7 +38,6 @@ from offload.schedulers import build_scheduler
 from offload.accounting import MemoryAccount
 from offload.transfers.collectives import ProcessGroupInfo
 from offload.partition.managed import manage, refuse_state_dict_larger_than_memory
-from offload.partition.quantized import page_modules
 from offload.partition.manager import ParameterManager
 from offload.partition.prefetch import prefetch_scheduler
 from offload.partition.shard_context import ShardContext
@@ -96,7 +95,7 @@ class Engine:
         self.shards, self._stores, self.manager, self.optimizer = [], [], None, None
         self._host_worker = None
         self._placed = []
-        self.paged_modules = []  # (4-bit layer, its own class): partition/quantized.py
+        self.paged_modules = []  # (quantized layer, its own class): filled by build_shards
         self.activation_checkpointing = None
         self.step_runner: StepRunner | None = None
         self.checkpoints = EngineCheckpoints(self)
@@ -127,7 +126,8 @@ class Engine:
             forwards = compile_forwards(blocks, **config.compile.compile_kwargs())
         built = build_shards(model, config, layer=self.device_layer, pg=self.pg, account=self.account,
                              timeline=self._timeline, run_dirs=self._run_dirs,
-                             builder=self._builder, weights=self._weights, compiled=blocks)
+                             builder=self._builder, weights=self._weights, compiled=blocks,
+                             paged=self.paged_modules)
         self._builder = self._weights = None
         self.shard_context = built.ctx
         self.shards = built.shards
@@ -159,8 +159,6 @@ class Engine:
         # Reads outside a forward see real values, edits go through offload.gathered
         # (Note [reading a parameter outside the engine] in partition/managed.py).
         manage(self.manager, self.shards)
-        # 4-bit layers compute through the engine's gathers (Note [quantized frozen weights]).
-        self.paged_modules = page_modules(model, {id(s.param) for s in self.shards})
         if blocks:
             self.compiled_blocks = tuple(compile_blocks(self.manager, blocks, forwards))
         lr_scheduler = None if config.scheduler is None else build_scheduler(self.optimizer, config.scheduler)

@@ -40,9 +40,9 @@ def give_values_back(engine) -> bool:
         log.exception("engine.close(): could not read the parameters back")
         return False
     unmanage(engine.shards)
-    unpage(engine.paged_modules)
     for shard in engine.shards:
         shard.param.data = values[shard.name].to(shard.original_dtype)
+    unpage(engine.paged_modules)  # after the values: an 8-bit layer points at its weight's
     return True
 
 
@@ -72,7 +72,6 @@ def remove_swap_files(engine) -> None:
 
 def abort(engine) -> None:
     unmanage(engine.shards)
-    unpage(engine.paged_modules)
     # Note [an interrupted initialize] (build.py): the shards not placed kept or got back their tensor.
     for shard in engine._placed:
         if engine.pg.world_size > 1:
@@ -87,6 +86,7 @@ def abort(engine) -> None:
             except Exception:  # noqa: BLE001
                 continue
         shard.param.data = value[:shard.numel].view(shard.shape).to(shard.original_dtype)
+    unpage(engine.paged_modules)  # after the values, as in give_values_back
     if engine.manager is not None:
         engine.manager.remove_hooks()
     if engine.optimizer is not None:

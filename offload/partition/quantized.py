@@ -4,27 +4,33 @@ Note [quantized frozen weights]
 A QLoRA base loaded with bitsandbytes 4-bit (`BitsAndBytesConfig(load_in_4bit=True)`)
 holds each Linear4bit weight as a `Params4bit`: packed uint8 data, two 4-bit codes
 a byte, shape (out * in / 2, 1), and beside it a `quant_state` (block absmax,
-double-quantized where asked, the code book, the original shape and dtype). The
-engine treats the packed data as the parameter: its home holds those bytes, in
-uint8 and never converted to the compute dtype, on whatever tier the plan gives
-it (1 byte a packed element: half a byte a weight), read ahead and brought up
-like any home. The quant_state is small (about 1/64 of the packed bytes with
-blocksize 64, less with double quantization) and stays whole beside compute: it
-is moved to the compute device and counted there. Such a weight is frozen by
+double-quantized where asked, the code book, the original shape and dtype).
+Loaded in 8-bit (`load_in_8bit=True`), a Linear8bitLt weight is an `Int8Params`:
+int8 data, one byte a weight, with one fp32 scale a row (SCB). The engine
+treats the quantized data as the parameter: its home holds those bytes, never
+converted to the compute dtype, on whatever tier the plan gives it (4-bit: half
+a byte a weight; 8-bit: one), read ahead and brought up like any home. The
+quantization state is small (4-bit: about 1/64 of the packed bytes with
+blocksize 64, less with double quantization; 8-bit: 4 bytes a row) and stays
+whole beside compute: it is moved to the compute device and counted there. Such a weight is frozen by
 construction (bitsandbytes cannot train it): one with requires_grad=True is
 refused, naming LoRA.
 
 The layer's arithmetic is bitsandbytes' own, with one change of plumbing.
 bitsandbytes' MatMul4Bit keeps the weight for backward as a plain attribute of
-its autograd context, a view of whatever storage the weight had in forward.
+its autograd context, a view of whatever storage the weight had in forward
+(Linear8bitLt keeps it in its own state.CB, and writes the weight's `.data`
+from it after each forward).
 Under the engine that storage is a gathered buffer, released (and reused by
 another parameter) as soon as the module's forward ends, so backward would read
-another weight's bytes. So each Linear4bit whose weight the engine manages gets
-a subclass (the same name, `_PAGED` below) whose forward is Linear4bit's with
-the matmul done by `Matmul4bit`: forward calls bitsandbytes' `matmul_4bit`
-with grad off (the same gemm_4bit kernel and arguments as MatMul4Bit's
-forward), and backward computes bitsandbytes' formula (grad_input = grad_output
-@ dequantize_4bit(weight)), with the weight saved through save_for_backward, so
+another weight's bytes. So each Linear4bit and Linear8bitLt whose weight the engine
+manages gets a subclass (the same name, `_PAGED` below) whose forward is the
+layer's with the matmul done by `Matmul4bit` or `Matmul8bit`: forward calls
+bitsandbytes' `matmul_4bit` or `matmul` with grad off (the same kernels and
+arguments as its own autograd functions' forward; for 8-bit with state.CB
+pointed at the gathered weight for the call only), and backward computes
+bitsandbytes' formula (grad_input = grad_output @ the dequantized weight),
+with the weight saved through save_for_backward, so
 the engine's saved-tensor hooks gather it again for backward as they do any
 frozen weight (Note [frozen holds in backward] in partition/manager.py). The
 result is bit for bit that of plain bitsandbytes (tests/integrations/test_qlora.py
@@ -34,25 +40,27 @@ without grad on CPUs with AVX-512 bf16) rewrites the weight in place and is not
 done (the unpacked kernel runs: the same values); a bias of another dtype than
 the input is cast for the call instead of being converted in place.
 
-8-bit weights (`Int8Params`, load_in_8bit) keep their bytes in the layer's own
-state.CB and write the weight's `.data` after each forward, and torchao's NF4
-is a tensor subclass: neither can be paged yet, and each is refused by name.
+While the engine holds an 8-bit layer its state.CB and the weight's CB are
+None (they would keep the whole weight in memory); closing the engine points
+state.CB at the weight's value given back. torchao's NF4 is a tensor subclass
+the engine cannot page yet: it is refused by name.
 """
 from __future__ import annotations
 
 import torch
 
 _PAGED: dict[type, type] = {}
+FOUR_BIT, EIGHT_BIT = "bitsandbytes-4bit", "bitsandbytes-8bit"
 
 
 def quantized_kind(p: torch.Tensor) -> str | None:
-    """What kind of quantized weight `p` is ("bitsandbytes-4bit", "bitsandbytes-8bit",
-    "torchao-nf4"), or None for an ordinary tensor. Needs neither library installed."""
+    """What kind of quantized weight `p` is (FOUR_BIT, EIGHT_BIT, "torchao-nf4"), or
+    None for an ordinary tensor (an Int8Params still in fp16 too). Needs neither library."""
     names = {(c.__module__.split(".")[0], c.__name__) for c in type(p).__mro__}
     if ("bitsandbytes", "Params4bit") in names and getattr(p, "quant_state", None) is not None:
-        return "bitsandbytes-4bit"
-    if ("bitsandbytes", "Int8Params") in names:
-        return "bitsandbytes-8bit"
+        return FOUR_BIT
+    if ("bitsandbytes", "Int8Params") in names and not getattr(p, "has_fp16_weights", True):
+        return EIGHT_BIT
     if any(n == "NF4Tensor" for _, n in names):  # a Parameter over a subclass has the subclass's type
         return "torchao-nf4"
     return None
@@ -61,13 +69,9 @@ def quantized_kind(p: torch.Tensor) -> str | None:
 def check_quantized(name: str, p: torch.Tensor) -> None:
     """Raises where the engine cannot home `p` correctly (Note [quantized frozen weights])."""
     kind = quantized_kind(p)
-    if kind == "bitsandbytes-8bit":
-        raise TypeError(f"parameter {name} is a bitsandbytes 8-bit weight (Int8Params); offload homes 4-bit "
-                        "bases only: load the base with BitsAndBytesConfig(load_in_4bit=True, "
-                        "bnb_4bit_quant_type='nf4'), or unquantized")
     if kind == "torchao-nf4":
-        raise TypeError(f"parameter {name} is a torchao NF4Tensor; offload homes bitsandbytes 4-bit bases: load "
-                        "the base with transformers' BitsAndBytesConfig(load_in_4bit=True, "
+        raise TypeError(f"parameter {name} is a torchao NF4Tensor; offload homes bitsandbytes 4-bit and 8-bit "
+                        "bases: load the base with transformers' BitsAndBytesConfig(load_in_4bit=True, "
                         "bnb_4bit_quant_type='nf4'), or unquantized")
     if kind is not None and p.requires_grad:
         raise ValueError(f"parameter {name} is a quantized ({kind}) weight with requires_grad=True; a quantized "
@@ -84,13 +88,11 @@ def state_tensors(p: torch.Tensor) -> list[torch.Tensor]:
 
 
 def state_bytes(p: torch.Tensor) -> int:
-    """Bytes of a 4-bit weight's quant_state, kept whole beside compute."""
+    """Bytes of a quantized weight's state, kept whole beside compute: a 4-bit
+    quant_state's tensors; an 8-bit weight's fp32 scale a row."""
+    if quantized_kind(p) == EIGHT_BIT:
+        return p.shape[0] * 4
     return sum(t.numel() * t.element_size() for t in state_tensors(p))
-
-
-def state_to(p: torch.Tensor, device: torch.device) -> None:
-    """Moves a 4-bit weight's quant_state to the compute device (bitsandbytes' own QuantState.to)."""
-    p.quant_state.to(device)
 
 
 class Matmul4bit(torch.autograd.Function):
@@ -122,7 +124,40 @@ class Matmul4bit(torch.autograd.Function):
         return grad_x, None, grad_bias, None
 
 
-def _paged_forward(self, x: torch.Tensor) -> torch.Tensor:
+class Matmul8bit(torch.autograd.Function):
+    """bitsandbytes' 8-bit matmul (LLM.int8(); on the CPU its dequantize-then-linear
+    path) with the weight saved through save_for_backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, state):
+        import bitsandbytes as bnb
+
+        ctx.scale, ctx.dtype_x, ctx.shape_x = state.SCB, x.dtype, x.shape
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.save_for_backward(weight if ctx.needs_input_grad[0] else None)
+        state.CB = weight  # the gathered value, for this call only
+        try:
+            return bnb.matmul(x, weight, bias=bias, state=state)
+        finally:
+            state.CB = None
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (weight,) = ctx.saved_tensors
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad_output.sum(0, dtype=ctx.bias_dtype)
+        if grad_output.dim() == 3:
+            grad_output = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
+        if ctx.needs_input_grad[0]:
+            # as_subclass: Int8Params' own .to() takes no copy=; the values are the same.
+            dense = weight.as_subclass(torch.Tensor).to(ctx.dtype_x, copy=True)
+            dense.mul_(ctx.scale.unsqueeze(1).mul(1.0 / 127.0))
+            grad_x = torch.matmul(grad_output.to(ctx.dtype_x), dense).view(ctx.shape_x)
+        return grad_x, None, grad_bias, None
+
+
+def _forward_4bit(self, x: torch.Tensor) -> torch.Tensor:
     """Linear4bit.forward (bitsandbytes 0.50) with the matmul by Matmul4bit."""
     quant_state = self.weight.quant_state
     if not self.compute_type_is_set:
@@ -137,45 +172,71 @@ def _paged_forward(self, x: torch.Tensor) -> torch.Tensor:
     return Matmul4bit.apply(x, self.weight, bias, quant_state).to(inp_dtype)
 
 
-def _paged_class(cls: type) -> type:
+def _forward_8bit(self, x: torch.Tensor) -> torch.Tensor:
+    """Linear8bitLt.forward (bitsandbytes 0.50) with the matmul by Matmul8bit."""
+    self.state.is_training = self.training
+    bias = self.bias
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    return Matmul8bit.apply(x, self.weight, bias, self.state)
+
+
+def _paged_class(cls: type, forward) -> type:
     if cls not in _PAGED:
         # The same name and qualname: printed models and class-name lookups stay the same.
-        _PAGED[cls] = type(cls.__name__, (cls,), {"forward": _paged_forward, "__qualname__": cls.__qualname__,
+        _PAGED[cls] = type(cls.__name__, (cls,), {"forward": forward, "__qualname__": cls.__qualname__,
                                                   "__module__": cls.__module__, "_offload_original": cls})
     return _PAGED[cls]
 
 
-def page_modules(model: torch.nn.Module, managed: set[int]) -> list[tuple[torch.nn.Module, type]]:
-    """Gives each 4-bit layer whose weight is in `managed` (ids) the paged class;
-    returns (module, its own class) for `unpage`."""
-    swapped = []
-    for module in model.modules():
-        weight = module._parameters.get("weight")
-        if weight is None or id(weight) not in managed or quantized_kind(weight) != "bitsandbytes-4bit":
-            continue
-        cls = type(module)
-        if cls in _PAGED.values():
-            continue
-        module.__class__ = _paged_class(cls)  # undone by unpage (Note [quantized frozen weights])
-        swapped.append((module, cls))
-    return swapped
+def _layer_kind(module: torch.nn.Module) -> str | None:
+    names = {c.__name__ for c in type(module).__mro__}
+    return FOUR_BIT if "Linear4bit" in names else EIGHT_BIT if "Linear8bitLt" in names else None
 
 
 def check_layers(model: torch.nn.Module) -> None:
-    """Every 4-bit weight sits in a bitsandbytes Linear4bit (the layer whose forward
-    `_paged_forward` mirrors), as `weight`: raised before anything moves."""
+    """Every quantized weight sits in the bitsandbytes layer of its kind (whose forward
+    `_forward_4bit` / `_forward_8bit` mirrors), as `weight`: raised before anything moves."""
     for mod_name, module in model.named_modules():
         for local, p in module._parameters.items():
-            if p is None or quantized_kind(p) != "bitsandbytes-4bit":
+            kind = None if p is None else quantized_kind(p)
+            if kind not in (FOUR_BIT, EIGHT_BIT):
                 continue
-            if local != "weight" or not any(c.__name__ == "Linear4bit" for c in type(module).__mro__):
-                raise TypeError(f"parameter {mod_name}.{local} is a bitsandbytes 4-bit weight held by a "
-                                f"{type(module).__name__}; offload pages the weights of bitsandbytes' Linear4bit "
+            if local != "weight" or _layer_kind(module) != kind:
+                layer = "Linear4bit" if kind == FOUR_BIT else "Linear8bitLt"
+                raise TypeError(f"parameter {mod_name}.{local} is a {kind} weight held by a "
+                                f"{type(module).__name__}; offload pages the weights of bitsandbytes' {layer} "
                                 "layers only: keep this module unquantized (BitsAndBytesConfig("
                                 "llm_int8_skip_modules=[...]))")
 
 
+def page_modules(model: torch.nn.Module, managed: set[int], device: torch.device) -> list[tuple[torch.nn.Module, type]]:
+    """Gives each quantized layer whose weight is in `managed` (ids) the paged class,
+    its quantization state on `device`; returns (module, its own class) for `unpage`.
+    Before the weights go home: an 8-bit layer's references to its whole weight go."""
+    swapped = []
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        kind = None if weight is None or id(weight) not in managed else quantized_kind(weight)
+        if kind not in (FOUR_BIT, EIGHT_BIT) or type(module) in _PAGED.values():
+            continue
+        cls = type(module)
+        if kind == FOUR_BIT:
+            weight.quant_state.to(device)  # bitsandbytes' own QuantState.to
+        else:
+            scale = weight.SCB if weight.SCB is not None else module.state.SCB
+            module.state.SCB = scale.to(device)
+            weight.CB = weight.SCB = module.state.CB = None
+        module.__class__ = _paged_class(cls, _forward_4bit if kind == FOUR_BIT else _forward_8bit)
+        swapped.append((module, cls))
+    return swapped
+
+
 def unpage(swapped: list[tuple[torch.nn.Module, type]]) -> None:
+    """Each layer its own class back; an 8-bit layer's state.CB the weight's value
+    (after the engine gave the values back)."""
     while swapped:
         module, cls = swapped.pop()
         module.__class__ = cls  # its own class back
+        if _layer_kind(module) == EIGHT_BIT:
+            module.state.CB = module.weight.data

@@ -1,10 +1,10 @@
 """QLoRA as users run it (Note [quantized frozen weights] in offload/partition/quantized.py):
 a Hugging Face Llama loaded with bitsandbytes 4-bit (nf4 with double quantization, and
-fp4), prepared by peft's prepare_model_for_kbit_training, with LoRA on q_proj and v_proj,
+fp4) or 8-bit, prepared by peft's prepare_model_for_kbit_training, with LoRA on q_proj and v_proj,
 trains through the engine exactly as plain PEFT QLoRA on plain PyTorch, in the user's own
 loop and with Trainer, with the base homed on the host, on NVMe and by the auto plan; the
-homes hold the packed bytes to the byte; what cannot be paged is refused by name before
-anything moves. Skipped without transformers, peft and bitsandbytes."""
+homes hold the packed bytes to the byte; 8-bit (LLM.int8()) bases the same; what cannot be
+paged is refused by name before anything moves. Skipped without transformers, peft and bitsandbytes."""
 import copy
 
 import pytest
@@ -37,10 +37,14 @@ def saved_base(tmp_path_factory):
 
 
 def qlora(path, quant_type="nf4", double=True):
-    """A QLoRA as PEFT documents it: the base in 4-bit, prepared for k-bit training, LoRA on top."""
-    quantization = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
-                                                   bnb_4bit_use_double_quant=double,
-                                                   bnb_4bit_compute_dtype=torch.bfloat16)
+    """A QLoRA as PEFT documents it: the base in 4-bit (quant_type "int8": 8-bit), prepared
+    for k-bit training, LoRA on top."""
+    if quant_type == "int8":
+        quantization = transformers.BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        quantization = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
+                                                       bnb_4bit_use_double_quant=double,
+                                                       bnb_4bit_compute_dtype=torch.bfloat16)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization,
                                                               device_map=str(test_device()), dtype=torch.bfloat16)
     model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
@@ -103,7 +107,8 @@ def quantized_params(model):
 
 
 @pytest.mark.parametrize("where,quant_type,double", [("cpu", "nf4", True), ("nvme", "nf4", True),
-                                                      ("auto", "nf4", True), ("nvme", "fp4", False)])
+                                                      ("auto", "nf4", True), ("nvme", "fp4", False),
+                                                      ("cpu", "int8", False), ("nvme", "int8", False)])
 def test_a_qlora_in_your_own_loop_equals_plain_peft(saved_base, tmp_path, where, quant_type, double):
     data = batches()
     want = plain_run(qlora(saved_base, quant_type, double), data)
@@ -119,14 +124,24 @@ def test_a_qlora_in_your_own_loop_equals_plain_peft(saved_base, tmp_path, where,
             assert torch.equal(dict(model.named_parameters())[name].detach(), value), name
     assert_same(got, want)
     assert {s.name for s in plan.shards if s.trainable} == set(want[1])
-    # The plan counts a quantized home at its packed size: 1 byte a packed element (two weights).
+    # The plan counts a quantized home at its own size: 1 byte a packed element (two weights
+    # in 4-bit, one in 8-bit).
     quantized = {s.name: s for s in plan.shards if s.itemsize is not None}
     assert set(quantized) == set(packed) and all(s.itemsize == 1 and s.state is None for s in quantized.values())
-    # Closing gives the layers and weights their own classes, quant_state and all.
+    # Closing gives the layers and weights their own classes, quantization state and all.
     layer = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
-    assert type(layer) is bnb.nn.Linear4bit and type(layer.weight) is bnb.nn.Params4bit
-    assert layer.weight.quant_state is not None and torch.equal(layer.weight.data, packed[
-        "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])
+    value = packed["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"]
+    if quant_type == "int8":
+        assert type(layer) is bnb.nn.Linear8bitLt and type(layer.weight) is bnb.nn.Int8Params
+        assert layer.state.CB.data_ptr() == layer.weight.data_ptr() and layer.state.SCB is not None
+    else:
+        assert type(layer) is bnb.nn.Linear4bit and type(layer.weight) is bnb.nn.Params4bit
+        assert layer.weight.quant_state is not None
+    assert torch.equal(layer.weight.data, value)
+    # And it computes as before: bitsandbytes' own forward on the given-back values.
+    with torch.no_grad():
+        again = model(**{k: v.to(test_device()) for k, v in data[0].items()}).loss
+    assert torch.isfinite(again)
 
 
 @pytest.mark.parametrize("where", ["cpu", "nvme"])
@@ -172,7 +187,7 @@ def test_the_paged_layer_computes_what_bitsandbytes_computes(quant_type, double,
     plain = bnb.nn.Linear4bit(128, 64, bias=bias, compute_dtype=torch.bfloat16, compress_statistics=double,
                               quant_type=quant_type).to(test_device())
     paged = copy.deepcopy(plain)
-    swapped = page_modules(paged, {id(paged.weight)})
+    swapped = page_modules(paged, {id(paged.weight)}, test_device())
     assert len(swapped) == 1 and type(paged).__name__ == "Linear4bit"
     x = torch.randn(3, 5, 128, device=test_device())
     outs = []
@@ -186,6 +201,29 @@ def test_the_paged_layer_computes_what_bitsandbytes_computes(quant_type, double,
     unpage(swapped)
     assert type(paged) is bnb.nn.Linear4bit
     assert Matmul4bit.__name__ == "Matmul4bit"
+
+
+@pytest.mark.parametrize("threshold,bias", [(0.0, False), (6.0, True)])
+def test_the_paged_8bit_layer_computes_what_bitsandbytes_computes(threshold, bias):
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(128, 64, bias=bias)
+    plain = bnb.nn.Linear8bitLt(128, 64, bias=bias, has_fp16_weights=False, threshold=threshold)
+    plain.load_state_dict(dense.state_dict())
+    plain = plain.to(test_device())  # quantizes
+    paged = copy.deepcopy(plain)
+    swapped = page_modules(paged, {id(paged.weight)}, test_device())
+    assert len(swapped) == 1 and paged.state.CB is None and paged.weight.CB is None
+    x = torch.randn(3, 5, 128, device=test_device())
+    outs = []
+    for layer in (plain, paged):
+        xi = x.clone().requires_grad_()
+        out = layer(xi)
+        out.backward(torch.ones_like(out))
+        outs.append((out.detach(), xi.grad))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=0, atol=0)
+    unpage(swapped)
+    assert type(paged) is bnb.nn.Linear8bitLt and paged.state.CB.data_ptr() == paged.weight.data_ptr()
 
 
 def test_a_trainable_quantized_weight_is_refused_before_anything_moves(tmp_path):
@@ -215,21 +253,13 @@ def test_trainer_and_accelerate_moving_the_model_keep_the_packed_bytes(saved_bas
             weight.to("meta")
 
 
-def test_an_8bit_base_is_refused_naming_4bit(saved_base, tmp_path):
-    quantization = transformers.BitsAndBytesConfig(load_in_8bit=True)
-    model = transformers.AutoModelForCausalLM.from_pretrained(saved_base, quantization_config=quantization,
-                                                              device_map=str(test_device()), dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match="8-bit weight .*load_in_4bit"):
-        offload.initialize(model, config("cpu", tmp_path))
-
-
 def test_a_4bit_weight_outside_a_linear4bit_is_refused(tmp_path):
     layer = bnb.nn.Linear4bit(64, 64, bias=False, quant_type="nf4").to(test_device())
     holder = torch.nn.Module()
     holder.table = layer.weight  # a 4-bit weight as another module's parameter
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), holder)
     model[1].register_parameter("table", layer.weight)
-    with pytest.raises(TypeError, match="table is a bitsandbytes 4-bit weight held by a Module"):
+    with pytest.raises(TypeError, match="table is a bitsandbytes-4bit weight held by a Module.*Linear4bit"):
         offload.initialize(model, config("cpu", tmp_path))
 
 
