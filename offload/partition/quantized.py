@@ -10,8 +10,8 @@ int8 data, one byte a weight, with one fp32 scale a row (SCB). The engine
 treats the quantized data as the parameter: its home holds those bytes, never
 converted to the compute dtype, on whatever tier the plan gives it (4-bit: half
 a byte a weight; 8-bit: one), read ahead and brought up like any home. The
-quantization state is small (4-bit: about 1/64 of the packed bytes with
-blocksize 64, less with double quantization; 8-bit: 4 bytes a row) and stays
+quantization state is small (4-bit, blocks of 64: 1/32 of the packed bytes
+with double quantization, 1/8 without; 8-bit: 4 bytes a row) and stays
 whole beside compute: it is moved to the compute device and counted there. Such a weight is frozen by
 construction (bitsandbytes cannot train it): one with requires_grad=True is
 refused, naming LoRA.
@@ -76,6 +76,29 @@ def check_quantized(name: str, p: torch.Tensor) -> None:
     if kind is not None and p.requires_grad:
         raise ValueError(f"parameter {name} is a quantized ({kind}) weight with requires_grad=True; a quantized "
                          "weight cannot be trained: freeze it and train adapters beside it (peft's LoRA)")
+
+
+QUANT_METHODS = ("nf4", "fp4", "int8")  # what a frozen Linear weight may be quantized as
+BLOCKSIZE = 64  # bitsandbytes' 4-bit block (its default, and transformers')
+
+
+def quantized_home(out_features: int, in_features: int, method: str, double: bool = True) -> tuple[int, int]:
+    """(home elements, 1 byte each; quantization state bytes) of an out x in Linear
+    weight quantized by bitsandbytes as `method` (QUANT_METHODS), double: 4-bit block
+    absmax quantized again (QLoRA's double quantization). The closed form of what
+    `state_bytes` finds on a quantized weight:
+      4-bit    ceil(n / 2) packed bytes; per 64-weight block an absmax, 1 B double-
+               quantized (plus per 256 blocks a 4 B absmax, a 256 x 4 B code book and
+               a 4 B offset) or 4 B; the 16 x 4 B code book
+      int8     n bytes; a 4 B scale per row"""
+    n = out_features * in_features
+    if method == "int8":
+        return n, 4 * out_features
+    if method not in QUANT_METHODS:
+        raise ValueError(f"quantization {method!r}: expected one of {', '.join(QUANT_METHODS)}")
+    blocks = -(-n // BLOCKSIZE)
+    side = 16 * 4 + (blocks + 4 * -(-blocks // 256) + 256 * 4 + 4 if double else 4 * blocks)
+    return -(-n // 2), side
 
 
 def state_tensors(p: torch.Tensor) -> list[torch.Tensor]:

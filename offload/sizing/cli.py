@@ -30,6 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how much trains, the rest frozen: a count (8M, 3.4e6), a fraction (0.011, 1.1%%), "
                              "or a PEFT LoRA adapter_config.json or its folder (with --model-config; the adapters "
                              "are added to the model). Default: all of it")
+    parser.add_argument("--frozen-quant", choices=("nf4", "fp4", "int8"), default=None,
+                        help="with --model-config: the frozen Linear weights (all but lm_head) quantized by "
+                             "bitsandbytes, as a QLoRA base is loaded: nf4 or fp4 with double quantization, "
+                             "or int8")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="with --model-config: also the bytes forward saves for backward at this sequence "
                              "length, the model's forward run on fake tensors (needs transformers)")
@@ -46,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         est = estimate_from(args.params, model_config=args.model_config, config=args.config,
                         largest_layer_params=args.largest_layer, persistent_params=args.persistent_params,
                         world_size=args.world_size, num_nodes=args.num_nodes,
-                        trainable=args.trainable, names=CLI_FLAGS)
+                        trainable=args.trainable, names=CLI_FLAGS, frozen_quant=args.frozen_quant)
         saved = _activations(args)
     except ConfigError as exc:
         print(f"offload estimate: {exc}", file=sys.stderr)

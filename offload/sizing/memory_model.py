@@ -17,6 +17,11 @@ Note [memory model] (per parameter; W = world size, the states are sharded 1/W):
   parameters] in offload/placement.py):
   compute copy     c B                                   -> offload_param tier
                    and nothing else: no gradient, master, moments or NVMe state
+  with `frozen_quant` (--frozen-quant nf4|fp4|int8: a QLoRA base), each frozen
+  Linear weight but lm_head (which transformers keeps unquantized) instead
+  quantized bytes  1/2 B (4-bit) or 1 B (int8)           -> offload_param tier
+  its state        4-bit: ~1/64 B (double quantization); -> beside compute
+                   int8: 4 B a row (quantized_home in partition/quantized.py)
   Device, always: the largest layer gathered (c B per param, unsharded) twice
   (the one computing and the one prefetched), plus the persistent parameters
   (those under stage3_param_persistence_threshold, kept whole on every rank).
@@ -40,6 +45,7 @@ from offload.engine.budgets import default_host_budget
 from offload.engine.reserve import Reserve, reserve, settle_plan
 from offload.placement import (DEVICE_SHARE, HOST_SHARE, Budgets, ParamSpec, Placement, nvme_state_buffers,
                                plan_placement, uniform)
+from offload.partition.quantized import QUANT_METHODS, quantized_home
 from offload.sizing.hf_config import CountedModel
 from offload.sizing.model_shapes import counted_model
 from offload.sizing.trainable import parse_trainable
@@ -159,14 +165,16 @@ def _count(n: int) -> str:
 # notes name the flag the user typed, not the Python keyword.
 CLI_FLAGS = {"num_params": "--params", "model_config": "--model-config",
              "largest_layer_params": "--largest-layer", "persistent_params": "--persistent-params",
-             "world_size": "--world-size", "num_nodes": "--num-nodes", "trainable": "--trainable"}
+             "world_size": "--world-size", "num_nodes": "--num-nodes", "trainable": "--trainable",
+             "frozen_quant": "--frozen-quant"}
 
 
 def estimate(num_params: int | None = None, *, model_config: str | os.PathLike | Mapping | None = None,
              config: Config | Mapping | str | os.PathLike | None = None,
              largest_layer_params: int | None = None, persistent_params: int | None = None,
              world_size: int = 1, num_nodes: int = 1,
-             trainable: int | float | str | os.PathLike | Mapping | None = None) -> Estimate:
+             trainable: int | float | str | os.PathLike | Mapping | None = None,
+             frozen_quant: str | None = None) -> Estimate:
     """Bytes per tier for `num_params` (or a HF model config) under `config`; see Note [memory model].
 
     world_size is the total number of ranks, num_nodes how many hosts they share.
@@ -174,15 +182,18 @@ def estimate(num_params: int | None = None, *, model_config: str | os.PathLike |
     (8_000_000, "8M"), a fraction (0.011, "1.1%"), or a PEFT LoRA adapter config
     (a path to adapter_config.json or its folder, or the dict; needs model_config);
     None: all of it.
+    frozen_quant: the frozen Linear weights quantized by bitsandbytes ("nf4" or "fp4" with
+    double quantization, "int8"), as a QLoRA base is loaded; needs model_config.
     Without config: Config() (fp32, nothing offloaded).
     """
     return estimate_from(num_params, model_config=model_config, config=config,
                      largest_layer_params=largest_layer_params, persistent_params=persistent_params,
-                     world_size=world_size, num_nodes=num_nodes, trainable=trainable, names={})
+                     world_size=world_size, num_nodes=num_nodes, trainable=trainable, names={},
+                     frozen_quant=frozen_quant)
 
 
 def estimate_from(num_params, *, model_config, config, largest_layer_params, persistent_params, world_size,
-              num_nodes, trainable, names: Mapping[str, str]) -> Estimate:
+              num_nodes, trainable, names: Mapping[str, str], frozen_quant: str | None = None) -> Estimate:
     """estimate(), its errors and notes naming each argument as `names` spells it
     (the keyword itself where absent)."""
     def name(keyword: str) -> str:
@@ -196,6 +207,9 @@ def estimate_from(num_params, *, model_config, config, largest_layer_params, per
         raise ConfigError(f"{name('world_size')}: {world_size} is not a multiple of {name('num_nodes')} "
                           f"{num_nodes}")
     share = None if trainable is None else parse_trainable(trainable, name("trainable"))
+    if frozen_quant is not None and (frozen_quant not in QUANT_METHODS or model_config is None):
+        raise ConfigError(f"{name('frozen_quant')}: {frozen_quant!r} needs one of {', '.join(QUANT_METHODS)} and "
+                          f"{name('model_config')} (which of the frozen weights are Linear weights)")
     adapter = None if share is None else share.adapter
     notes = []
     zero = cfg.zero_optimization
@@ -261,10 +275,19 @@ def estimate_from(num_params, *, model_config, config, largest_layer_params, per
     p_tier, o_tier, grad_tier = p_dev.value, o_dev.value, zero.offload_optimizer.grad_tier.value
     prec = cfg.precision.value
     breakdown: dict[str, dict[str, int]] = {t: {} for t in TIERS}
+    specs = _specs(zero, num_params, trainable_params, largest_layer_params, persistent_params, world_size, model,
+                   tail_share=share is not None and adapter is None, notes=notes, name=name,
+                   frozen_quant=frozen_quant)
+    quantized = [s for s in specs if s.itemsize is not None]
     if frozen:  # the frozen ones' home is all they cost (Note [frozen parameters] in offload/placement.py)
+        dense = sum(s.part_numel for s in specs if not s.trainable and s.itemsize is None)
         breakdown[p_tier][f"parameter shards, trainable ({prec}, {c} B/param)"] = trainable_shard * c
         breakdown[p_tier][f"parameter shards, frozen ({prec}, {c} B/param, nothing else)"] = \
-            (shard - trainable_shard) * c
+            (dense if quantized else shard - trainable_shard) * c
+        if quantized:
+            breakdown[p_tier][f"parameter shards, frozen, quantized ({frozen_quant})"] = \
+                sum(s.part_numel * s.itemsize for s in quantized)
+            breakdown["device"]["quantization state (whole beside compute)"] = sum(s.side_bytes for s in quantized)
     else:
         breakdown[p_tier][f"parameter shards ({prec}, {c} B/param)"] = shard * c
     breakdown[grad_tier][f"gradient accumulation (fp32, 4 {per})"] = trainable_shard * 4
@@ -280,8 +303,6 @@ def estimate_from(num_params, *, model_config, config, largest_layer_params, per
         for what, nbytes in nvme_state_buffers(-(-largest_trainable // world_size), c, p_dev is Tier.NVME).items():
             breakdown["host"][what] = nbytes
     placement = None
-    specs = _specs(zero, num_params, trainable_params, largest_layer_params, persistent_params, world_size, model,
-                   tail_share=share is not None and adapter is None, notes=notes, name=name)
     auto = zero.offload_param.auto or zero.offload_optimizer.auto
     # zero: its "auto" sizes resolved, as initialize resolves them from the model
     plan, held = _plan_and_reserve(dataclasses.replace(cfg, zero_optimization=zero), specs, world_size, world_size // num_nodes, auto=auto, notes=notes)
@@ -315,11 +336,12 @@ def estimate_from(num_params, *, model_config, config, largest_layer_params, per
 
 
 def _specs(zero, num_params, trainable_params, largest, persistent, world_size, model: CountedModel | None, *,
-           tail_share: bool, notes: list, name) -> list[ParamSpec]:
+           tail_share: bool, notes: list, name, frozen_quant: str | None = None) -> list[ParamSpec]:
     """The parameters as initialize would partition them: per parameter from
     --model-config, else the model cut into layers of the largest size (one parameter
     each). tail_share: trainable_params is a count without the parameters it names,
-    taken from the model's tail (Note [trainable share])."""
+    taken from the model's tail (Note [trainable share]). frozen_quant: each frozen Linear
+    weight but lm_head's at its quantized size (quantized_home)."""
     threshold = zero.stage3_param_persistence_threshold
     # (name, elements, persistent, trainable) in the model's order
     if model is not None:
@@ -332,6 +354,13 @@ def _specs(zero, num_params, trainable_params, largest, persistent, world_size, 
             left, i = left - params[-1][1], i + 1
         if persistent:
             params.append(("persistent", persistent, True, True))
+    quant = {}  # name -> (home elements, side bytes) of a quantized weight
+    if frozen_quant is not None:
+        for m in model.distinct():
+            if m.kind == "linear" and m.name != "lm_head" and not m.trainable(0):
+                quant[f"{m.name}.0"] = quantized_home(m.features[1], m.features[0], frozen_quant)
+        params = [(p, quant[p][0], quant[p][0] <= threshold, t) if p in quant else (p, n, pers, t)
+                  for p, n, pers, t in params]
     if tail_share and trainable_params < num_params:
         split, left = [], trainable_params
         for pname, n, pers, _ in reversed(params):
@@ -346,7 +375,8 @@ def _specs(zero, num_params, trainable_params, largest, persistent, world_size, 
             notes.append(f"auto placement: {name('trainable')} says how many parameters train, not which: "
                          "the plan takes them from the model's tail")
     return [ParamSpec(pname, -(-n // world_size), -(-n // world_size) * world_size, persistent=pers,
-                      trainable=train)
+                      trainable=train, itemsize=1 if pname in quant else None,
+                      side_bytes=quant[pname][1] if pname in quant else 0)
             for pname, n, pers, train in params]
 
 

@@ -12,7 +12,8 @@ import torch
 
 import offload
 from offload.aio.memory import _unshared
-from offload.partition.quantized import Matmul4bit, page_modules, quantized_kind, state_bytes, unpage
+from offload.partition.quantized import (Matmul4bit, page_modules, quantized_home, quantized_kind, state_bytes,
+                                         unpage)
 from offload.tiers import Tier
 from tests.support.layer_under_test import exact, test_device
 
@@ -294,3 +295,36 @@ def test_a_qlora_with_trainer_equals_plain_trainer(saved_base, tmp_path):
     assert weights.keys() == ref.keys()
     for name, value in ref.items():
         torch.testing.assert_close(weights[name], value, msg=lambda m: f"{name}: {m}", **exact())
+
+
+@pytest.mark.parametrize("method,double", [("nf4", True), ("fp4", False), ("int8", False)])
+def test_the_closed_form_of_a_quantized_home_is_what_bitsandbytes_makes(method, double):
+    for out_features, in_features in [(64, 64), (100, 30), (3, 7), (512, 1024)]:
+        if method == "int8":
+            layer = bnb.nn.Linear8bitLt(in_features, out_features, bias=False, has_fp16_weights=False)
+        else:
+            layer = bnb.nn.Linear4bit(in_features, out_features, bias=False, quant_type=method,
+                                      compress_statistics=double)
+        weight = layer.to(test_device()).weight
+        assert quantized_home(out_features, in_features, method, double) == (weight.numel(), state_bytes(weight))
+
+
+@pytest.mark.parametrize("method", ["nf4", "int8"])
+def test_the_estimate_of_a_qlora_holds_what_initialize_homes(saved_base, tmp_path, method):
+    """`offload estimate --model-config --trainable adapter_config.json --frozen-quant` counts
+    the quantized homes and their state as the engine holds them, to the byte."""
+    from offload.sizing import estimate
+
+    adapter = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    est = estimate(model_config=saved_base / "config.json", trainable=adapter, frozen_quant=method,
+                   config=config("cpu", tmp_path))
+    host = est.breakdown["host"]
+    model = qlora(saved_base, "int8" if method == "int8" else "nf4")
+    base = quantized_params(model)
+    assert host[f"parameter shards, frozen, quantized ({method})"] == sum(p.numel() for _, p in base)
+    assert est.breakdown["device"]["quantization state (whole beside compute)"] == sum(state_bytes(p) for _, p in base)
+    assert est.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    with offload.initialize(model, config("cpu", tmp_path)) as engine:
+        held = engine.placement().home_bytes()[Tier.HOST]
+    frozen_dense = host["parameter shards, frozen (fp32, 4 B/param, nothing else)"]
+    assert held == frozen_dense + sum(p.numel() for _, p in base)  # the adapters' homes are their masters

@@ -552,3 +552,30 @@ def test_offload_estimate_is_the_function_whichever_way_it_was_reached():
 
     assert inspect.isfunction(offload.estimate) and offload.estimate is estimate
     assert offload.estimate(10**6).format() == estimate(10**6).format()
+
+
+def test_cli_counts_a_quantized_frozen_base(tmp_path, capsys):
+    """--frozen-quant: each frozen Linear weight but lm_head at its bitsandbytes size (the
+    closed form tests/integrations/test_qlora.py checks against bitsandbytes itself)."""
+    from offload.partition.quantized import quantized_home
+
+    parser = argparse.ArgumentParser()
+    est_mod.add_arguments(parser)
+    (tmp_path / "m.json").write_text(json.dumps(LLAMA3_8B))
+    (tmp_path / "ds.json").write_text(json.dumps(cfg("cpu", "cpu")))
+    adapter = write_adapter(tmp_path, LORA_QV)
+    args = ["--model-config", str(tmp_path / "m.json"), "--config", str(tmp_path / "ds.json"),
+            "--trainable", str(adapter), "--json"]
+    h, i, layers, kv = 4096, 14336, 32, 1024
+    shapes = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]  # q k v o gate up down: (out, in)
+    for method in ("nf4", "fp4", "int8"):
+        assert est_mod.run(parser.parse_args(args + ["--frozen-quant", method])) == 0
+        out = json.loads(capsys.readouterr().out)
+        homes = [quantized_home(o, n, method) for o, n in shapes]
+        packed = layers * sum(e for e, _ in homes)
+        assert out["breakdown"]["host"][f"parameter shards, frozen, quantized ({method})"] == packed
+        assert out["breakdown"]["device"]["quantization state (whole beside compute)"] == \
+            layers * sum(s for _, s in homes)
+        assert out["num_params"] == LLAMA3_8B_BASE + LORA_QV_PARAMS  # counts stay in weights
+    assert est_mod.run(parser.parse_args(["--params", "1M", "--frozen-quant", "nf4"])) == 2
+    assert "--frozen-quant: 'nf4' needs one of nf4, fp4, int8 and --model-config" in capsys.readouterr().err
