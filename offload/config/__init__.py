@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Mapping
 from offload.aio.config import AioConfig
 from offload.config.activations import ActivationCheckpointingConfig
 from offload.config.compile import CompileConfig
+from offload.config.frozen import FrozenConfig
 from offload.config.hf_autos import autos_message, trainer_autos
 from offload.tiers import Tier
 from offload.config.base import (AUTO, ConfigError, OptimizerType, Precision,
@@ -86,7 +87,8 @@ _TOP_RENAMED = {"bfloat16": "bf16"}
 
 _SECTIONS = {"bf16": BF16Config, "fp16": FP16Config, "zero_optimization": ZeroConfig,
              "aio": AioSection, "memory": MemoryConfig,
-             "activation_checkpointing": ActivationCheckpointingConfig, "compile": CompileConfig}
+             "activation_checkpointing": ActivationCheckpointingConfig, "compile": CompileConfig,
+             "frozen": FrozenConfig}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +117,7 @@ class Config(_Section):
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    frozen: FrozenConfig = field(default_factory=FrozenConfig)
     # (dotted key, why) for each key of the source dict with no effect here;
     # filled by from_dict, read through no_effect(). Not a config key.
     inert: tuple = field(default=(), compare=False, repr=False)

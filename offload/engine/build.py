@@ -37,7 +37,8 @@ from offload.transfers.nvme_home import ParamStore
 from offload.engine import budgets
 from offload.engine.reserve import Reserve, reserve, settle_plan
 from offload.engine.stores import check_free_space, open_store
-from offload.partition.quantized import check_layers, check_quantized, page_modules, quantized_kind, state_bytes
+from offload.partition.quantized import (check_layers, check_quantized, check_quantized_base, page_modules,
+                                         quantized_kind, state_bytes)
 from offload.partition.shard import Shard
 from offload.partition.shard_context import PartitionStore, ShardContext, partition_numel
 from offload.placement import Placement
@@ -85,8 +86,9 @@ class HomePolicy:
             self.largest_part = max(self.largest_part, part)
             room = (self.auto_host or 0) - budgets.build_reserve(self.config, self.largest_part,
                                                                  separate_memory=self.separate_memory)
-            if self.auto_host_held + part * self.auto_host_cost <= room:
-                self.auto_host_held += part * self.auto_host_cost
+            cost = p.element_size() if quantized_kind(p) is not None else self.auto_host_cost  # frozen: its home
+            if self.auto_host_held + part * cost <= room:
+                self.auto_host_held += part * cost
                 return Tier.HOST
             return Tier.NVME
         if self.param_tier is Tier.HOST:
@@ -286,6 +288,8 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
     adopted = builder.shard_of if builder is not None else {}
     named = list(model.named_parameters(remove_duplicate=True))
     check_layers(model)  # a quantized weight only where its layer can be paged
+    if config.frozen.quantize is not None and builder is None:
+        check_quantized_base(model, config.frozen)
     paged = paged if paged is not None else []
     _check_given(model, named, plan, adopted)
     planned, sources, replacements = _list_parameters(named, config, layer, pg, plan, adopted, builder)
@@ -294,8 +298,8 @@ def build_shards(model: torch.nn.Module, config: Config, *, layer: DeviceLayer, 
     for pl in planned:
         # A build-time shard is kept as it is where it already sits at its planned
         # home in the compute dtype, and no weights replace it.
-        pl.reuse = (pl.built is not None and sources[pl.index][0] is None
-                    and pl.built.dtype == config.precision.dtype and pl.built.home is pl.home)
+        pl.reuse = (pl.built is not None and sources[pl.index][0] is None and pl.built.home is pl.home
+                    and pl.built.dtype == (pl.param.dtype if pl.itemsize is not None else config.precision.dtype))
     account.budget_notes.update(notes)
     check_free_space(configs, pg)  # before anything is written or moved, with this host's other ranks
     _take_over(model, planned, replacements, plan, config, layer, account, builder, run_dirs, paged)
@@ -480,8 +484,6 @@ def _home_pinner(pinned: PinnedLedger, layer: DeviceLayer) -> Callable[[Shard], 
                 shard.host_part = shard.host_part.pin_memory()
             shard.pinned_home = True  # its copy-in is asynchronous (Shard._host_copy_source)
     return pin_home
-
-
 
 
 def _set_buffers(model: torch.nn.Module, plan, dtype: torch.dtype, device: torch.device) -> None:

@@ -78,6 +78,7 @@ from offload.process_memory import release_free_host_memory
 from offload.accounting import MemoryAccount
 from offload.transfers.collectives import ProcessGroupInfo
 from offload.partition.managed import manage, unmanage
+from offload.partition.quantized import quantized_kind
 from offload.partition.gather_on_use import tensor_leaves
 from offload.transfers.nvme_home import ParamStore
 from offload.partition.shard import Shard
@@ -255,14 +256,41 @@ class ModelBuilder:
             manage(_BuiltModel(self), self.shards)
 
     # ---- homing ------------------------------------------------------------
-    def _on_module(self, parent, name, child) -> None:
+    def _on_module(self, parent, name, child) -> torch.nn.Module | None:
         if self.internal or child is None:
-            return
+            return None
         # Construction moved on: what was opened for the previous module is done.
         self.close_open()
+        replaced = self._quantize(name, child) if self.config.frozen.quantize is not None else None
+        child = replaced or child
         self._attached.add(child)
         self._roots.discard(child)
         self._home_subtree(child)
+        return replaced  # torch registers the returned module in child's place
+
+    def _quantize(self, name: str, child: torch.nn.Module) -> torch.nn.Module | None:
+        """frozen.quantize: each nn.Linear of the subtree attached (but skip_modules) becomes
+        bitsandbytes' quantized layer before anything of it goes home (Note [quantized frozen
+        weights] in partition/quantized.py); returns child's replacement where it is one."""
+        from offload.partition.quantized import quantized_linear, to_quantize
+
+        replacement = None
+        self.internal = True
+        try:
+            for path, linear in to_quantize(child, self.config.frozen, prefix=name):
+                if id(linear.weight) in self.shard_of:
+                    raise RuntimeError(f"offload.init: {path} (nn.Linear) went home before it was attached, "
+                                       "so frozen.quantize cannot quantize it; attach each Linear as it is built "
+                                       "(self.proj = nn.Linear(...)), or name it in frozen.skip_modules")
+                layer = quantized_linear(linear, self.config.frozen, self.ctx.device)
+                if path == name:
+                    replacement = layer
+                else:
+                    owner, _, local = path[len(name) + 1:].rpartition(".")
+                    setattr(child.get_submodule(owner) if owner else child, local, layer)
+        finally:
+            self.internal = False
+        return replacement
 
     def _on_parameter(self, module, name, param) -> None:
         if self.internal or param is None:
@@ -287,7 +315,7 @@ class ModelBuilder:
     def _home(self, p: torch.nn.Parameter, name: str) -> None:
         if id(p) in self.shard_of or p.device.type == "meta":
             return
-        if not p.is_floating_point():
+        if not p.is_floating_point() and quantized_kind(p) is None:
             raise TypeError(f"offload.init: parameter {name} has dtype {p.dtype}; offload trains "
                             "floating-point parameters")
         self.internal = True

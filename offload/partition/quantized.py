@@ -255,6 +255,58 @@ def page_modules(model: torch.nn.Module, managed: set[int], device: torch.device
     return swapped
 
 
+def quantized_linear(linear: torch.nn.Linear, frozen, device: torch.device) -> torch.nn.Module:
+    """`linear` as bitsandbytes' layer of the kind `frozen.quantize` names (a FrozenConfig),
+    its weight quantized on `device` by bitsandbytes as transformers' BitsAndBytesConfig
+    loading does (a Params4bit / Int8Params over the weight's values, then .to(device)),
+    frozen; the bias is the same parameter. `_is_hf_initialized` is set on the layer and
+    its weight: Hugging Face's post_init skips what a checkpoint load set, and would
+    otherwise draw the packed weight again."""
+    import bitsandbytes as bnb
+
+    has_bias = linear.bias is not None
+    values = linear.weight.detach()
+    with torch.device("meta"):
+        if frozen.quantize == "int8":
+            layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=has_bias,
+                                        has_fp16_weights=False, threshold=frozen.int8_threshold)
+        else:
+            compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(frozen.compute_dtype)
+            layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=has_bias, compute_dtype=compute,
+                                      compress_statistics=frozen.double_quant, quant_type=frozen.quantize)
+    if frozen.quantize == "int8":
+        layer.weight = bnb.nn.Int8Params(values, requires_grad=False, has_fp16_weights=False).to(device)
+    else:
+        layer.weight = bnb.nn.Params4bit(values, requires_grad=False, compress_statistics=frozen.double_quant,
+                                         quant_type=frozen.quantize, module=layer).to(device)
+    if has_bias:
+        layer.bias = linear.bias
+    layer._is_hf_initialized = layer.weight._is_hf_initialized = True
+    return layer
+
+
+def to_quantize(module: torch.nn.Module, frozen, prefix: str = "") -> list[tuple[str, torch.nn.Linear]]:
+    """(dotted name, layer) of each plain nn.Linear in `module`'s subtree that `frozen`
+    (a FrozenConfig with quantize set) quantizes: not in skip_modules."""
+    found = []
+    for name, m in module.named_modules(prefix=prefix):
+        if type(m) is torch.nn.Linear and not frozen.skips(name):
+            found.append((name, m))
+    return found
+
+
+def check_quantized_base(model: torch.nn.Module, frozen) -> None:
+    """frozen.quantize (`frozen`, a FrozenConfig) quantizes as offload.init builds; a model
+    built outside it must arrive quantized where it is frozen (a trainable Linear, an
+    adapter, stays as it is)."""
+    dense = [name for name, m in to_quantize(model, frozen) if not m.weight.requires_grad]
+    if dense:
+        raise ValueError(f"frozen.quantize is {frozen.quantize!r} but {len(dense)} frozen nn.Linear weights "
+                         f"(first: {dense[0]}) are not quantized: frozen.quantize quantizes a base as it is built "
+                         "inside offload.init(config); build the model there, or load it quantized "
+                         "(transformers' BitsAndBytesConfig(load_in_4bit=True, ...))")
+
+
 def unpage(swapped: list[tuple[torch.nn.Module, type]]) -> None:
     """Each layer its own class back; an 8-bit layer's state.CB the weight's value
     (after the engine gave the values back)."""

@@ -328,3 +328,82 @@ def test_the_estimate_of_a_qlora_holds_what_initialize_homes(saved_base, tmp_pat
         held = engine.placement().home_bytes()[Tier.HOST]
     frozen_dense = host["parameter shards, frozen (fp32, 4 B/param, nothing else)"]
     assert held == frozen_dense + sum(p.numel() for _, p in base)  # the adapters' homes are their masters
+
+
+# ---- a base quantized as offload.init builds it (the `frozen` section) ------------------
+
+SHAPE = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=16)
+
+
+def build_bf16():
+    """LlamaForCausalLM in bf16 from torch's own init (Hugging Face's second pass skipped,
+    as for random weights in benchmarks/offload_bench/lora.py): the same values inside and
+    outside offload.init."""
+    from unittest import mock
+
+    torch.manual_seed(0)
+    with mock.patch.object(transformers.PreTrainedModel, "initialize_weights", lambda self: None):
+        return transformers.LlamaForCausalLM._from_config(transformers.LlamaConfig(**SHAPE), dtype=torch.bfloat16)
+
+
+def frozen_config(where, path, method):
+    cfg = config(where, path)
+    cfg["frozen"] = {"quantize": method, "double_quant": True, "compute_dtype": "bf16"}
+    return cfg
+
+
+def add_lora(model):
+    torch.manual_seed(3)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                       lora_dropout=0.0, init_lora_weights="gaussian"))
+    model.train()
+    return model
+
+
+@pytest.mark.parametrize("where,method", [("cpu", "nf4"), ("nvme", "nf4"), ("auto", "nf4"), ("nvme", "int8")])
+def test_a_base_quantized_as_offload_init_builds_it_equals_plain_qlora(tmp_path, where, method):
+    """frozen.quantize: each Linear (but lm_head) becomes bitsandbytes' layer as it is attached,
+    quantized from the values it was built with, and goes home packed; the QLoRA on it trains
+    exactly as plain PEFT QLoRA on the same bf16 weights loaded with BitsAndBytesConfig."""
+    build_bf16().save_pretrained(tmp_path / "bf16")
+    data = batches()
+    want = plain_run(qlora(tmp_path / "bf16", method), data)
+    cfg = frozen_config(where, tmp_path / "nvme", method)
+    with offload.init(cfg) as builder:
+        model = build_bf16()
+    layer = model.model.layers[0].self_attn.q_proj
+    assert type(layer).__name__ == ("Linear8bitLt" if method == "int8" else "Linear4bit")
+    assert type(model.lm_head) is torch.nn.Linear  # skip_modules' default, as transformers
+    built = list(builder.shards)
+    quantized = [s for s in builder.shards if quantized_kind(s.param) is not None]
+    assert len(quantized) == 14 and all(s.dtype in (torch.uint8, torch.int8) for s in quantized)
+    # No prepare_model_for_kbit_training: the config's fp32 compute dtype makes the rest fp32.
+    model = add_lora(model)
+    with offload.initialize(model, cfg) as engine:
+        # initialize adopts the packed homes as they were built: nothing is re-quantized or rewritten.
+        packed = [s for s in engine.shards if s.dtype in (torch.uint8, torch.int8)]
+        assert len(packed) == 14 and all(any(s is b for b in built) for s in packed)
+        got = engine_run(engine, model, data)
+    assert_same(got, want)
+
+
+def test_frozen_quantize_outside_offload_init_is_refused_before_anything_moves(tmp_path):
+    model = add_lora(build_bf16())
+    weight = model.base_model.model.model.layers[0].mlp.up_proj.weight
+    before = weight.detach().clone()
+    with pytest.raises(ValueError, match="frozen.quantize is 'nf4' but 14 frozen nn.Linear weights .*offload.init"):
+        offload.initialize(model, frozen_config("cpu", tmp_path, "nf4"))
+    assert type(weight) is torch.nn.Parameter and torch.equal(weight.detach(), before)
+
+
+def test_the_frozen_section_names_what_it_takes():
+    from offload.config import Config, ConfigError
+
+    assert Config.load({"frozen": {"quantize": "nf4"}}).frozen.skip_modules == ("lm_head",)
+    with pytest.raises(ConfigError, match="frozen.quantize: 'nf3' is not one of 'nf4', 'fp4', 'int8', or null"):
+        Config.load({"frozen": {"quantize": "nf3"}})
+    with pytest.raises(ConfigError, match="frozen.compute_dtype"):
+        Config.load({"frozen": {"quantize": "nf4", "compute_dtype": "float32"}})
+    with pytest.raises(ConfigError, match="frozen.skip_modules"):
+        Config.load({"frozen": {"skip_modules": "lm_head"}})
