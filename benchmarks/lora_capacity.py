@@ -70,7 +70,7 @@ from offload_bench import lora
 from offload_bench.common import (OtherLoad, log, machine_info, parse_size, pyplot, save_png,
                                   stdout_to_stderr, write_json)
 
-MODELS = ("llama3-8b", "spill")
+MODELS = ("llama3-8b", "llama3-70b", "spill")
 OVERRIDES = (("layers", "num_hidden_layers"), ("hidden", "hidden_size"), ("intermediate", "intermediate_size"),
              ("heads", "num_attention_heads"), ("kv_heads", "num_key_value_heads"), ("vocab", "vocab_size"))
 
@@ -79,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=MODELS, default="llama3-8b",
                    help="llama3-8b: Llama-3-8B's config; spill: its width, bf16 weights >= --spill-factor x RAM")
     p.add_argument("--spill-factor", type=float, default=1.5)
+    p.add_argument("--frozen-quant", choices=("nf4", "fp4", "int8"), default=None,
+                   help="quantize the base as offload.init builds it (the config's frozen.quantize; bf16 compute)")
+    p.add_argument("--compute-probe", action="store_true",
+                   help="also time one layer's forward and backward alone (offload_bench/compute_probe.py)")
     for flag, key in OVERRIDES:
         p.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help=f"override {key}")
     p.add_argument("--seq", type=int, default=64)
@@ -108,7 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def model_shape(args, ram: int) -> tuple[str, dict, str | None]:
     """(name, LlamaConfig keywords, a note or None)."""
-    shape = dict(lora.LLAMA3_8B)
+    shape = dict(lora.LLAMA3_70B if args.model == "llama3-70b" else lora.LLAMA3_8B)
     for flag, key in OVERRIDES:
         if getattr(args, flag) is not None:
             shape[key] = getattr(args, flag)
@@ -161,7 +165,7 @@ def measure_read_rate(root: Path, size: int, repeats: int) -> dict:
 
 # ------------------------------------------------------------------ estimate
 
-def run_estimate(shape: dict, cfg: dict) -> dict:
+def run_estimate(shape: dict, cfg: dict, frozen_quant: str | None = None) -> dict:
     from offload.sizing import estimate
 
     model_config = {"model_type": "llama", **shape}
@@ -180,6 +184,11 @@ def run_estimate(shape: dict, cfg: dict) -> dict:
         est = estimate(model_config=model_config, config=cfg, trainable=lora.adapter_config())
         log("offload estimate, LoRA (trainable=the adapter config):\n" + est.format())
         out["lora"] = summary(est)
+        if frozen_quant:
+            est = estimate(model_config=model_config, config=cfg, trainable=lora.adapter_config(),
+                           frozen_quant=frozen_quant)
+            log(f"offload estimate, QLoRA ({frozen_quant}):\n" + est.format())
+            out["qlora"] = summary(est)
     else:
         out["lora"] = None
         out["lora_note"] = "this offload's estimate() takes no trainable=: the LoRA estimate is skipped"
@@ -198,8 +207,8 @@ def _plan_summary(plan) -> dict:
         key = f"home {where}, state {s.state.value if s.trainable else 'none (frozen)'}"
         counts[key] = counts.get(key, 0) + 1
         side = trainable if s.trainable else frozen
-        side[where] = side.get(where, 0) + s.part_numel * c
-    nvme = sum(s.part_numel * c for s in plan.shards if s.home.value == "nvme")
+        side[where] = side.get(where, 0) + s.part_numel * (s.itemsize or c)  # a quantized home: its own
+    nvme = sum(s.part_numel * (s.itemsize or c) for s in plan.shards if s.home.value == "nvme")
     # On a machine without an accelerator the device tier is host memory too.
     return {**{k: d[k] for k in ("auto", "held_bytes", "moved_per_step", "budgets", "host_limit", "notes")},
             "itemsize": c, "shards": counts, "frozen_home_bytes": frozen, "trainable_home_bytes": trainable,
@@ -372,6 +381,8 @@ def run(args) -> int:
     root.mkdir(parents=True, exist_ok=True)
     ours_dir, ds_dir = root / "offload", root / "deepspeed"
     cfg = lora.train_config(str(ours_dir), device="auto", batch=args.batch, host_budget=args.host_budget)
+    if args.frozen_quant:
+        cfg["frozen"] = {"quantize": args.frozen_quant, "double_quant": True, "compute_dtype": "bf16"}
     result = {
         "benchmark": "lora_capacity",
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
@@ -395,7 +406,7 @@ def run(args) -> int:
     try:
         with stdout_to_stderr():
             if args.estimate:
-                result["estimate"] = run_estimate(shape, cfg)
+                result["estimate"] = run_estimate(shape, cfg, args.frozen_quant)
             if args.read_gbps:
                 result["io"] = {"read_gbps": args.read_gbps, "source": "--read-gbps"}
             else:
@@ -406,6 +417,13 @@ def run(args) -> int:
                 ours = result["offload"] = run_ours(args, shape, cfg, ours_dir)
                 _floor(ours, (ours.get("placement") or {}).get("nvme_home_bytes"), result["io"])
                 shutil.rmtree(ours_dir, ignore_errors=True)
+            if args.compute_probe:
+                spec = {"shape": shape, "frozen": cfg.get("frozen"), "batch": args.batch, "seq": args.seq}
+                proc = subprocess.run([sys.executable, "-m", "offload_bench.compute_probe", json.dumps(spec)],
+                                      capture_output=True, text=True, cwd=Path(lora.__file__).parents[1])
+                result["compute_probe"] = (json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0
+                                           else {"error": lora.tail_error(proc.stderr.splitlines()) or "failed"})
+                log(f"compute alone: {result['compute_probe']}")
             if "deepspeed" in args.contender:
                 ds_dir.mkdir(parents=True, exist_ok=True)
                 ds_cfg = lora.train_config(str(ds_dir), device="nvme", batch=args.batch,

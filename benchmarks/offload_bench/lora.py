@@ -36,6 +36,8 @@ from pathlib import Path
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
                  max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
+# Llama-3-70B's (meta-llama/Meta-Llama-3-70B): 70.55B parameters.
+LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
 LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
 
