@@ -407,3 +407,40 @@ def test_the_frozen_section_names_what_it_takes():
         Config.load({"frozen": {"quantize": "nf4", "compute_dtype": "float32"}})
     with pytest.raises(ConfigError, match="frozen.skip_modules"):
         Config.load({"frozen": {"skip_modules": "lm_head"}})
+
+
+def test_nvme_bytes_a_step_are_the_quantized_homes_read(saved_base, tmp_path, monkeypatch):
+    """Closed form (Note [frozen parameters] in offload/placement.py): a step reads each NVMe
+    home once for forward and once more where backward needs its value, in its own bytes: a
+    4-bit home ceil(n/2) bytes a read. The first layer's q/k/v are read once (their input,
+    the frozen embedding's output, wants no gradient); every other quantized weight twice.
+    The swap stores' byte count agrees with the reads to the byte."""
+    from offload.transfers import nvme_home
+
+    reads = {}
+    original = nvme_home.ParamStore.read_full  # a gather's read (read_part is the optimizer's)
+
+    def counted(self, shard, out):
+        reads[shard.name] = reads.get(shard.name, 0) + 1
+        return original(self, shard, out)
+    monkeypatch.setattr(nvme_home.ParamStore, "read_full", counted)
+    model = qlora(saved_base)
+    cfg = config("nvme", tmp_path)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    with offload.initialize(model, cfg) as engine:
+        stores = engine.swap_stores
+        for batch in batches(2):
+            reads.clear()
+            before = sum(s.stats.bytes_read for s in stores)
+            loss = model(**{k: v.to(engine.device) for k, v in batch.items()}).loss
+            engine.backward(loss)
+            engine.step()
+            read = sum(s.stats.bytes_read for s in stores) - before
+        shards = {s.name: s for s in engine.shards}
+    assert read == sum(n * shards[name].part_numel * shards[name].dtype.itemsize for name, n in reads.items())
+    quantized = {name: n for name, n in reads.items() if shards[name].dtype == torch.uint8}
+    assert len(quantized) == 14
+    once = {f"base_model.model.model.layers.0.self_attn.{p}" for p in ("q_proj.base_layer.weight", "k_proj.weight",
+                                                                       "v_proj.base_layer.weight")}
+    assert quantized == {name: 1 if name in once else 2 for name in quantized}
+    assert all(shards[name].part_numel == shards[name].numel for name in quantized)  # packed: n / 2 bytes
