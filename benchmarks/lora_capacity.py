@@ -430,7 +430,7 @@ def run(args) -> int:
                                            largest=lora.largest_param(shape), buffer_count=args.ds_buffer_count)
                 spec = {"shape": shape, "config": ds_cfg, "nvme_path": str(ds_dir), "steps": args.steps,
                         "seq": args.seq, "batch": args.batch, "seed": args.seed, "hf_init": args.hf_init,
-                        "port": _free_port()}
+                        "port": _free_port(), "frozen": cfg.get("frozen")}
                 log(f"== deepspeed (limit {args.deepspeed_timeout:g} s); this process's RSS now "
                     f"{lora.vm_rss() / 2**30:.2f} GiB")
                 load = OtherLoad()

@@ -141,6 +141,32 @@ def build_llama(shape: dict, *, hf_init: bool = False):
         return LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
 
 
+@contextlib.contextmanager
+def quantized_as_built(frozen: dict):
+    """Each nn.Linear attached inside (but frozen's skip_modules) replaced by bitsandbytes'
+    quantized layer, as offload.init's frozen.quantize does, with nothing homed: the
+    quantized base is built whole in memory, as transformers' from_pretrained with a
+    BitsAndBytesConfig holds it (DeepSpeed's zero.Init cannot build one: it partitions
+    each weight as its module is built, before it could be quantized)."""
+    import torch
+    from torch.nn.modules.module import register_module_module_registration_hook
+
+    from offload.config import Config
+    from offload.partition.quantized import quantized_linear, to_quantize
+
+    fc = Config.load({"frozen": frozen}).frozen
+
+    def hook(parent, name, child):
+        if type(child) is torch.nn.Linear and to_quantize(child, fc, prefix=name):
+            return quantized_linear(child, fc, torch.device("cpu"))
+        return None
+    handle = register_module_module_registration_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def add_lora(model):
     import peft
 
@@ -301,7 +327,9 @@ def deepspeed_child(spec: dict) -> int:
     reset_peak()
     torch.manual_seed(spec["seed"])  # the same weights as ours
     t = time.perf_counter()
-    with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device="nvme"):
+    frozen = spec.get("frozen")
+    res["build"] = "quantized whole in memory (no zero.Init)" if frozen else "deepspeed.zero.Init(remote_device=nvme)"
+    with quantized_as_built(frozen) if frozen else deepspeed.zero.Init(config_dict_or_path=cfg, remote_device="nvme"):
         model = build_llama(spec["shape"], hf_init=spec.get("hf_init", False))
     peft_model = add_lora(model)
     res["build_s"] = round(time.perf_counter() - t, 2)
