@@ -2,11 +2,13 @@
 
     python benchmarks/lora_capacity.py --model llama3-8b [--contender deepspeed] [--estimate] [--out DIR]
     python benchmarks/lora_capacity.py --model spill     [--contender deepspeed] [--estimate] [--out DIR]
+    python benchmarks/lora_capacity.py --model llama3-70b --frozen-quant nf4 --seq 16 [--compute-probe] [--estimate]
     python benchmarks/lora_capacity.py --layers 2 --hidden 256 --intermediate 512 --heads 4 --kv-heads 2 \\
         --vocab 1000 --steps 3 [--host-budget 2Mi]                # a quick run of the same code
 
 The model is transformers' LlamaForCausalLM with random weights, bf16:
-`--model llama3-8b` is Llama-3-8B's config (hidden 4096, MLP 14336, 32
+`--model llama3-70b` is Llama-3-70B's (hidden 8192, MLP 28672, 80 layers,
+64 heads, 8 KV heads: 70.55B parameters); `--model llama3-8b` is Llama-3-8B's config (hidden 4096, MLP 14336, 32
 layers, 32 heads, 8 KV heads, vocab 128256, untied: 8.03B parameters, 16.1
 GB in bf16); `--model spill` is the same width with as many layers as make
 its bf16 weights at least --spill-factor (1.5) x this machine's RAM (the
@@ -34,6 +36,15 @@ gradients) at the disk's read rate, measured in the same run by `offload
 bench io` (native backend, the config's aio settings, a --io-size file on
 the same disk, in a process of its own): floor_s = 2 x nvme_home_bytes /
 read rate, and the step's ratio to it.
+
+--frozen-quant nf4|fp4|int8 sets the config's frozen.quantize: every Linear
+but lm_head is quantized by bitsandbytes as offload.init builds it, and
+homed packed (a QLoRA base); DeepSpeed's run then builds the same quantized
+base whole in memory (offload_bench/lora.py quantized_as_built), as
+from_pretrained with a BitsAndBytesConfig holds one: zero.Init partitions each
+weight as it is built, before it could be quantized. --compute-probe times one
+layer's forward and backward alone, in RAM, times the layers: the step's
+compute without its transfers.
 
 --contender deepspeed also runs DeepSpeed ZeRO-3 (offload_param and
 offload_optimizer "nvme", same nvme dir, same aio settings) on the same

@@ -318,7 +318,8 @@ def estimate_from(num_params, *, model_config, config, largest_layer_params, per
         if frozen and homes - frozen_homes:
             breakdown["nvme"][f"parameter shards, planned, trainable ({prec}, {c} B/param)"] = homes - frozen_homes
         if frozen and frozen_homes:
-            breakdown["nvme"][f"parameter shards, planned, frozen ({prec}, {c} B/param, nothing else)"] = frozen_homes
+            kind = f"{prec}, {c} B/param" + (f", or {frozen_quant}-quantized" if quantized else "")
+            breakdown["nvme"][f"parameter shards, planned, frozen ({kind}, nothing else)"] = frozen_homes
         if not frozen and homes:
             breakdown["nvme"][f"parameter shards, planned ({prec}, {c} B/param)"] = homes
         if placement.state_bytes()[Tier.NVME]:

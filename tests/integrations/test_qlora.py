@@ -444,3 +444,25 @@ def test_nvme_bytes_a_step_are_the_quantized_homes_read(saved_base, tmp_path, mo
                                                                        "v_proj.base_layer.weight")}
     assert quantized == {name: 1 if name in once else 2 for name in quantized}
     assert all(shards[name].part_numel == shards[name].numel for name in quantized)  # packed: n / 2 bytes
+
+
+def test_a_qlora_checkpoint_without_the_base_resumes_exactly_and_knows_its_base(saved_base, tmp_path):
+    """exclude_frozen_parameters=True leaves the packed base out and fingerprints its bytes:
+    the run resumes exactly on the same quantized base, and another base is refused by name."""
+    data = batches(6)
+    cfg = config("nvme", tmp_path / "nvme")
+    model = qlora(saved_base)
+    with offload.initialize(model, cfg) as engine:
+        engine_run(engine, model, data[:3])
+        engine.save_checkpoint(tmp_path / "ck", tag="t", exclude_frozen_parameters=True)
+        want = engine_run(engine, model, data[3:])
+    second = qlora(saved_base)
+    with offload.initialize(second, cfg) as engine:
+        engine.load_checkpoint(tmp_path / "ck")
+        got = engine_run(engine, second, data[3:])
+    assert_same(got, want)
+    other = qlora(saved_base, "fp4", double=False)  # the same shapes, other packed bytes
+    with offload.initialize(other, cfg) as engine:
+        with pytest.raises(Exception, match=r"frozen parameter '.*q_proj.base_layer.weight' has other values than"
+                                            r".*resumes only on the same frozen base"):
+            engine.load_checkpoint(tmp_path / "ck")
