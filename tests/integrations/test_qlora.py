@@ -466,3 +466,27 @@ def test_a_qlora_checkpoint_without_the_base_resumes_exactly_and_knows_its_base(
         with pytest.raises(Exception, match=r"frozen parameter '.*q_proj.base_layer.weight' has other values than"
                                             r".*resumes only on the same frozen base"):
             engine.load_checkpoint(tmp_path / "ck")
+
+
+def test_save_pretrained_and_merge_and_unload_after_close_do_what_peft_does(saved_base, tmp_path):
+    """The adapter saves during training as PEFT saves it; after engine.close() the layers are
+    bitsandbytes' own again, and merge_and_unload() (PEFT's dequantize, add, quantize again)
+    gives the same merged base as plain PEFT QLoRA's."""
+    data = batches()
+    plain = qlora(saved_base)
+    plain_run(plain, data)
+    model = qlora(saved_base)
+    with offload.initialize(model, config("nvme", tmp_path / "nvme")) as engine:
+        engine_run(engine, model, data)
+        model.save_pretrained(tmp_path / "adapter")
+    plain.save_pretrained(tmp_path / "plain_adapter")
+    from safetensors.torch import load_file
+
+    saved, want = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("adapter", "plain_adapter"))
+    assert saved.keys() == want.keys() and saved
+    for key in want:
+        torch.testing.assert_close(saved[key], want[key], rtol=0, atol=0)
+    merged, plain_merged = model.merge_and_unload(), plain.merge_and_unload()
+    for (name, p), (_, q) in zip(merged.named_parameters(), plain_merged.named_parameters()):
+        assert type(p) is type(q), name
+        assert torch.equal(p.detach(), q.detach()), name
