@@ -180,10 +180,12 @@ def adapter_config() -> dict:
 
 def param_counts(model) -> tuple[int, int]:
     """(total, trainable) from the parameters' shapes: reads no value (DeepSpeed's
-    partitioned parameters have ds_numel, their tensors are empty)."""
+    partitioned parameters have ds_numel, their tensors are empty; a 4-bit weight
+    counts its weights, quant_state.shape, not its packed bytes)."""
     total = trainable = 0
     for p in model.parameters():
-        n = getattr(p, "ds_numel", None) or p.numel()
+        shape = getattr(getattr(p, "quant_state", None), "shape", None)
+        n = (shape[0] * shape[1] if shape is not None else None) or getattr(p, "ds_numel", None) or p.numel()
         total += n
         trainable += n if p.requires_grad else 0
     return total, trainable
