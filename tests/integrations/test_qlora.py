@@ -264,7 +264,8 @@ def test_a_4bit_weight_outside_a_linear4bit_is_refused(tmp_path):
         offload.initialize(model, config("cpu", tmp_path))
 
 
-def test_a_qlora_with_trainer_equals_plain_trainer(saved_base, tmp_path):
+@pytest.mark.parametrize("method", ["nf4", "int8"])
+def test_a_qlora_with_trainer_equals_plain_trainer(saved_base, tmp_path, method):
     rows = [{"input_ids": r, "labels": r} for b in batches(8) for r in b["input_ids"]]
 
     def args(out):
@@ -274,10 +275,10 @@ def test_a_qlora_with_trainer_equals_plain_trainer(saved_base, tmp_path):
             report_to=[], use_cpu=test_device().type == "cpu", seed=0, data_seed=0, disable_tqdm=True,
             dataloader_drop_last=True, lr_scheduler_type="constant")
 
-    plain = transformers.Trainer(model=qlora(saved_base), args=args(tmp_path / "plain"), train_dataset=rows)
+    plain = transformers.Trainer(model=qlora(saved_base, method), args=args(tmp_path / "plain"), train_dataset=rows)
     plain.train()
     want = [e["loss"] for e in plain.state.log_history if "loss" in e]
-    model = qlora(saved_base)
+    model = qlora(saved_base, method)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     cfg = config("nvme", tmp_path / "nvme")
     cfg["gradient_accumulation_steps"] = 2
@@ -414,7 +415,8 @@ def test_nvme_bytes_a_step_are_the_quantized_homes_read(saved_base, tmp_path, mo
     home once for forward and once more where backward needs its value, in its own bytes: a
     4-bit home ceil(n/2) bytes a read. The first layer's q/k/v are read once (their input,
     the frozen embedding's output, wants no gradient); every other quantized weight twice.
-    The swap stores' byte count agrees with the reads to the byte."""
+    The swap stores' byte count agrees with the reads to the byte, and on a device with
+    memory of its own (the sim) the bus carries those bytes up, and the gradients down."""
     from offload.transfers import nvme_home
 
     reads = {}
@@ -428,16 +430,20 @@ def test_nvme_bytes_a_step_are_the_quantized_homes_read(saved_base, tmp_path, mo
     cfg = config("nvme", tmp_path)
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     with offload.initialize(model, cfg) as engine:
-        stores = engine.swap_stores
+        stores, counters = engine.swap_stores, engine.device_layer.counters
         for batch in batches(2):
             reads.clear()
-            before = sum(s.stats.bytes_read for s in stores)
+            before, copied = sum(s.stats.bytes_read for s in stores), counters.bytes_copied
             loss = model(**{k: v.to(engine.device) for k, v in batch.items()}).loss
             engine.backward(loss)
             engine.step()
             read = sum(s.stats.bytes_read for s in stores) - before
+            copied = counters.bytes_copied - copied
         shards = {s.name: s for s in engine.shards}
+        separate = engine.device_layer.separate_memory
     assert read == sum(n * shards[name].part_numel * shards[name].dtype.itemsize for name, n in reads.items())
+    if separate:  # the sim: what was read goes up the bus as read; the adapters' fp32 gradients come down
+        assert copied == read + sum(s.part_numel * 4 for s in shards.values() if s.trainable)
     quantized = {name: n for name, n in reads.items() if shards[name].dtype == torch.uint8}
     assert len(quantized) == 14
     once = {f"base_model.model.model.layers.0.self_attn.{p}" for p in ("q_proj.base_layer.weight", "k_proj.weight",
