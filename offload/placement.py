@@ -73,7 +73,9 @@ base, a frozen embedding) is only ever read. It costs its home in the
 compute dtype, c bytes an element on its home tier (its whole padded size
 on the device), and nothing else: no fp32 master, no moments, no gradient
 partition, no NVMe state file, and its home is never written back. In a
-plan its `state` is None. A step reads it twice (forward, and backward
+plan its `state` is None. A quantized one (a QLoRA base) costs its own
+bytes instead, `itemsize` an element (Note [quantized frozen weights] in
+partition/quantized.py), and everything below counts c as that. A step reads it twice (forward, and backward
 where the module's input gradient needs the weight) and writes nothing:
     home NVMe         reads 2c           home off-device  2c up the bus
 So per element a frozen home saves 2c of NVMe reads for c of host memory,
