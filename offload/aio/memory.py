@@ -157,6 +157,11 @@ class BufferCache:
         self._idle.append(buf)
         self.idle_bytes += buf.numel()
 
+    def forget(self, tensor: torch.Tensor) -> None:
+        """A buffer taken and never to be given back (lent on to autograd): the cache lets
+        go of it, so it is freed when its last user lets go, not kept here for ever."""
+        self._lent.pop(tensor.data_ptr(), None)
+
     def clear(self) -> None:
         self._lent.clear()
         while self._idle:

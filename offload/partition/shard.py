@@ -347,9 +347,11 @@ class Shard:
         lent, self._full_lent = self._full_lent, False
         if self.ctx.layer.separate_memory:
             self.ctx.layer.free(self._full)
-        elif (self.ctx.gathered_buffers is not None and not self._zero_copy and self._full.device.type == "cpu"
-              and not lent):
-            self.ctx.gathered_buffers.give(self._full)
+        elif self.ctx.gathered_buffers is not None and not self._zero_copy and self._full.device.type == "cpu":
+            if lent:  # autograd holds it: the cache must not (a leak of one buffer a read, found at 70B)
+                self.ctx.gathered_buffers.forget(self._full)
+            else:
+                self.ctx.gathered_buffers.give(self._full)
         self._full = None
         if not self._zero_copy:
             self.ctx.account.credit(Tier.DEVICE, self.padded_numel * self.dtype.itemsize)
