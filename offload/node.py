@@ -27,6 +27,15 @@ its disks; each rank's plan is made for its share, not for the whole host:
     (engine/stores.py check_free_space).
 Every figure can still be set: memory.host_budget, offload_optimizer.
 cpuadam_cores_perc.
+
+Note [node names]
+A node, for the layout of the shards (Note [hybrid sharding] in
+transfers/layout.py), is the ranks joined by fast links: by default the
+ranks of one torchrun launch on one host, named host:GROUP_RANK (torchrun's
+node rank; the host alone without torchrun). OFFLOAD_NODE names it instead,
+per rank. Two `torchrun --nnodes 2` launches on one host are then two nodes,
+which is how a two-node job is tested on one machine; they still share that
+host's memory, cores and disks, which go by the host alone (above).
 """
 from __future__ import annotations
 
@@ -156,17 +165,26 @@ def split_cores(cores: list[int], local_ranks: int, local_index: int) -> tuple[i
     return tuple(cores[local_index * n // local_ranks:(local_index + 1) * n // local_ranks])
 
 
+def node_name() -> str:
+    """This rank's node (Note [node names])."""
+    stated = os.environ.get("OFFLOAD_NODE", "").strip()
+    if stated:
+        return stated
+    group = os.environ.get("GROUP_RANK", "").strip()
+    return f"{socket.gethostname()}:{group}" if group else socket.gethostname()
+
+
 def node_share(pg) -> NodeShare:
     """This rank's share, agreed with the other ranks (a collective where pg has several)."""
     mine = (socket.gethostname(), tuple(affinity()))
-    if pg.world_size == 1:
+    if pg.job_size == 1:
         return NodeShare(1, 0, mine[1], mine[0])
     import torch.distributed as dist
 
-    everyone: list = [None] * pg.world_size
-    dist.all_gather_object(everyone, mine, group=pg.group)
+    everyone: list = [None] * pg.job_size
+    dist.all_gather_object(everyone, mine, group=pg.job_group)
     local = [r for r, (host, _) in enumerate(everyone) if host == mine[0]]
-    index = local.index(pg.rank)
+    index = local.index(pg.job_rank)
     if all(everyone[r][1] == mine[1] for r in local):
         cores = split_cores(list(mine[1]), len(local), index)
     else:  # each rank bound to its own set already: keep it

@@ -53,7 +53,7 @@ def save_pretrained(view, save_dir, *, max_shard_size="5GB", dtype: torch.dtype 
     files.append(current)
 
     save_dir = Path(save_dir)
-    writer = view.pg.rank == 0
+    writer = view.pg.job_rank == 0  # one writer, in group 0 (Note [hybrid sharding])
     if writer:
         save_dir.mkdir(parents=True, exist_ok=True)
     names = (["model.safetensors"] if len(files) == 1 else
@@ -112,7 +112,7 @@ def save_state_dict(view, path, *, dtype: torch.dtype, exclude_frozen: bool = Fa
         seen.add(id(value))
         entries.append((key, value, dtype if value.is_floating_point() else value.dtype))
     path = Path(path)
-    writer = view.pg.rank == 0
+    writer = view.pg.job_rank == 0  # one writer, in group 0 (Note [hybrid sharding])
     if writer:
         path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")

@@ -166,6 +166,14 @@ class SaveJob:
         if exclude_frozen:
             self.model["frozen"] = EXCLUDED  # Note [checkpoints without frozen weights]
         self.kind = files.kind()
+        self.error: BaseException | None = None
+        self.committed = False
+        self._snapshot_done = threading.Event()
+        self._thread = None
+        if self.pg.replica > 0:  # group 0 writes the partitions every group holds (Note [hybrid sharding])
+            self.items, self.entries = [], {}
+            self._snapshot_done.set()
+            return
         self._prepare_dirs()
         self.rank_dir = mf.rank_dir(self.tmp, self.pg.rank)
         (self.rank_dir / "nvme").mkdir(parents=True, exist_ok=True)
@@ -180,10 +188,6 @@ class SaveJob:
         self.items = plan_items(view, exclude_frozen)
         self.entries: dict[str, tuple[int, int]] = {}
         self._writing: Path | None = None  # the file being written (Note [checkpoint free space])
-        self.error: BaseException | None = None
-        self.committed = False
-        self._snapshot_done = threading.Event()
-        self._thread = None
         if async_save:
             self._thread = threading.Thread(target=self._run, name=f"offload-checkpoint-{self.tag}")
             self._thread.start()
@@ -309,10 +313,36 @@ class SaveJob:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self.pg.replicas > 1:
+            self._finish_groups()
+            return
         if self.pg.world_size == 1:
             if self.error is not None:
                 raise self.error
             return
+        self._raise(self._group_outcome())
+
+    def _finish_groups(self) -> None:
+        """Several groups (Note [hybrid sharding]): group 0's outcome, told to every rank."""
+        outcome = [None]
+        if self.pg.replica == 0:
+            if self.pg.world_size == 1:
+                outcome = [{} if self.error is None else {0: f"{type(self.error).__name__}: {self.error}"}]
+            else:
+                outcome = [self._group_outcome()]
+        dist.broadcast_object_list(outcome, src=0, group=self.pg.job_group)
+        if outcome[0] and self.error is not None and self.pg.world_size == 1:
+            raise self.error
+        self._raise(outcome[0])
+
+    def _raise(self, failed: dict) -> None:
+        if failed:
+            detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failed.items()))
+            raise RuntimeError(f"checkpoint {self.tag!r} in {self.root} was not saved: {detail}") \
+                from self.error
+
+    def _group_outcome(self) -> dict:
+        """The shard group's files committed by its rank 0; {rank: error} of what failed."""
         mine = (None if self.error is None else f"{type(self.error).__name__}: {self.error}",
                 self.entries)
         everyone = [None] * self.pg.world_size
@@ -328,11 +358,8 @@ class SaveJob:
             outcome = [failed]
             if failed:
                 shutil.rmtree(self.tmp, ignore_errors=True)
-        dist.broadcast_object_list(outcome, src=0, group=self.pg.group)
-        if outcome[0]:
-            detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(outcome[0].items()))
-            raise RuntimeError(f"checkpoint {self.tag!r} in {self.root} was not saved: {detail}") \
-                from self.error
+        dist.broadcast_object_list(outcome, src=self.pg.job_rank - self.pg.rank, group=self.pg.group)
+        return outcome[0]
 
 
 def _barrier(pg) -> None:

@@ -175,7 +175,6 @@ class OptimizerConfig(_Section):
 
 _STAGE12 = "a ZeRO stage 1/2 option; offload runs ZeRO stage 3 only (DeepSpeed ignores it at stage 3 too)"
 _NO_ZERO_PP = "ZeRO++ is not implemented: parameters and gradients move at full precision, unquantized"
-_NO_MICS = "MiCS is not implemented: parameters are partitioned over all ranks"
 _PER_MODULE = "parameters are fetched per module, in the order the last step used them"
 _ZERO_INERT = {
     "cpu_offload_use_pin_memory": PIN_MEMORY_INERT,
@@ -194,12 +193,9 @@ _ZERO_INERT = {
     "leaf_module": _PER_MODULE,
     "stage3_use_all_reduce_for_fetch_params": "parameters are all-gathered",
     "stage3_allgather_sequential": "parameters are all-gathered per module",
-    "zero_hpz_partition_size": _NO_ZERO_PP,
     "zero_quantized_weights": _NO_ZERO_PP,
     "zero_quantized_nontrainable_weights": _NO_ZERO_PP,
     "zero_quantized_gradients": _NO_ZERO_PP,
-    "mics_shard_size": _NO_MICS,
-    "mics_hierarchical_params_gather": _NO_MICS,
     "memory_efficient_linear": "offload does not replace torch functions (no monkeypatching)",
     "override_module_apply": "offload does not patch nn.Module.apply",
     "log_trace_cache_warnings": "there is no trace cache to warn about: a changed module order "
@@ -247,6 +243,13 @@ class ZeroConfig(_Section):
     overlap_comm: bool = True
     contiguous_gradients: bool = True
     stage3_gather_16bit_weights_on_model_save: bool = False
+    # The ranks a parameter is partitioned over (Note [hybrid sharding] in
+    # offload/transfers/layout.py): "node", "world" or a number of ranks;
+    # DeepSpeed's hpZ and MiCS sizes name it too (group_size).
+    shard_group_size: Any = "node"
+    zero_hpz_partition_size: Any = 1
+    mics_shard_size: Any = -1
+    mics_hierarchical_params_gather: bool = False
 
     PREFETCH: ClassVar[tuple] = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters",
                                  "stage3_max_reuse_distance", "reduce_bucket_size")  # may be None
@@ -275,6 +278,36 @@ class ZeroConfig(_Section):
         _bool(k("overlap_comm"), self.overlap_comm)
         _bool(k("stage3_gather_16bit_weights_on_model_save"), self.stage3_gather_16bit_weights_on_model_save)
         _bool(k("contiguous_gradients"), self.contiguous_gradients)  # false: see `value_notes`
+        self._check_group_size()
+
+    def _check_group_size(self) -> None:
+        k = self._key
+        size = self.shard_group_size
+        if isinstance(size, float) and size.is_integer():
+            size = int(size)
+        if not (size in ("node", "world") or (isinstance(size, int) and not isinstance(size, bool) and size >= 1)):
+            raise _fail(k("shard_group_size"), self.shard_group_size,
+                        '"node" (the ranks of one node, the default), "world" (every rank) or a number of ranks')
+        self._set("shard_group_size", size)
+        self._set("zero_hpz_partition_size", _int(k("zero_hpz_partition_size"), self.zero_hpz_partition_size, lo=1))
+        self._set("mics_shard_size", _int(k("mics_shard_size"), self.mics_shard_size, lo=-1))
+        if self.mics_shard_size == 0:
+            raise _fail(k("mics_shard_size"), 0, "a number of ranks, or -1 (off)")
+        _bool(k("mics_hierarchical_params_gather"), self.mics_hierarchical_params_gather)
+        named = {key: v for key, v in (("zero_hpz_partition_size", self.zero_hpz_partition_size),
+                                        ("mics_shard_size", self.mics_shard_size)) if v > 1}
+        if size != "node":
+            named["shard_group_size"] = size
+        if len(set(named.values())) > 1:
+            raise ConfigError("zero_optimization: " + ", ".join(f"{key} {v!r}" for key, v in named.items())
+                              + " name different shard groups; give one (shard_group_size is offload's own)")
+
+    @property
+    def group_size(self):
+        """The shard group: "node", "world" or a number of ranks (Note [hybrid sharding])."""
+        if self.shard_group_size != "node":
+            return self.shard_group_size
+        return next((v for v in (self.zero_hpz_partition_size, self.mics_shard_size) if v > 1), "node")
 
     @classmethod
     def _fields_of(cls, d: Mapping) -> dict:
@@ -297,6 +330,17 @@ class ZeroConfig(_Section):
     def value_notes(self) -> list[tuple[str, str]]:
         """(key, why) for values that have no effect here (Note [DeepSpeed keys])."""
         notes = [*self.offload_param.unused, *self.offload_optimizer.unused]
+        if self.zero_hpz_partition_size > 1:
+            notes.append(("zero_optimization.zero_hpz_partition_size",
+                          f"{self.zero_hpz_partition_size}: parameters are gathered within groups of that many "
+                          "ranks, as hpZ's secondary copy is, but the fp32 master and the optimizer state are "
+                          "partitioned within the group and copied across groups (as MiCS does), not partitioned "
+                          "over every rank: each rank holds 1/group of them, where hpZ holds 1/world; `offload "
+                          "estimate --group-size` states the bytes (Note [hybrid sharding])"))
+        if self.mics_hierarchical_params_gather:
+            notes.append(("zero_optimization.mics_hierarchical_params_gather",
+                          "has no effect: a shard group within one node gathers over that node's links only; "
+                          "a group spanning nodes gathers flat over its ranks"))
         if not self.contiguous_gradients:
             notes.append(("zero_optimization.contiguous_gradients",
                           "false has no effect: gradients are always written into contiguous per-shard buffers"))

@@ -194,7 +194,7 @@ def training_dataloader(engine, dataset, collate_fn=None) -> torch.utils.data.Da
     mb = engine.train_micro_batch_size_per_gpu()
     if mb is None:
         raise ValueError("training_data needs train_micro_batch_size_per_gpu (or train_batch_size) in the config")
-    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=engine.pg.world_size, rank=engine.pg.rank)
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=engine.pg.job_size, rank=engine.pg.job_rank)
     return torch.utils.data.DataLoader(dataset, batch_size=mb, sampler=sampler, collate_fn=collate_fn,
                                        drop_last=engine.dataloader_drop_last(),
                                        pin_memory=torch.cuda.is_available())

@@ -66,7 +66,7 @@ class DeepSpeedEngine:
         if config.train_batch_size is not None:
             return config.train_batch_size
         mb = config.train_micro_batch_size_per_gpu
-        return None if mb is None else mb * engine.gradient_accumulation_steps() * engine.pg.world_size
+        return None if mb is None else mb * engine.gradient_accumulation_steps() * engine.pg.job_size
 
     def dataloader_drop_last(self) -> bool:
         """The config's dataloader_drop_last: whether DeepSpeed's loader drops a short last batch."""
@@ -87,12 +87,12 @@ class DeepSpeedEngine:
     @property
     def global_rank(self) -> int:
         """This process's rank in the job (0 alone)."""
-        return self._open("global_rank").pg.rank
+        return self._open("global_rank").pg.job_rank
 
     @property
     def world_size(self) -> int:
         """The job's ranks (1 alone)."""
-        return self._open("world_size").pg.world_size
+        return self._open("world_size").pg.job_size
 
     def fp16_enabled(self) -> bool:
         """Whether the model computes in fp16 (the config's fp16.enabled)."""

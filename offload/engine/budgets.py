@@ -223,9 +223,9 @@ def auto_budgets(config: Config, layer, pg, host: int | None = None) -> Budgets:
     if layer.separate_memory:
         total = mem.device_budget if mem.device_budget is not None else layer.free_memory()
         device = int(DEVICE_SHARE * total) if total is not None else 0
-    if pg.world_size > 1:
+    if pg.job_size > 1:  # one plan for every rank of the job, every group's copy alike
         both = torch.tensor([float(host), float(device)], dtype=torch.float64, device=layer.device)
-        torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MIN, group=pg.group)
+        torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MIN, group=pg.job_group)
         host, device = int(both[0].item()), int(both[1].item())
     return Budgets(device=device, host=host,
                    nvme_homes=zero.offload_param.auto and zero.offload_param.nvme_path is not None,

@@ -44,7 +44,7 @@ class EngineCheckpoints:
     def _finish(self, job) -> None:
         job.finish()
         engine = self._engine
-        if engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save and engine.pg.rank == 0:
+        if engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save and engine.pg.job_rank == 0:
             # DeepSpeed's key: the consolidated 16-bit weights beside the checkpoint,
             # one safetensors file streamed from every rank's files (offload.consolidate).
 

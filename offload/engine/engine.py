@@ -36,7 +36,7 @@ from offload.node import bind_kernel_threads, node_share
 from offload.engine.make_optimizer import make_optimizer
 from offload.schedulers import build_scheduler
 from offload.accounting import MemoryAccount
-from offload.transfers.collectives import ProcessGroupInfo
+from offload.transfers.layout import make_layout
 from offload.partition.managed import manage, refuse_state_dict_larger_than_memory
 from offload.partition.manager import ParameterManager
 from offload.partition.prefetch import prefetch_scheduler
@@ -73,7 +73,9 @@ class Engine:
         self._process_memory = ProcessMemory.at_start(model)
         self.config = config
         self.module = model
-        self.pg = ProcessGroupInfo.current()
+        # The shard and replica groups (Note [hybrid sharding]): a model built under
+        # offload.init brings the builder's.
+        self.pg = builder.ctx.pg if builder is not None else make_layout(config.zero_optimization.group_size)
         # Every copy between host and a separate device goes through this layer
         # (Note [device layer] in offload/device/layer.py): OFFLOAD_DEVICE picks it,
         # once per run: a model built under offload.init brings the builder's

@@ -76,7 +76,7 @@ from offload.engine.build import HomePolicy, discard_home, shard_context
 from offload.engine.stores import open_swap_store
 from offload.process_memory import release_free_host_memory
 from offload.accounting import MemoryAccount
-from offload.transfers.collectives import ProcessGroupInfo
+from offload.transfers.layout import make_layout
 from offload.partition.managed import manage, unmanage
 from offload.partition.quantized import quantized_kind
 from offload.partition.gather_on_use import tensor_leaves
@@ -192,7 +192,8 @@ class ModelBuilder:
         # Build-time context: no parameter store until the first NVMe home (_ensure_store);
         # initialize moves the shards it adopts into the engine's context.
         # The run's one device layer (Note [one device choice]): initialize takes it over.
-        self.ctx = shard_context(config, offload.device.from_env(), ProcessGroupInfo.current(), self.account)
+        self.ctx = shard_context(config, offload.device.from_env(), make_layout(config.zero_optimization.group_size),
+                                 self.account)
         # Note [building into the plan] (offload/placement.py): the host budget before
         # anything is built, which initialize's plan then uses too.
         self.auto_host = None

@@ -163,7 +163,7 @@ def _other_ranks_needs(by_device: dict, pg, refused) -> tuple[dict[int, dict[int
     """Per file system (st_dev) of this rank's stores, the bytes each other rank of this host
     will write there, and the other ranks' refusals: asked of every rank (a collective:
     each rank calls it once, whether its own paths passed or not)."""
-    if pg is None or pg.world_size == 1:
+    if pg is None or pg.job_size == 1:
         return {}, []
     import socket
 
@@ -171,12 +171,13 @@ def _other_ranks_needs(by_device: dict, pg, refused) -> tuple[dict[int, dict[int
 
     mine = (socket.gethostname(), {dev: sum(c.capacity_bytes for _, c, _ in entries)
                                    for dev, entries in by_device.items()}, None if refused is None else str(refused))
-    everyone: list = [None] * pg.world_size
-    dist.all_gather_object(everyone, mine, group=pg.group)
+    everyone: list = [None] * pg.job_size
+    dist.all_gather_object(everyone, mine, group=pg.job_group)
     others: dict[int, dict[int, int]] = {}
-    refusals = [(rank, why) for rank, (_, _, why) in enumerate(everyone) if why is not None and rank != pg.rank]
+    me = pg.job_rank
+    refusals = [(rank, why) for rank, (_, _, why) in enumerate(everyone) if why is not None and rank != me]
     for rank, (host, needs, _) in enumerate(everyone):
-        if rank == pg.rank or host != mine[0]:
+        if rank == me or host != mine[0]:
             continue
         for dev, nbytes in needs.items():
             if dev in by_device and nbytes:

@@ -423,9 +423,9 @@ def gathered(params, modifier_rank: int | None = None):
     manager = next(iter(managers.values()))
     shards = list(dict.fromkeys(p._offload_shard for p in managed))
     pg = shards[0].ctx.pg
-    if modifier_rank is not None and not 0 <= modifier_rank < pg.world_size:
+    if modifier_rank is not None and not 0 <= modifier_rank < pg.job_size:
         raise ValueError(f"offload.gathered: modifier_rank {modifier_rank} is not a rank "
-                         f"(world size {pg.world_size})")
+                         f"(world size {pg.job_size})")
     before = []
     with engine_access():
         for shard in shards:
@@ -435,7 +435,7 @@ def gathered(params, modifier_rank: int | None = None):
         yield params
         with engine_access():
             for shard, old in zip(shards, before):
-                if modifier_rank is not None and pg.world_size > 1:
+                if modifier_rank is not None and pg.job_size > 1:
                     pg.broadcast(shard.full_value_buffer(), modifier_rank)
                 changed = not torch.equal(shard.gathered_partition(), old)
                 if changed and modifier_rank is None:

@@ -205,7 +205,7 @@ class StepRunner:
         """Whether this backward's updates may be carried under the next forward (Note [head
         first after backward] in transfers/device_copies.py)."""
         return self.manager.to_host is not None and self.policy.carried(
-            self.optimizer.states.state_tiers, [s.home for s in self.shards], world_size=self.pg.world_size)
+            self.optimizer.states.state_tiers, [s.home for s in self.shards], world_size=self.pg.job_size)
 
     def _plan_backward(self, carried: bool) -> None:
         """The copy-down path's plan for this backward (BackwardPlan, transfers/device_copies.py): each gradient
@@ -374,7 +374,7 @@ class StepRunner:
         self.timeline.end_step()
         # DeepSpeed's logging keys; with wall_clock_breakdown and no steps_per_print, its default of 10.
         every = self.config.steps_per_print or (10 if self.config.wall_clock_breakdown else None)
-        if every and c.global_steps % every == 0 and self.pg.rank == 0:
+        if every and c.global_steps % every == 0 and self.pg.job_rank == 0:
             scale = f", loss scale {self.loss_scaler.scale:g}" if self.loss_scaler is not None else ""
             _progress("step %d: lr %g%s, %d skipped", c.global_steps, self.optimizer.param_groups[0]["lr"],
                       scale, c.skipped_steps)

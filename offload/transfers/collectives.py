@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+# The links a collective's ranks are joined by (Note [link classes]).
+LINKS = ("within_node", "across_nodes")
 
 
 class CollectiveCounter:
@@ -49,26 +51,33 @@ class CollectiveCounter:
                       instead all-gathered once after their update)
       all_reduce      a few scalars, never a gradient
     (tests/engine/test_collective_bytes.py checks this against the counter).
+    With a hybrid layout (Note [hybrid sharding] in transfers/layout.py) W
+    above is the shard group's size, and each rank also all_reduces its fp32
+    gradient partitions with its replicas: 4 * P / W sent and received, one
+    call per bucket. Every count is kept per link class (Note [link classes]).
     Checkpoint saves and loads agree over ranks with torch's object
     collectives (all_gather_object, broadcast_object_list, barrier), which
     do not go through ProcessGroupInfo and are not counted."""
 
     def __init__(self):
         self._lock = threading.Lock()  # the optimizer and NVMe threads may run collectives too
-        self._counts = {kind: [0, 0, 0] for kind in COLLECTIVE_KINDS}
+        self._counts = {(link, kind): [0, 0, 0] for link in LINKS for kind in COLLECTIVE_KINDS}
 
-    def add(self, kind: str, sent: int, received: int) -> None:
+    def add(self, kind: str, sent: int, received: int, link: str = "within_node") -> None:
         with self._lock:
-            counts = self._counts[kind]
+            counts = self._counts[(link, kind)]
             counts[0] += 1
             counts[1] += sent
             counts[2] += received
 
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        """{kind: {"calls", "bytes_sent", "bytes_received"}}, a copy."""
+    def snapshot(self, link: str | None = None) -> dict[str, dict[str, int]]:
+        """{kind: {"calls", "bytes_sent", "bytes_received"}}, a copy: over one link class,
+        or summed over both (None)."""
+        links = LINKS if link is None else (link,)
         with self._lock:
-            return {kind: {"calls": c, "bytes_sent": s, "bytes_received": r}
-                    for kind, (c, s, r) in self._counts.items()}
+            return {kind: dict(zip(("calls", "bytes_sent", "bytes_received"),
+                                   (sum(self._counts[(l, kind)][i] for l in links) for i in range(3))))
+                    for kind in COLLECTIVE_KINDS}
 
     def reset(self) -> None:
         with self._lock:
@@ -77,25 +86,38 @@ class CollectiveCounter:
 
 
 class _GroupHandle:
-    """The one reference to a torch ProcessGroup that an engine's objects share.
+    """The one reference to the torch ProcessGroups that an engine's objects share.
 
     Note [releasing the process group]
     Every ShardContext, store and checkpoint job of an engine holds the same
-    ProcessGroupInfo, frozen, so the group is held through this handle and
-    `ProcessGroupInfo.release()` (engine.close()) drops it everywhere at once.
+    ProcessGroupInfo, frozen, so the groups are held through this handle and
+    `ProcessGroupInfo.release()` (engine.close()) drops them everywhere at once.
     A gloo group kept alive past dist.destroy_process_group() is destroyed
     at the interpreter's exit, with its worker threads, and that aborted
-    (SIGABRT) two-rank runs after a clean close. Two handles are
-    equal when they hold the same group."""
+    (SIGABRT) two-rank runs after a clean close. The subgroups a hybrid layout
+    made (Note [hybrid sharding]) are destroyed at release. Two handles are
+    equal when they hold the same groups.
 
-    __slots__ = ("group", "released", "counter")
+    Note [link classes]
+    Each group's collectives are counted under the slowest link its ranks
+    span: "within_node" where every rank of the group is on one node,
+    "across_nodes" where it spans nodes (a node as transfers/layout.py names
+    it). A flat layout over two nodes counts everything across nodes; a
+    hybrid one counts its gathers within a node and only its gradients'
+    all_reduce across."""
 
-    def __init__(self, group):
-        self.group, self.released = group, False
+    __slots__ = ("group", "replica_group", "job_group", "links", "made", "released", "counter")
+
+    def __init__(self, group, replica_group=None, job_group=None, *, links=("within_node", "within_node"),
+                 made=()):
+        self.group, self.replica_group, self.released = group, replica_group, False
+        self.job_group = job_group if job_group is not None else group  # the whole job's ranks
+        self.links, self.made = links, tuple(made)  # made: subgroups this handle destroys at release
         self.counter = CollectiveCounter()  # outlives release: read after engine.close()
 
     def __eq__(self, other):
-        return isinstance(other, _GroupHandle) and self.group is other.group and self.released == other.released
+        return (isinstance(other, _GroupHandle) and self.group is other.group
+                and self.replica_group is other.replica_group and self.released == other.released)
 
     def __hash__(self):
         return id(self.group)
@@ -106,41 +128,90 @@ class _GroupHandle:
 
 @dataclass(frozen=True)
 class ProcessGroupInfo:
+    """The ranks this engine's collectives run over.
+
+    `rank` and `world_size` are this rank's place in its shard group, the ranks
+    every parameter is partitioned over (the whole job in the flat layout).
+    `replica` and `replicas`: which of the groups holding a copy of the
+    partitions this rank's is, and how many there are (1 in the flat layout;
+    Note [hybrid sharding] in transfers/layout.py). The job's ranks are
+    numbered group by group: job rank = replica * world_size + rank."""
+
     rank: int = 0
     world_size: int = 1
+    replica: int = 0
+    replicas: int = 1
     _handle: _GroupHandle = field(default_factory=lambda: _GroupHandle(None), repr=False)
 
     @staticmethod
     def current() -> "ProcessGroupInfo":
+        """The flat layout over torch.distributed's default group (one process: none)."""
         if dist.is_available() and dist.is_initialized():
-            return ProcessGroupInfo(dist.get_rank(), dist.get_world_size(), _GroupHandle(dist.group.WORLD))
+            return ProcessGroupInfo(dist.get_rank(), dist.get_world_size(), 0, 1, _GroupHandle(dist.group.WORLD))
         return ProcessGroupInfo()
 
     @property
+    def job_rank(self) -> int:
+        return self.replica * self.world_size + self.rank
+
+    @property
+    def job_size(self) -> int:
+        """Every rank of the job: the data-parallel world size."""
+        return self.replicas * self.world_size
+
+    @property
     def group(self):
-        """The torch ProcessGroup (None: the default group, or one process)."""
-        if self._handle.released and self.world_size > 1:
-            raise RuntimeError(f"rank {self.rank}: this engine was closed and released its process group "
-                               "(Note [releasing the process group]); a closed engine runs no collectives")
+        """The shard group's torch ProcessGroup (None: the default group, or one process)."""
+        self._check_open()
         return self._handle.group
 
-    def release(self) -> None:
-        """Drops the reference to the process group, for every holder of this info
-        (Note [releasing the process group]). Collectives afterwards raise."""
-        self._handle.group, self._handle.released = None, True
+    @property
+    def job_group(self):
+        """The whole job's ProcessGroup: what every rank must agree on (checkpoints, the node)."""
+        self._check_open()
+        return self._handle.job_group
 
-    def collective_counts(self) -> dict[str, dict[str, int]]:
+    def _check_open(self) -> None:
+        if self._handle.released and self.job_size > 1:
+            raise RuntimeError(f"rank {self.job_rank}: this engine was closed and released its process group "
+                               "(Note [releasing the process group]); a closed engine runs no collectives")
+
+    def release(self) -> None:
+        """Drops the reference to the process groups, for every holder of this info
+        (Note [releasing the process group]). Collectives afterwards raise."""
+        handle = self._handle
+        made, handle.made = handle.made, ()
+        handle.group = handle.replica_group = handle.job_group = None
+        handle.released = True
+        for group in made:
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError):  # the default group went first: nothing left to destroy
+                pass
+
+    @property
+    def links(self) -> dict[str, str]:
+        """The link class of the shard group and of the replica group (Note [link classes])."""
+        return {"shard": self._handle.links[0], "replica": self._handle.links[1]}
+
+    def collective_counts(self, link: str | None = None) -> dict[str, dict[str, int]]:
         """What this engine's collectives carried so far, per kind (Note [collective
-        bytes]): {kind: {"calls", "bytes_sent", "bytes_received"}}, a snapshot."""
-        return self._handle.counter.snapshot()
+        bytes]): {kind: {"calls", "bytes_sent", "bytes_received"}}, a snapshot, over one
+        link class ("within_node", "across_nodes") or both (None)."""
+        return self._handle.counter.snapshot(link)
 
     def reset_collective_counts(self) -> None:
         self._handle.counter.reset()
 
-    def _count(self, kind: str, sent: torch.Tensor | None, received: torch.Tensor | None) -> None:
+    def _count(self, kind: str, sent: torch.Tensor | None, received: torch.Tensor | None,
+               over: str = "shard") -> None:
         def nbytes(t):
             return 0 if t is None else t.numel() * t.element_size()
-        self._handle.counter.add(kind, nbytes(sent), nbytes(received))
+        link = self._handle.links[0 if over == "shard" else 1] if over != "job" else self._job_link()
+        self._handle.counter.add(kind, nbytes(sent), nbytes(received), link)
+
+    def _job_link(self) -> str:
+        return "across_nodes" if "across_nodes" in self._handle.links else "within_node"
 
     @staticmethod
     def _all_gather(*args, **kwargs):
@@ -166,28 +237,36 @@ class ProcessGroupInfo:
         return work
 
     def reduce_scatter_mean(self, mine: torch.Tensor, stacked: torch.Tensor) -> None:
-        """mine (n) <- the mean over ranks of row `rank` of every rank's stacked (world, n).
-        Summed, then divided by the world size, as an all_reduce average is (SUM and
+        """mine (n) <- the mean over the job's ranks of row `rank` of every rank's stacked
+        (world, n). Summed over the shard group, then (hybrid: Note [hybrid sharding]) over
+        the replicas, then divided by the job's size, as an all_reduce average is (SUM and
         a division rather than ReduceOp.AVG: the same arithmetic as before buckets)."""
-        if self.world_size == 1:
+        if self.job_size == 1:
             mine.copy_(stacked.reshape(-1))
             return
-        # reduce_scatter_single: the name from torch 2.13 on, where reduce_scatter_tensor
-        # warns as deprecated; 2.11 has only reduce_scatter_tensor (the same collective).
-        # Flat: gloo takes only the concatenated form (its check fails on a (world, n) input).
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        reduce_scatter(mine, stacked.view(-1), group=self.group)
-        self._count("reduce_scatter", stacked, mine)
-        mine.div_(self.world_size)
+        if self.world_size == 1:
+            mine.copy_(stacked.reshape(-1))
+        else:
+            # reduce_scatter_single: the name from torch 2.13 on, where reduce_scatter_tensor
+            # warns as deprecated; 2.11 has only reduce_scatter_tensor (the same collective).
+            # Flat: gloo takes only the concatenated form (its check fails on a (world, n) input).
+            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            reduce_scatter(mine, stacked.view(-1), group=self.group)
+            self._count("reduce_scatter", stacked, mine)
+        if self.replicas > 1:
+            dist.all_reduce(mine, group=self._handle.replica_group)
+            self._count("all_reduce", mine, mine, over="replica")
+        mine.div_(self.job_size)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        """tensor <- rank src's tensor, in place."""
-        if self.world_size > 1:
-            dist.broadcast(tensor, src, group=self.group)
-            mine_sent = self.rank == src
-            self._count("broadcast", tensor if mine_sent else None, None if mine_sent else tensor)
+        """tensor <- job rank src's tensor, in place, on every rank of the job."""
+        if self.job_size > 1:
+            dist.broadcast(tensor, src, group=self.job_group)
+            mine_sent = self.job_rank == src
+            self._count("broadcast", tensor if mine_sent else None, None if mine_sent else tensor, over="job")
 
     def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum over the shard group: the replicas hold the same partitions."""
         if self.world_size > 1:
             dist.all_reduce(value, group=self.group)
             self._count("all_reduce", value, value)

@@ -48,7 +48,7 @@ class GradientBuckets:
         """bucket_elems: padded full-gradient elements per bucket (at least 1).
         deliver(shard, part): this rank's averaged fp32 partition of the shard's
         gradient (a view into the bucket's output, valid during the call)."""
-        if pg.world_size < 2:
+        if pg.job_size < 2:
             raise ValueError("gradient buckets are for several ranks; with one the gradient goes "
                              "straight to its shard (Note [gradient buckets])")
         self.pg = pg

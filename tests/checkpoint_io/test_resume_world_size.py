@@ -55,6 +55,20 @@ def test_one_rank_resumes_on_two(tmp_path):
     _check(tmp_path, 2)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes", [["n0", "n0"], ["n0", "n1"]], ids=["one node of two", "two nodes of one"])
+def test_two_nodes_of_two_resume_hybrid_at_another_layout(tmp_path, nodes):
+    """Saved by the hybrid layout at 2 nodes x 2 ranks (group 0 writes its two partitions:
+    Note [hybrid sharding]); resumed on one node of two ranks (the same partitions, one
+    group) and on two nodes of one rank each (two groups of one: every rank a whole copy)."""
+    tiers = ("cpu", "nvme")
+    ws.run_ranks("first_run", (tmp_path, tiers), world=4, nodes=["n0", "n0", "n1", "n1"])
+    saved = json.loads((tmp_path / "ck" / "global_step2" / "manifest.json").read_text())
+    assert saved["model"]["world_size"] == 2  # the partitions of one group
+    ws.run_ranks("resume", (tmp_path, tiers, 2), world=2, nodes=nodes)
+    _check(tmp_path, 2)
+
+
 def test_checkpoint_saved_inside_a_window_is_refused_at_another_world_size(tmp_path):
     with offload.initialize(build("tiny_gpt"), make_config("cpu", "cpu", tmp_path / "s", gas=2)) as e:
         runs.train(e, 1)

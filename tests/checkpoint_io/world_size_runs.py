@@ -71,7 +71,8 @@ def resume(root: Path, tiers, saved_world: int, world: int, rank: int) -> None:
         at_load = x.optimizer.state_dict()
         train(x, world, rank, seed=2)
         x_out = record(x)
-    mine = {i: {k: (v if k == "step" else my_partition(v, s.part_numel, rank)) for k, v in full[i].items()}
+        part_index = x.pg.rank  # this rank's place in its shard group (Note [hybrid sharding])
+    mine = {i: {k: (v if k == "step" else my_partition(v, s.part_numel, part_index)) for k, v in full[i].items()}
             for i, s in indexed}
     model = build("tiny_gpt", seed=6)
     model.load_state_dict(saved0["masters"])
@@ -86,8 +87,10 @@ def resume(root: Path, tiers, saved_world: int, world: int, rank: int) -> None:
 
 
 # ---- launching ---------------------------------------------------------------------------
-def _worker(fn_name, args, rank, world, port):
+def _worker(fn_name, args, rank, world, port, nodes):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if nodes is not None:  # Note [node names] in offload/node.py
+        os.environ["OFFLOAD_NODE"] = nodes[rank]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -96,13 +99,14 @@ def _worker(fn_name, args, rank, world, port):
         dist.destroy_process_group()
 
 
-def run_ranks(fn_name, args, world: int, timeout: float = 240) -> None:
-    """fn(*args, world=, rank=) on `world` spawned gloo processes; every exit code must be 0."""
+def run_ranks(fn_name, args, world: int, timeout: float = 240, nodes: list[str] | None = None) -> None:
+    """fn(*args, world=, rank=) on `world` spawned gloo processes, rank r on node nodes[r]
+    (default: this host's); every exit code must be 0."""
     ctx = torch.multiprocessing.get_context("spawn")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(fn_name, args, r, world, port)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(fn_name, args, r, world, port, nodes)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:

@@ -186,12 +186,9 @@ INERT_DS_KEYS = {
     "zero_optimization.stage3_model_persistence_threshold": 1e9,
     "zero_optimization.stage3_module_granularity_threshold": 0,
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": False,
-    "zero_optimization.zero_hpz_partition_size": 8,
     "zero_optimization.zero_quantized_weights": True,
     "zero_optimization.zero_quantized_nontrainable_weights": False,
     "zero_optimization.zero_quantized_gradients": True,
-    "zero_optimization.mics_shard_size": 8,
-    "zero_optimization.mics_hierarchical_params_gather": False,
     "zero_optimization.memory_efficient_linear": True,
     "zero_optimization.override_module_apply": True,
     "zero_optimization.log_trace_cache_warnings": False,
@@ -593,3 +590,46 @@ def test_batch_sizes_that_disagree_are_refused_at_initialize_naming_each():
     with pytest.raises(ConfigError, match=r"train_batch_size: 32 != train_micro_batch_size_per_gpu 8 \* "
                                           r"gradient_accumulation_steps 3 \* world size 1 \(= 24\)"):
         offload.initialize(torch.nn.Linear(4, 4), cfg)
+
+
+# ---- the shard group (Note [hybrid sharding] in offload/transfers/layout.py) ----
+
+@pytest.mark.parametrize("zero, size", [
+    ({}, "node"),
+    ({"shard_group_size": "world"}, "world"),
+    ({"shard_group_size": 4}, 4),
+    ({"mics_shard_size": 4}, 4),
+    ({"mics_shard_size": -1}, "node"),
+    ({"zero_hpz_partition_size": 2}, 2),
+    ({"zero_hpz_partition_size": 1}, "node"),
+    ({"zero_hpz_partition_size": 2, "mics_shard_size": 2, "shard_group_size": 2.0}, 2),
+])
+def test_the_shard_group_is_named_by_our_key_or_deepspeeds(zero, size):
+    cfg = Config.from_dict({"optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                            "zero_optimization": {"stage": 3, **zero}})
+    assert cfg.zero_optimization.group_size == size
+
+
+@pytest.mark.parametrize("zero, message", [
+    ({"shard_group_size": 0}, r"shard_group_size: 0 is not \"node\""),
+    ({"shard_group_size": "nodes"}, r"shard_group_size: 'nodes' is not"),
+    ({"shard_group_size": True}, r"shard_group_size: True is not"),
+    ({"mics_shard_size": 0}, r"mics_shard_size: 0 is not a number of ranks, or -1"),
+    ({"zero_hpz_partition_size": 0}, r"zero_hpz_partition_size"),
+    ({"zero_hpz_partition_size": 2, "mics_shard_size": 4}, r"zero_hpz_partition_size 2, mics_shard_size 4 name "
+                                                            r"different shard groups"),
+    ({"shard_group_size": "world", "mics_shard_size": 4}, r"mics_shard_size 4, shard_group_size 'world'"),
+])
+def test_a_wrong_shard_group_is_refused_by_name(zero, message):
+    with pytest.raises(ConfigError, match=message):
+        Config.from_dict({"optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                          "zero_optimization": {"stage": 3, **zero}})
+
+
+def test_hpz_says_how_it_differs_and_the_hierarchical_gather_that_it_has_no_effect():
+    cfg = Config.from_dict({"optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                            "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8,
+                                                  "mics_hierarchical_params_gather": True}})
+    notes = dict(cfg.no_effect())
+    assert "not partitioned over every rank" in notes["zero_optimization.zero_hpz_partition_size"]
+    assert "has no effect" in notes["zero_optimization.mics_hierarchical_params_gather"]

@@ -1,9 +1,14 @@
 """What the collective tests count: each torch.distributed call, the order plain PyTorch
-finishes gradients in, and the buckets DeepSpeed's greedy packing would make."""
+finishes gradients in, the buckets DeepSpeed's greedy packing would make, and the gathers
+a step takes."""
 import copy
 
+import torch
 import torch.distributed as dist
 
+from offload.partition import manager as manager_module
+from offload.partition.shard import Shard
+from offload.partition.shard_context import Residency
 from tests.support.harness import lm_loss
 
 
@@ -64,3 +69,54 @@ def expected_buckets(sizes, cap):
             buckets.append(current)
             current = []
     return buckets + ([current] if current else [])
+
+
+class Gathers:
+    """Wraps Shard.gather: (name, padded numel, itemsize) of each gather that materialises
+    the parameter (it was not already gathered); and the manager's
+    start_all_gather_ahead: the packed all-gathers started ahead of use and the
+    parameters in them (Note [all-gathers ahead])."""
+
+    def __init__(self):
+        self.taken = []
+        self.packs = self.ahead = 0
+
+    def __enter__(self):
+        self._real, self._real_ahead = real, real_ahead = Shard.gather, manager_module.start_all_gather_ahead
+
+        def gather(shard):
+            if shard.residency is not Residency.GATHERED:
+                self.taken.append((shard.name, shard.padded_numel, shard.dtype.itemsize))
+            return real(shard)
+
+        def start_all_gather_ahead(shards):
+            self.packs += 1
+            self.ahead += len(shards)
+            return real_ahead(shards)
+        Shard.gather, manager_module.start_all_gather_ahead = gather, start_all_gather_ahead
+        return self
+
+    def __exit__(self, *exc):
+        Shard.gather, manager_module.start_all_gather_ahead = self._real, self._real_ahead
+
+
+def saved_for_backward(model, x, y) -> set[str]:
+    """Names of the parameters whose value autograd saves for backward (plain PyTorch)."""
+    model = copy.deepcopy(model)
+    by_storage = {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters()}
+    saved = set()
+
+    def pack(t):
+        name = by_storage.get(t.untyped_storage().data_ptr())
+        if name is not None:
+            saved.add(name)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = lm_loss(model(x), y)
+    loss.backward()
+    return saved
+
+
+def expected_gathers(names: list[str], saved: set[str]) -> list[str]:
+    """tiny_gpt's gathers in one step before any is kept across the turn (docstring)."""
+    return names + ["wte.weight"] + sorted(saved)

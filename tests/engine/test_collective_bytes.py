@@ -38,69 +38,17 @@ import torch
 import torch.distributed as dist
 
 import offload
-from offload.partition.shard import Shard
-from offload.partition.shard_context import Residency, partition_numel
-from offload.partition import manager as manager_module
-from tests.support.harness import batches, build, lm_loss, make_config, train_engine
+from offload.partition.shard_context import partition_numel
+from tests.support.harness import batches, build, make_config, train_engine
 from tests.engine.ranks import run_ranks
-from tests.engine.collective_counts import CollectiveCounter, arrival_order, expected_buckets
+from tests.engine.collective_counts import (CollectiveCounter, Gathers, arrival_order, expected_buckets,
+                                           expected_gathers, saved_for_backward)
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch_release]  # spawns two ranks: ~7 s
 
 BUCKET = 2000  # elements: tiny_gpt's 2,376-element weights go alone, the rest share buckets
 STEPS = 3      # counted, after one warm-up step (the prefetch order is learned there)
 FP32 = 4
-
-
-class _Gathers:
-    """Wraps Shard.gather: (name, padded numel) of each gather that materialises
-    the parameter (it was not already gathered); and the manager's
-    start_all_gather_ahead: the packed all-gathers started ahead of use and the
-    parameters in them (Note [all-gathers ahead])."""
-
-    def __init__(self):
-        self.taken = []
-        self.packs = self.ahead = 0
-
-    def __enter__(self):
-        self._real, self._real_ahead = real, real_ahead = Shard.gather, manager_module.start_all_gather_ahead
-
-        def gather(shard):
-            if shard.residency is not Residency.GATHERED:
-                self.taken.append((shard.name, shard.padded_numel))
-            return real(shard)
-
-        def start_all_gather_ahead(shards):
-            self.packs += 1
-            self.ahead += len(shards)
-            return real_ahead(shards)
-        Shard.gather, manager_module.start_all_gather_ahead = gather, start_all_gather_ahead
-        return self
-
-    def __exit__(self, *exc):
-        Shard.gather, manager_module.start_all_gather_ahead = self._real, self._real_ahead
-
-
-def _saved_for_backward(model, x, y) -> set[str]:
-    """Names of the parameters whose value autograd saves for backward (plain PyTorch)."""
-    model = copy.deepcopy(model)
-    by_storage = {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters()}
-    saved = set()
-
-    def pack(t):
-        name = by_storage.get(t.untyped_storage().data_ptr())
-        if name is not None:
-            saved.add(name)
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = lm_loss(model(x), y)
-    loss.backward()
-    return saved
-
-
-def _expected_gathers(names: list[str], saved: set[str]) -> list[str]:
-    """tiny_gpt's gathers in one step before any is kept across the turn (docstring)."""
-    return names + ["wte.weight"] + sorted(saved)
 
 
 def _worker(rank, world, port, nvme_root, device, results):
@@ -127,9 +75,9 @@ def _count_steps(rank, world, param, nvme_path) -> list[dict]:
     grad_order = arrival_order(model, *data[0][rank])
     buckets = expected_buckets([padded[n] for n in grad_order], BUCKET)
     assert len(buckets) < len(grad_order)  # small gradients do share buckets
-    saved = _saved_for_backward(model, *data[0][rank])
+    saved = saved_for_backward(model, *data[0][rank])
     assert "blocks.0.fc.weight" in saved and "wpe" not in saved and "blocks.0.fc.bias" not in saved, saved
-    gathers_before_reuse = _expected_gathers(list(padded), saved)
+    gathers_before_reuse = expected_gathers(list(padded), saved)
     grad_bytes = FP32 * sum(padded.values())
     # Kept gathered from forward into backward rather than gathered again (docstring).
     # Host homes are read ahead (so kept too) only on a device with memory of its own.
@@ -146,7 +94,7 @@ def _count_steps(rank, world, param, nvme_path) -> list[dict]:
         for step in data[1:]:
             pg.reset_collective_counts()
             retained_before = engine.manager.prefetch.stats["retained"]
-            with CollectiveCounter() as torch_calls, _Gathers() as gathers:
+            with CollectiveCounter() as torch_calls, Gathers() as gathers:
                 train_engine(engine, [step], rank=rank)
             counts = pg.collective_counts()
             figures.append(counts)
@@ -160,10 +108,10 @@ def _count_steps(rank, world, param, nvme_path) -> list[dict]:
             retained = engine.manager.prefetch.stats["retained"] - retained_before
             assert retained == len(kept_across_turn), (where, retained)
             not_gathered = list(gathers_before_reuse)
-            for name, _ in gathers.taken:
+            for name, _, _ in gathers.taken:
                 not_gathered.remove(name)
             assert sorted(not_gathered) == kept_across_turn, (where, gathers.taken)
-            gathered_bytes = FP32 * sum(n for _, n in gathers.taken)
+            gathered_bytes = sum(n * size for _, n, size in gathers.taken)
             gather = counts["all_gather"]
             # One collective per gather in use order, one per pack started ahead.
             assert gather["calls"] == len(gathers.taken) - gathers.ahead + gathers.packs, where

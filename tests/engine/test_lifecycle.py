@@ -154,7 +154,7 @@ def test_nothing_of_the_engine_stays_alive_after_del(tmp_path, param, optim):
 
 def test_the_process_group_is_released_for_every_holder():
     handle = _GroupHandle(object())
-    info = ProcessGroupInfo(1, 2, handle)
+    info = ProcessGroupInfo(1, 2, _handle=handle)
     held_elsewhere = info  # a ShardContext, a store, a checkpoint job hold the same info
     assert info.group is handle.group
     info.release()

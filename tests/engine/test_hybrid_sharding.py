@@ -1,0 +1,163 @@
+"""Two nodes of two ranks each, on this one machine: four gloo ranks, OFFLOAD_NODE naming
+ranks 0-1 node n0 and ranks 2-3 node n1 (Note [node names] in offload/node.py).
+
+The hybrid layout (Note [hybrid sharding] in offload/transfers/layout.py, the default
+"node") against the flat one ("world"), each with cpu, nvme and auto offload, fp32 and
+bf16:
+  - losses and weights equal plain PyTorch on the global batch (four micro-batches);
+  - the bytes each link class carried in a step (Note [link classes]) equal the closed
+    form, to the byte. Per rank, with G the shard group's size (2 hybrid, 4 flat),
+    P = sum over tiny_gpt's parameters of G * partition_numel (the padded gradients)
+    and the gathers of tests/engine/test_collective_bytes.py (each parameter at its use
+    in forward and again where backward needs it, less those kept across the turn):
+      shard group     reduce_scatter: one call per bucket, 4 * P sent, 4 * P / G
+                      received; all_gather: itemsize * padded numel of each gather
+                      received, 1/G of it sent; all_reduce: scalars (< 64 bytes)
+      replica group   (hybrid only) all_reduce: one call per bucket, 4 * P / G sent
+                      and received; nothing else
+    The hybrid layout's shard group is within a node and its replica group across the
+    nodes: across nodes it carries only those gradient partitions. The flat layout's
+    one group spans both nodes: everything it carries crosses them, nothing stays
+    within a node.
+Resuming a hybrid checkpoint at one node of two ranks and at two nodes of one rank
+each: tests/checkpoint_io/test_resume_world_size.py."""
+import copy
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from offload.partition.shard_context import partition_numel
+import offload
+from tests.engine.collective_counts import Gathers, arrival_order, expected_buckets, expected_gathers, \
+    saved_for_backward
+from tests.engine.ranks import run_ranks
+from tests.support.harness import batches, build, make_config, run_reference, run_reference_mixed, train_engine
+
+pytestmark = pytest.mark.slow  # spawns four ranks
+
+WORLD, PER_NODE = 4, 2
+BUCKET = 2000  # elements, as in test_collective_bytes: several buckets a step
+STEPS = 2      # counted, after one warm-up step (the prefetch order is learned there)
+FP32 = 4
+CASES = [  # layout, offload_param, offload_optimizer, precision
+    ("node", "cpu", "cpu", "fp32"),
+    ("world", "cpu", "cpu", "fp32"),
+    ("node", "nvme", "nvme", "fp32"),
+    ("world", "nvme", "nvme", "fp32"),
+    ("node", "auto", "auto", "fp32"),
+    ("world", "auto", "auto", "fp32"),
+    ("node", "cpu", "cpu", "bf16"),
+    ("world", "nvme", "cpu", "bf16"),
+]
+
+
+def _config(layout, param, optim, precision, nvme_path):
+    cfg = make_config(param, optim, nvme_path, precision=precision)
+    zero = cfg["zero_optimization"]
+    zero.update(reduce_bucket_size=BUCKET, shard_group_size=layout)
+    for section in ("offload_param", "offload_optimizer"):
+        if zero[section]["device"] == "auto":
+            zero[section]["nvme_path"] = str(nvme_path)
+    return cfg
+
+
+def _worker(rank, world, port, nvme_root, device, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OFFLOAD_DEVICE=device,
+                      OFFLOAD_SIM_SEED=str(rank), OFFLOAD_NODE=f"n{rank // PER_NODE}")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for i, case in enumerate(CASES):
+            try:
+                results.put((rank, i, _run_case(rank, world, case, os.path.join(nvme_root, f"case{i}"))))
+            except Exception:  # noqa: BLE001 - reported to the parent test
+                results.put((rank, i, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_case(rank, world, case, nvme_path):
+    layout, param, optim, precision = case
+    group = PER_NODE if layout == "node" else world
+    model = build("tiny_gpt")
+    data = batches(1 + STEPS, world=world, seed=7)
+    if precision == "fp32":
+        ref_model, ref_losses = run_reference(model, data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01,
+                                              world=world)
+    else:
+        ref_model, ref_losses = run_reference_mixed(model, data, dtype=torch.bfloat16, gas=1, lr=1e-2,
+                                                    weight_decay=0.01, world=world)
+    padded = {n: group * partition_numel(p.numel(), group) for n, p in model.named_parameters()}
+    buckets = expected_buckets([padded[n] for n in arrival_order(model, *data[0][rank])], BUCKET)
+    grad_bytes = FP32 * sum(padded.values())
+    gathers_before_reuse = expected_gathers(list(padded), saved_for_backward(model, *data[0][rank]))
+    # Kept gathered from forward into backward, as in test_collective_bytes: where homes are
+    # read ahead (NVMe, or any home on a device with memory of its own).
+    prefetching = param == "nvme" or os.environ.get("OFFLOAD_DEVICE") == "sim"
+    kept_across_turn = (sorted(["blocks.1.out.weight", "ln_f.bias", "ln_f.weight", "wte.weight"])
+                        if prefetching else [])
+
+    figures = []
+    with offload.initialize(copy.deepcopy(model), _config(layout, param, optim, precision, nvme_path)) as engine:
+        pg = engine.pg
+        assert (pg.world_size, pg.replicas, pg.rank, pg.replica) == (
+            group, world // group, rank % group, rank // group)
+        hybrid = layout == "node"
+        assert pg.links == ({"shard": "within_node", "replica": "across_nodes"} if hybrid
+                            else {"shard": "across_nodes", "replica": "across_nodes"})
+        losses = [train_engine(engine, data[:1], rank=rank)]  # warm-up: learns the prefetch order
+        for step in data[1:]:
+            pg.reset_collective_counts()
+            with Gathers() as gathers:
+                losses.append(train_engine(engine, [step], rank=rank))
+            shard = pg.collective_counts("within_node" if hybrid else "across_nodes")
+            other = pg.collective_counts("across_nodes" if hybrid else "within_node")
+            where = f"{case}: shard group {shard}, other link {other}"
+            figures.append({"shard": shard, "other": other})
+
+            assert shard["reduce_scatter"] == {"calls": len(buckets), "bytes_sent": grad_bytes,
+                                               "bytes_received": grad_bytes // group}, where
+            not_gathered = list(gathers_before_reuse)
+            for name, _, _ in gathers.taken:
+                not_gathered.remove(name)
+            assert sorted(not_gathered) == kept_across_turn, (where, gathers.taken)
+            gathered = sum(n * size for _, n, size in gathers.taken)
+            assert shard["all_gather"]["bytes_received"] == gathered, where
+            assert shard["all_gather"]["bytes_sent"] == gathered // group, where
+            assert shard["all_reduce"]["bytes_sent"] < 64 and shard["broadcast"]["calls"] == 0, where
+            if hybrid:  # across the nodes: the gradient partitions' all_reduce, nothing else
+                assert other["all_reduce"] == {"calls": len(buckets), "bytes_sent": grad_bytes // group,
+                                               "bytes_received": grad_bytes // group}, where
+                for kind in ("reduce_scatter", "all_gather", "broadcast"):
+                    assert other[kind]["calls"] == other[kind]["bytes_sent"] == 0, where
+            else:  # one group spanning both nodes: nothing stays within a node
+                assert all(c["calls"] == 0 for c in other.values()), where
+        weights = {n: v.detach().cpu().clone() for n, v in engine.full_state_dict(master=True).items()}
+    torch.testing.assert_close(torch.cat(losses), ref_losses[:, rank], msg=lambda m: f"{case} losses: {m}")
+    for name, p in ref_model.named_parameters():  # fp32 masters, the reference's and the engine's
+        torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{case} {name}: {m}")
+    return {"ok": True, "figures": figures}
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_two_nodes_of_two_ranks_hybrid_against_flat(tmp_path, device):
+    outcome, procs = run_ranks(_worker, (str(tmp_path), device), world=WORLD, timeout=560)
+    failures = {k: v for k, v in outcome.items() if not isinstance(v, dict)}
+    assert not failures, "\n".join(f"rank {r} case {CASES[i]}:\n{msg}" for (r, i), msg in failures.items())
+    assert len(outcome) == WORLD * len(CASES), f"workers reported {sorted(outcome)}"
+    assert [p.exitcode for p in procs] == [0] * WORLD, f"worker exit codes {[p.exitcode for p in procs]}"
+    for i, case in enumerate(CASES):  # every rank carried the same bytes on each link
+        figures = [outcome[(r, i)]["figures"] for r in range(WORLD)]
+        assert all(f == figures[0] for f in figures), (case, figures)
+    # Across the nodes, the hybrid layout's 2 * 4P/2 bytes a rank (its gradient partitions, sent
+    # and received) against the flat layout's 4P + P sent and received for the gradients alone,
+    # and every gather besides: less than a third (tiny_gpt, fp32: 63,008 against 238,176).
+    for (hybrid, flat) in ((0, 1), (2, 3)):
+        across_hybrid = sum(k["bytes_sent"] + k["bytes_received"]
+                            for k in outcome[(0, hybrid)]["figures"][-1]["other"].values())
+        across_flat = sum(k["bytes_sent"] + k["bytes_received"]
+                          for k in outcome[(0, flat)]["figures"][-1]["shard"].values())
+        assert 3 * across_hybrid < across_flat, (CASES[hybrid], across_hybrid, across_flat)
