@@ -19,7 +19,16 @@ losses of all ranks are gathered each step; their mean is the global loss,
 compared with torch_losses (one process, loss = mean of the rank losses).
 stage3_param_persistence_threshold is 0: DeepSpeed's default (1e5 elements)
 would keep every parameter of this small model whole on each rank, and hpZ
-would have nothing to partition.
+would have nothing to partition. stage3_max_live_parameters 1e4,
+stage3_max_reuse_distance 0 and stage3_prefetch_bucket_size 1e4 (elements, under
+one block's 50k) make ZeRO-3 release each module's parameters after use, as it
+must for a large model: otherwise this model stays gathered from the forward to
+the end of the backward, and the backward never all-gathers from hpZ's
+secondary (intra-node) partition. "gradient_clipping": 0.0 is explicit: in
+DeepSpeed 0.19.8 its default is 1.0 (GRADIENT_CLIPPING_DEFAULT), so a config
+that does not name it clips (here the first step's norm is about 1.12) and the
+losses part from unclipped torch from the third step on (7.7e-5, at any ZeRO
+stage, with or without offload or hpZ).
 
 Rank 0 writes DIR/result_name(offload, hpz) (deepspeed_hpz_<offload>.json for
 hpz 2, deepspeed_hpz<N>_<offload>.json otherwise): losses, torch losses, the
@@ -127,8 +136,10 @@ def ds_config(offload: str, hpz: int, world: int, nvme_path: str | None = None, 
             "stage": 3, "offload_param": param, "offload_optimizer": optim,
             "zero_hpz_partition_size": hpz,
             "stage3_param_persistence_threshold": 0,
-            "reduce_bucket_size": int(1e6), "stage3_prefetch_bucket_size": int(1e6),
+            "reduce_bucket_size": int(1e6), "stage3_prefetch_bucket_size": int(1e4),
+            "stage3_max_live_parameters": int(1e4), "stage3_max_reuse_distance": 0,
         },
+        "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0 (Note in the module docstring)
         "steps_per_print": 10**9, "wall_clock_breakdown": False,
     }
     if offload == "nvme":

@@ -9,6 +9,7 @@ import sys
 
 from offload.config import ConfigError
 from offload.sizing.memory_model import CLI_FLAGS, LARGEST_LAYER_FRACTION, _gib, estimate_from
+from offload.sizing.step_time import format_predictions
 from offload.sizing.trainable import parse_count
 
 
@@ -25,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="parameters kept whole on every device (default: from --model-config, else 0)")
     parser.add_argument("--world-size", type=int, default=1, help="total ranks (default 1)")
     parser.add_argument("--num-nodes", type=int, default=1, help="hosts the ranks run on (default 1)")
+    parser.add_argument("--group-size", default=None,
+                        help="ranks each parameter is partitioned over: node (each node a shard group, the "
+                             "default), world (flat), or a number (default: the config's "
+                             "zero_optimization.shard_group_size)")
     # A string, parsed by estimate(): its errors name the flag and every accepted form.
     parser.add_argument("--trainable", default=None,
                         help="how much trains, the rest frozen: a count (8M, 3.4e6), a fraction (0.011, 1.1%%), "
@@ -40,6 +45,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None,
                         help="micro batch for --seq-len (default: the config's train_micro_batch_size_per_gpu, "
                              "else 1)")
+    step = parser.add_argument_group("step time (Note [step-time model]): flat against hybrid sharding, "
+                                     "predicted from the bytes above and these rates")
+    step.add_argument("--step-time", action="store_true", help="predict a step's time for each layout")
+    step.add_argument("--link-within", default="100GB", help="a rank's link within its node, bytes/s each way")
+    step.add_argument("--link-across", default="12.5GB", help="a node's link to the others, bytes/s each way "
+                                                             "(12.5GB: 100 Gb/s Ethernet)")
+    step.add_argument("--bus", default=None, help="host <-> device bytes/s a rank (none: no separate device)")
+    step.add_argument("--disk", default=None, help="a node's NVMe read rate, bytes/s")
+    step.add_argument("--tflops", type=float, default=None, help="a rank's compute, TFLOP/s")
+    step.add_argument("--adam-rate", type=float, default=None, help="parameters a second a rank's host Adam updates")
+    step.add_argument("--tokens", type=int, default=None, help="a rank's tokens a step")
+    step.add_argument("--no-overlap", action="store_true", help="transfers run in series with compute (the "
+                                                                "cpu layer), not under it")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -50,13 +68,17 @@ def run(args: argparse.Namespace) -> int:
         est = estimate_from(args.params, model_config=args.model_config, config=args.config,
                         largest_layer_params=args.largest_layer, persistent_params=args.persistent_params,
                         world_size=args.world_size, num_nodes=args.num_nodes,
-                        trainable=args.trainable, names=CLI_FLAGS, frozen_quant=args.frozen_quant)
+                        trainable=args.trainable, names=CLI_FLAGS, frozen_quant=args.frozen_quant,
+                        group_size=args.group_size)
         saved = _activations(args)
+        predictions = _step_time(args, est)
     except ConfigError as exc:
         print(f"offload estimate: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({**est.to_dict(), "activations": None if saved is None else saved.to_dict()}, indent=2))
+        print(json.dumps({**est.to_dict(), "activations": None if saved is None else saved.to_dict(),
+                          "step_time": None if predictions is None else
+                          {k: p.to_dict() for k, p in predictions.items()}}, indent=2))
     else:
         print(est.format())
         if saved is not None:
@@ -64,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
                   f"(Note [activation estimate]): {_gib(saved.whole)} with every block whole; "
                   f"{_gib(saved.checkpointed)} with all {saved.blocks} checkpointed (a block saves "
                   f"{_gib(saved.block)}, its input {_gib(saved.block_input)}, outside the blocks {_gib(saved.outside)})")
+        if predictions is not None:
+            print("\nstep time per layout (Note [step-time model]; a prediction from the rates given):")
+            print(format_predictions(predictions))
     # A plan that does not fit exits 1, so a script can stop before it starts a run initialize refuses.
     short = [n for n in est.notes if " short" in n]
     if args.config is not None:
@@ -73,6 +98,34 @@ def run(args: argparse.Namespace) -> int:
     for line in short:
         print(f"offload estimate: does not fit: {line}", file=sys.stderr)
     return 1 if short else 0
+
+
+def _step_time(args: argparse.Namespace, est):
+    """Flat and hybrid step times where --step-time asks for them; None else."""
+    if not args.step_time:
+        return None
+    from offload.config import parse_bytes
+    from offload.sizing.step_time import Rates, Work, compare_layouts
+
+    missing = [flag for flag, v in (("--tflops", args.tflops), ("--adam-rate", args.adam_rate),
+                                    ("--tokens", args.tokens)) if v is None]
+    if missing:
+        raise ConfigError(f"--step-time needs {', '.join(missing)}")
+    rate = {flag: None if v is None else parse_bytes(v, flag) for flag, v in (
+        ("--link-within", args.link_within), ("--link-across", args.link_across), ("--bus", args.bus),
+        ("--disk", args.disk))}
+    nvme = "nvme"
+    try:
+        rates = Rates(within_node=rate["--link-within"], across_nodes=rate["--link-across"], bus=rate["--bus"],
+                      disk=rate["--disk"], flops=args.tflops * 1e12, adam=args.adam_rate,
+                      overlap=not args.no_overlap)
+        work = Work(params=est.num_params, trainable=est.trainable_params, param_bytes=est.param_bytes,
+                    tokens=args.tokens, world=est.world_size, nodes=est.num_nodes, group=est.group_size,
+                    params_offloaded=est._side("param") != "none", params_on_nvme=est.breakdown["nvme"] != {}
+                    and est._side("param") in (nvme, "auto"), state_on_nvme=est._side("optimizer") == nvme)
+        return compare_layouts(work, rates)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _activations(args: argparse.Namespace):

@@ -70,6 +70,8 @@ class Estimate:
     world_size: int
     num_nodes: int
     precision: Precision
+    group_size: int  # the ranks a parameter is partitioned over (Note [hybrid sharding])
+    param_bytes: int  # every parameter as gathered, padded: its itemsize or its quantized bytes
     offload_param: Tier
     offload_optimizer: Tier
     device: int
@@ -127,7 +129,9 @@ class Estimate:
             f"{_count(self.largest_layer_params)}, persistent {_count(self.persistent_params)}; "
             f"{self.precision.value}, offload_param={self._side('param')}, "
             f"offload_optimizer={self._side('optimizer')}; "
-            f"{self.world_size} rank(s) on {self.num_nodes} node(s)",
+            f"{self.world_size} rank(s) on {self.num_nodes} node(s)"
+            + (f", shard groups of {self.group_size} (a copy of the partitioned state in each)"
+               if self.group_size < self.world_size else ""),
             "",
             f"{'tier':<8}{'per rank':>12}   contributions",
         ]
@@ -166,7 +170,7 @@ def _count(n: int) -> str:
 CLI_FLAGS = {"num_params": "--params", "model_config": "--model-config",
              "largest_layer_params": "--largest-layer", "persistent_params": "--persistent-params",
              "world_size": "--world-size", "num_nodes": "--num-nodes", "trainable": "--trainable",
-             "frozen_quant": "--frozen-quant"}
+             "frozen_quant": "--frozen-quant", "group_size": "--group-size"}
 
 
 def estimate(num_params: int | None = None, *, model_config: str | os.PathLike | Mapping | None = None,
@@ -174,10 +178,12 @@ def estimate(num_params: int | None = None, *, model_config: str | os.PathLike |
              largest_layer_params: int | None = None, persistent_params: int | None = None,
              world_size: int = 1, num_nodes: int = 1,
              trainable: int | float | str | os.PathLike | Mapping | None = None,
-             frozen_quant: str | None = None) -> Estimate:
+             frozen_quant: str | None = None, group_size: int | str | None = None) -> Estimate:
     """Bytes per tier for `num_params` (or a HF model config) under `config`; see Note [memory model].
 
     world_size is the total number of ranks, num_nodes how many hosts they share.
+    group_size: the ranks each parameter is partitioned over ("node", "world" or a number;
+    None: the config's zero_optimization.shard_group_size; Note [hybrid sharding]).
     trainable: how much of the model trains (Note [trainable share]): a count
     (8_000_000, "8M"), a fraction (0.011, "1.1%"), or a PEFT LoRA adapter config
     (a path to adapter_config.json or its folder, or the dict; needs model_config);
@@ -189,11 +195,12 @@ def estimate(num_params: int | None = None, *, model_config: str | os.PathLike |
     return estimate_from(num_params, model_config=model_config, config=config,
                      largest_layer_params=largest_layer_params, persistent_params=persistent_params,
                      world_size=world_size, num_nodes=num_nodes, trainable=trainable, names={},
-                     frozen_quant=frozen_quant)
+                     frozen_quant=frozen_quant, group_size=group_size)
 
 
 def estimate_from(num_params, *, model_config, config, largest_layer_params, persistent_params, world_size,
-              num_nodes, trainable, names: Mapping[str, str], frozen_quant: str | None = None) -> Estimate:
+              num_nodes, trainable, names: Mapping[str, str], frozen_quant: str | None = None,
+              group_size: int | str | None = None) -> Estimate:
     """estimate(), its errors and notes naming each argument as `names` spells it
     (the keyword itself where absent)."""
     def name(keyword: str) -> str:
@@ -206,6 +213,7 @@ def estimate_from(num_params, *, model_config, config, largest_layer_params, per
     if world_size % num_nodes:
         raise ConfigError(f"{name('world_size')}: {world_size} is not a multiple of {name('num_nodes')} "
                           f"{num_nodes}")
+    parts = _shard_group(cfg, group_size, world_size, num_nodes, name)
     share = None if trainable is None else parse_trainable(trainable, name("trainable"))
     if frozen_quant is not None and (frozen_quant not in QUANT_METHODS or model_config is None):
         raise ConfigError(f"{name('frozen_quant')}: {frozen_quant!r} needs one of {', '.join(QUANT_METHODS)} and "
@@ -266,8 +274,8 @@ def estimate_from(num_params, *, model_config, config, largest_layer_params, per
     zero = zero.resolve_auto(hidden, num_params)
 
     c = cfg.precision.itemsize
-    shard = math.ceil(num_params / world_size)
-    trainable_shard = math.ceil(trainable_params / world_size)
+    shard = math.ceil(num_params / parts)
+    trainable_shard = math.ceil(trainable_params / parts)
     frozen = trainable_params < num_params
     # Optimizer terms are per trainable element: said so where some are frozen.
     per = "B/trainable param" if frozen else "B/param"
@@ -275,7 +283,7 @@ def estimate_from(num_params, *, model_config, config, largest_layer_params, per
     p_tier, o_tier, grad_tier = p_dev.value, o_dev.value, zero.offload_optimizer.grad_tier.value
     prec = cfg.precision.value
     breakdown: dict[str, dict[str, int]] = {t: {} for t in TIERS}
-    specs = _specs(zero, num_params, trainable_params, largest_layer_params, persistent_params, world_size, model,
+    specs = _specs(zero, num_params, trainable_params, largest_layer_params, persistent_params, parts, model,
                    tail_share=share is not None and adapter is None, notes=notes, name=name,
                    frozen_quant=frozen_quant)
     quantized = [s for s in specs if s.itemsize is not None]
@@ -300,12 +308,12 @@ def estimate_from(num_params, *, model_config, config, largest_layer_params, per
         breakdown["host"][f"parameter NVMe bounce buffers (2 x largest layer, {prec})"] = \
             2 * largest_layer_params * c
     if o_dev is Tier.NVME:  # what the update keeps in flight, as initialize reserves it (engine/budgets.py)
-        for what, nbytes in nvme_state_buffers(-(-largest_trainable // world_size), c, p_dev is Tier.NVME).items():
+        for what, nbytes in nvme_state_buffers(-(-largest_trainable // parts), c, p_dev is Tier.NVME).items():
             breakdown["host"][what] = nbytes
     placement = None
     auto = zero.offload_param.auto or zero.offload_optimizer.auto
     # zero: its "auto" sizes resolved, as initialize resolves them from the model
-    plan, held = _plan_and_reserve(dataclasses.replace(cfg, zero_optimization=zero), specs, world_size, world_size // num_nodes, auto=auto, notes=notes)
+    plan, held = _plan_and_reserve(dataclasses.replace(cfg, zero_optimization=zero), specs, parts, world_size // num_nodes, auto=auto, notes=notes)
     needs = {t.value: dict(parts) for t, parts in held.need.items()}
     if auto:
         # The plan's device and host are what initialize checks against their budgets,
@@ -330,10 +338,31 @@ def estimate_from(num_params, *, model_config, config, largest_layer_params, per
     return Estimate(
         num_params=num_params, trainable_params=trainable_params, largest_layer_params=largest_layer_params,
         persistent_params=persistent_params, world_size=world_size, num_nodes=num_nodes, precision=cfg.precision,
+        group_size=parts, param_bytes=sum(s.padded_numel * (s.itemsize or c) for s in specs),
         offload_param=p_dev, offload_optimizer=o_dev, breakdown=breakdown, **totals,
         minimum_device=totals["device"], minimum_host=totals["host"] * per_node,
         minimum_nvme=totals["nvme"] * per_node, notes=tuple(notes), placement=placement,
         auto_param=zero.offload_param.auto, auto_optimizer=zero.offload_optimizer.auto, needs=needs)
+
+
+def _shard_group(cfg: Config, setting, world_size: int, num_nodes: int, name) -> int:
+    """The shard group's size for `world_size` ranks numbered node by node (Note [hybrid sharding])."""
+    from offload.transfers.layout import group_size
+
+    if setting is None:
+        setting = cfg.zero_optimization.group_size
+    elif setting not in ("node", "world"):
+        try:
+            setting = int(setting)
+        except (TypeError, ValueError):
+            setting = 0
+        if setting < 1:
+            raise ConfigError(f"{name('group_size')}: {setting!r} is not 'node', 'world' or a number of ranks")
+    per_node = world_size // num_nodes
+    try:
+        return group_size(setting, [f"node{r // per_node}" for r in range(world_size)])[0]
+    except ValueError as exc:
+        raise ConfigError(f"{name('group_size')}: {exc}") from exc
 
 
 def _specs(zero, num_params, trainable_params, largest, persistent, world_size, model: CountedModel | None, *,

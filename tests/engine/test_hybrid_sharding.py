@@ -19,7 +19,9 @@ bf16:
     nodes: across nodes it carries only those gradient partitions. The flat layout's
     one group spans both nodes: everything it carries crosses them, nothing stays
     within a node.
-Resuming a hybrid checkpoint at one node of two ranks and at two nodes of one rank
+Gradient accumulation, clipping by the global norm and frozen parameters, hybrid
+against plain PyTorch too (WINDOW_CASES: losses and weights; their bytes are not
+counted). Resuming a hybrid checkpoint at one node of two ranks and at two nodes of one rank
 each: tests/checkpoint_io/test_resume_world_size.py."""
 import copy
 import os
@@ -52,6 +54,11 @@ CASES = [  # layout, offload_param, offload_optimizer, precision
     ("node", "cpu", "cpu", "bf16"),
     ("world", "nvme", "cpu", "bf16"),
 ]
+WINDOW_CASES = [  # layout, offload_param, offload_optimizer, accumulation steps, clip, frozen prefix
+    ("node", "cpu", "cpu", 2, 0.05, None),
+    ("node", "nvme", "nvme", 3, 0.0, "blocks.0."),
+    ("node", "cpu", "nvme", 1, 0.05, "wte"),
+]
 
 
 def _config(layout, param, optim, precision, nvme_path):
@@ -70,9 +77,10 @@ def _worker(rank, world, port, nvme_root, device, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        for i, case in enumerate(CASES):
+        for i, case in enumerate(CASES + WINDOW_CASES):
+            run = _run_case if i < len(CASES) else _run_window_case
             try:
-                results.put((rank, i, _run_case(rank, world, case, os.path.join(nvme_root, f"case{i}"))))
+                results.put((rank, i, run(rank, world, case, os.path.join(nvme_root, f"case{i}"))))
             except Exception:  # noqa: BLE001 - reported to the parent test
                 results.put((rank, i, traceback.format_exc()))
     finally:
@@ -142,12 +150,34 @@ def _run_case(rank, world, case, nvme_path):
     return {"ok": True, "figures": figures}
 
 
+def _run_window_case(rank, world, case, nvme_path):
+    layout, param, optim, gas, clip, frozen = case
+    model = build("tiny_gpt")
+    for name, p in model.named_parameters():
+        p.requires_grad_(frozen is None or not name.startswith(frozen))
+    data = batches(2 * gas, world=world, seed=11)
+    ref_model, ref_losses = run_reference(model, data, gas=gas, clip=clip, lr=1e-2, weight_decay=0.01, world=world)
+    cfg = make_config(param, optim, nvme_path, gas=gas, clip=clip)
+    cfg["zero_optimization"].update(reduce_bucket_size=BUCKET, shard_group_size=layout)
+    with offload.initialize(copy.deepcopy(model), cfg) as engine:
+        assert engine.pg.replicas == 2
+        losses = train_engine(engine, data, rank=rank)
+        if clip:  # the global norm: over the group's partitions once, not once per copy
+            assert engine.get_global_grad_norm() > clip
+        weights = {n: v.detach().cpu().clone() for n, v in engine.full_state_dict(master=True).items()}
+    torch.testing.assert_close(losses, ref_losses[:, rank], msg=lambda m: f"{case} losses: {m}")
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{case} {name}: {m}")
+    return {"ok": True, "figures": None}
+
+
 @pytest.mark.parametrize("device", ["cpu", "sim"])
 def test_two_nodes_of_two_ranks_hybrid_against_flat(tmp_path, device):
     outcome, procs = run_ranks(_worker, (str(tmp_path), device), world=WORLD, timeout=560)
     failures = {k: v for k, v in outcome.items() if not isinstance(v, dict)}
-    assert not failures, "\n".join(f"rank {r} case {CASES[i]}:\n{msg}" for (r, i), msg in failures.items())
-    assert len(outcome) == WORLD * len(CASES), f"workers reported {sorted(outcome)}"
+    every = CASES + WINDOW_CASES
+    assert not failures, "\n".join(f"rank {r} case {every[i]}:\n{msg}" for (r, i), msg in failures.items())
+    assert len(outcome) == WORLD * len(every), f"workers reported {sorted(outcome)}"
     assert [p.exitcode for p in procs] == [0] * WORLD, f"worker exit codes {[p.exitcode for p in procs]}"
     for i, case in enumerate(CASES):  # every rank carried the same bytes on each link
         figures = [outcome[(r, i)]["figures"] for r in range(WORLD)]
