@@ -352,12 +352,13 @@ def _shard_group(cfg: Config, setting, world_size: int, num_nodes: int, name) ->
     if setting is None:
         setting = cfg.zero_optimization.group_size
     elif setting not in ("node", "world"):
+        given = setting
         try:
             setting = int(setting)
         except (TypeError, ValueError):
             setting = 0
-        if setting < 1:
-            raise ConfigError(f"{name('group_size')}: {setting!r} is not 'node', 'world' or a number of ranks")
+        if setting < 1 or isinstance(given, bool):
+            raise ConfigError(f"{name('group_size')}: {given!r} is not 'node', 'world' or a number of ranks")
     per_node = world_size // num_nodes
     try:
         return group_size(setting, [f"node{r // per_node}" for r in range(world_size)])[0]

@@ -1,6 +1,7 @@
 """offload.estimate: the memory model, HF config counting, and DeepSpeed's estimator."""
 import argparse
 import json
+import re
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def test_known_model_counts():
 def test_bytes_per_tier_closed_form():
     n, L, P = 1_000_000, 10_000, 500
     e = estimate(n, config=cfg("nvme", "nvme", sub_group_size=1000), largest_layer_params=L, persistent_params=P,
-                 world_size=4, num_nodes=2)
+                 world_size=4, num_nodes=2, group_size="world")
     shard = n // 4
     assert e.nvme == shard * (2 + 4 + 8)
     in_flight = (3 * 12 + 4 * 12 + 3 * 4 + 3 * 2) * (L // 4)  # Note [memory model]; bf16 homes on NVMe
@@ -151,7 +152,7 @@ def test_matches_deepspeed_estimator(ds_stage3, gpus, nodes, cpu_offload, cpu_of
         n, L, num_gpus_per_node=gpus, num_nodes=nodes, cpu_offload=cpu_offload,
         cpu_offload_params=cpu_offload_params, zero_init=True, additional_buffer_factor=1.5)
     ours = estimate(n, config=cfg(param, opt, "bf16"), largest_layer_params=L, persistent_params=0,
-                    world_size=gpus * nodes, num_nodes=nodes)
+                    world_size=gpus * nodes, num_nodes=nodes, group_size="world")  # DeepSpeed's is flat
     world = gpus * nodes
     assert n % world == 0
     assert ours.minimum_device == ds_device
@@ -357,7 +358,7 @@ def test_a_count_a_fraction_and_a_percentage_give_the_same_share(tmp_path):
     n, L = 1_000_000, 10_000
     for trainable in (11_000, 11_000.0, "11K", "1.1e4", "0.011", 0.011, "1.1%", " 1.1 % "):
         e = estimate(n, config=cfg("nvme", "nvme", sub_group_size=1000), largest_layer_params=L,
-                     persistent_params=0, world_size=4, num_nodes=2, trainable=trainable)
+                     persistent_params=0, world_size=4, num_nodes=2, trainable=trainable, group_size="world")
         assert (e.trainable_params, e.frozen_params) == (11_000, n - 11_000), trainable
         want = closed_form(n, 11_000, L, 0, 2, "nvme", "nvme", world=4)
         assert (e.device, e.host, e.nvme) == (want["device"], want["host"], want["nvme"])
@@ -579,3 +580,56 @@ def test_cli_counts_a_quantized_frozen_base(tmp_path, capsys):
         assert out["num_params"] == LLAMA3_8B_BASE + LORA_QV_PARAMS  # counts stay in weights
     assert est_mod.run(parser.parse_args(["--params", "1M", "--frozen-quant", "nf4"])) == 2
     assert "--frozen-quant: 'nf4' needs one of nf4, fp4, int8 and --model-config" in capsys.readouterr().err
+
+
+# ---- shard groups and the step-time prediction (Note [hybrid sharding], Note [step-time model]) ----
+
+def test_a_node_sized_shard_group_holds_a_group_share_of_the_state():
+    n, L = 1_600_000, 10_000
+    flat = estimate(n, config=cfg("cpu", "cpu"), largest_layer_params=L, persistent_params=0,
+                    world_size=16, num_nodes=2, group_size="world")
+    hybrid = estimate(n, config=cfg("cpu", "cpu"), largest_layer_params=L, persistent_params=0,
+                      world_size=16, num_nodes=2)  # the default: a node's 8 ranks
+    assert (flat.group_size, hybrid.group_size) == (16, 8)
+    for what in ("parameter shards (bf16, 2 B/param)", "gradient accumulation (fp32, 4 B/param)",
+                 "fp32 master weights (4 B/param)", "Adam exp_avg + exp_avg_sq (fp32, 8 B/param)"):
+        assert hybrid.breakdown["host"][what] == 2 * flat.breakdown["host"][what] == n // 8 * (
+            {"p": 2, "g": 4, "f": 4, "A": 8}[what[0]]), what
+    assert hybrid.device == flat.device  # the gathered layers are whole either way
+    assert "shard groups of 8" in hybrid.format() and "shard groups" not in flat.format()
+    assert estimate(n, config=cfg("cpu", "cpu"), largest_layer_params=L, world_size=16, num_nodes=2,
+                    group_size=4).group_size == 4
+    one_node = estimate(n, config=cfg("cpu", "cpu"), largest_layer_params=L, world_size=8, num_nodes=1)
+    assert one_node.group_size == 8  # one node: the flat layout
+
+
+@pytest.mark.parametrize("group, message", [(3, r"--group-size: .*16 ranks do not divide into groups of 3"),
+                                            ("nodes", r"--group-size: 'nodes' is not 'node', 'world'")])
+def test_a_shard_group_that_does_not_divide_the_ranks_is_refused(group, message, capsys):
+    parser = argparse.ArgumentParser()
+    est_mod.add_arguments(parser)
+    args = ["--params", "1M", "--world-size", "16", "--num-nodes", "2", "--group-size", str(group)]
+    assert est_mod.run(parser.parse_args(args)) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_step_time_per_layout_from_the_cli(tmp_path, capsys):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg("cpu", "cpu")))
+    parser = argparse.ArgumentParser()
+    est_mod.add_arguments(parser)
+    args = ["--params", "1B", "--largest-layer", "10M", "--world-size", "16",
+            "--num-nodes", "2", "--config", str(path), "--step-time", "--link-within", "400GB",
+            "--link-across", "12.5GB", "--bus", "50GB", "--tflops", "400", "--adam-rate", "1e9",
+            "--tokens", "4096", "--json"]
+    assert est_mod.run(parser.parse_args(args)) == 0
+    out = json.loads(capsys.readouterr().out)["step_time"]
+    flat, hybrid = out["flat"], out["hybrid"]
+    # Across nodes, flat: (W-1)/W of the gathers (2 x 2 B) and the fp32 gradients (4 B) a parameter;
+    # hybrid: the gradients' all_reduce across the 2 nodes, 2 (R-1)/R x 4 B a parameter, a node's link.
+    assert flat["terms"]["across nodes"] == pytest.approx(15 / 16 * 8e9 / 12.5e9)
+    assert hybrid["terms"]["across nodes"] == pytest.approx(4e9 / 12.5e9)
+    assert hybrid["terms"]["within node"] == pytest.approx(7 / 8 * 8e9 / 400e9)
+    assert flat["bound"] == hybrid["bound"] == "across nodes" and hybrid["step"] < flat["step"]
+    assert est_mod.run(parser.parse_args(args[:-9] + ["--json"])) == 2  # no --tflops and the rest
+    assert "--step-time needs --tflops, --adam-rate, --tokens" in capsys.readouterr().err
