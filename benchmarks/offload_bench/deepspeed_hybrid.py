@@ -2,7 +2,8 @@
 simulated 2 nodes x 2 ranks on one host (gloo, DeepSpeed's CPU accelerator),
 checked step by step against plain PyTorch on the global batch.
 
-    python benchmarks/offload_bench/deepspeed_hybrid.py run --out DIR [--offload cpu|nvme] [--hpz 2] [--steps 3]
+    python benchmarks/offload_bench/deepspeed_hybrid.py run --out DIR [--offload cpu|nvme|nvme-optimizer] \\
+        [--hpz 2] [--steps 3] [--timeout 600]
 
 starts two torchrun launches on 127.0.0.1 as two nodes (static rendezvous):
 
@@ -11,8 +12,9 @@ starts two torchrun launches on 127.0.0.1 as two nodes (static rendezvous):
 
 Each rank builds the same small GPT (build_model: vocab 256, hidden 64, 2 layers,
 seq 32, fp32), deepspeed.initialize's it with ZeRO stage 3, offload_param and
-offload_optimizer on OFFLOAD (nvme: DIR/nvme/node<node rank>, one "disk" per
-node), zero_hpz_partition_size N and DeepSpeed's Adam (on offload that is
+offload_optimizer on cpu, both on nvme, or (nvme-optimizer) the parameters on
+cpu and the optimizer on nvme; the NVMe path is DIR/nvme/node<node rank>, one
+"disk" per node, zero_hpz_partition_size N and DeepSpeed's Adam (on offload that is
 DeepSpeedCPUAdam with adamw_mode=True; with weight_decay 0 it is torch's AdamW =
 Adam), and trains S steps on its rank's micro-batch of global_batches. The
 losses of all ranks are gathered each step; their mean is the global loss,
@@ -70,6 +72,7 @@ from offload_bench.gpt import GPT, GPTConfig  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS, HEADS, SEQ, MICRO = 256, 64, 2, 4, 32, 2
 NODES, PER_NODE = 2, 2
+OFFLOADS = ("cpu", "nvme", "nvme-optimizer")
 ADAM = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0}
 
 
@@ -122,10 +125,15 @@ def result_name(offload: str, hpz: int) -> str:
 
 
 def ds_config(offload: str, hpz: int, world: int, nvme_path: str | None = None, micro: int = MICRO) -> dict:
-    dev = {"device": offload}
-    param, optim = dict(dev), dict(dev)
-    if offload == "nvme":
+    """offload: "cpu" (both offloads on cpu), "nvme" (both on NVMe) or "nvme-optimizer"
+    (offload_param on cpu, offload_optimizer on NVMe)."""
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}")
+    param = {"device": "nvme" if offload == "nvme" else "cpu"}
+    optim = {"device": "cpu" if offload == "cpu" else "nvme"}
+    if param["device"] == "nvme":
         param.update(nvme_path=nvme_path, buffer_count=5, buffer_size=int(1e6), max_in_cpu=0)
+    if optim["device"] == "nvme":
         optim.update(nvme_path=nvme_path, buffer_count=4)
     cfg = {
         "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
@@ -142,7 +150,7 @@ def ds_config(offload: str, hpz: int, world: int, nvme_path: str | None = None, 
         "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0 (Note in the module docstring)
         "steps_per_print": 10**9, "wall_clock_breakdown": False,
     }
-    if offload == "nvme":
+    if offload != "cpu":
         cfg["aio"] = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True,
                       "thread_count": 1}
     return cfg
@@ -207,7 +215,7 @@ def worker(out: str, offload: str, hpz: int, steps: int, timeout: float) -> int:
                              ("reduce_scatter_tensor", 3), ("broadcast", 2), ("all_gather_coalesced", 2),
                              ("all_reduce_coalesced", 2), ("reduce_scatter", 3), ("all_to_all_single", 4)):
             setattr(cdb, op, counting(op, group_at, getattr(cdb, op)))
-        nvme = str(out_dir / "nvme" / f"node{node}") if offload == "nvme" else None
+        nvme = str(out_dir / "nvme" / f"node{node}") if offload != "cpu" else None
         if nvme:
             os.makedirs(nvme, exist_ok=True)
         cfg = ds_config(offload, hpz, world, nvme)
@@ -264,7 +272,9 @@ def worker(out: str, offload: str, hpz: int, steps: int, timeout: float) -> int:
                 "per_rank_losses": per_rank, "torch_losses": ref,
                 "max_abs_diff": max(abs(p - q) for p, q in zip(losses, ref)),
                 "finite": all(math.isfinite(v) for v in losses), "assert_close": close, "assert_close_message": why,
-                "step_times_s": [round(v, 4) for v in times], "hpz_evidence_rank0": hpz_info})
+                "step_times_s": [round(v, 4) for v in times], "hpz_evidence_rank0": hpz_info,
+                "nvme_files": sorted(str(f.relative_to(out_dir)) for f in (out_dir / "nvme").rglob("*")
+                                     if f.is_file()) if nvme else None})
         done.set()
         dist.barrier()
         return 0
@@ -347,7 +357,7 @@ def main(argv=None) -> int:
     for name in ("run", "worker"):
         s = sub.add_parser(name)
         s.add_argument("--out", required=name == "worker", help="run: a temporary folder if not given")
-        s.add_argument("--offload", choices=("cpu", "nvme"), default="cpu")
+        s.add_argument("--offload", choices=OFFLOADS, default="cpu")
         s.add_argument("--hpz", type=int, default=2)
         s.add_argument("--steps", type=int, default=3)
         s.add_argument("--timeout", type=float, default=600)

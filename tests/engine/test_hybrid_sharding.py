@@ -77,6 +77,7 @@ def _worker(rank, world, port, nvme_root, device, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        results.put((rank, "deepspeed", _deepspeed_surface(rank, world, os.path.join(nvme_root, "ds"))))
         for i, case in enumerate(CASES + WINDOW_CASES):
             run = _run_case if i < len(CASES) else _run_window_case
             try:
@@ -150,6 +151,30 @@ def _run_case(rank, world, case, nvme_path):
     return {"ok": True, "figures": figures}
 
 
+def _deepspeed_surface(rank, world, root):
+    """A DeepSpeed script's view of a hybrid job: the job's ranks, not the group's; its
+    loader samples over all four; a checkpoint saved and loaded on every rank."""
+    try:
+        import offload.deepspeed as ds
+
+        cfg = make_config("cpu", "cpu", root)
+        data = torch.utils.data.TensorDataset(torch.randint(0, 37, (16, 7)))
+        engine, _, loader, _ = ds.initialize(model=build("tiny_gpt"), config=cfg, training_data=data)
+        with engine:
+            assert (engine.world_size, engine.global_rank) == (world, rank)
+            assert (engine.pg.world_size, engine.pg.replicas) == (PER_NODE, world // PER_NODE)
+            assert (loader.sampler.num_replicas, loader.sampler.rank) == (world, rank)
+            assert engine.train_batch_size() == 3 * world
+            engine.save_checkpoint(os.path.join(root, "ck"))
+            before = {n: v.clone() for n, v in engine.module.state_dict().items()}
+            engine.load_checkpoint(os.path.join(root, "ck"))
+            for n, v in engine.module.state_dict().items():
+                torch.testing.assert_close(v, before[n], rtol=0, atol=0)
+        return {"ok": True, "figures": None}
+    except Exception:  # noqa: BLE001 - reported to the parent test
+        return traceback.format_exc()
+
+
 def _run_window_case(rank, world, case, nvme_path):
     layout, param, optim, gas, clip, frozen = case
     model = build("tiny_gpt")
@@ -176,8 +201,9 @@ def test_two_nodes_of_two_ranks_hybrid_against_flat(tmp_path, device):
     outcome, procs = run_ranks(_worker, (str(tmp_path), device), world=WORLD, timeout=560)
     failures = {k: v for k, v in outcome.items() if not isinstance(v, dict)}
     every = CASES + WINDOW_CASES
-    assert not failures, "\n".join(f"rank {r} case {every[i]}:\n{msg}" for (r, i), msg in failures.items())
-    assert len(outcome) == WORLD * len(every), f"workers reported {sorted(outcome)}"
+    assert not failures, "\n".join(f"rank {r} case {every[i] if isinstance(i, int) else i}:\n{msg}"
+                                    for (r, i), msg in failures.items())
+    assert len(outcome) == WORLD * (len(every) + 1), f"workers reported {sorted(outcome)}"
     assert [p.exitcode for p in procs] == [0] * WORLD, f"worker exit codes {[p.exitcode for p in procs]}"
     for i, case in enumerate(CASES):  # every rank carried the same bytes on each link
         figures = [outcome[(r, i)]["figures"] for r in range(WORLD)]
