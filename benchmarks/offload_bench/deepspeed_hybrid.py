@@ -38,12 +38,21 @@ max abs difference, whether torch.testing.assert_close (defaults) passes, step
 times, and the evidence that hpZ is active: per step, parameters holding a
 ds_secondary_tensor after the forward, the ranks of the secondary (intra-node)
 group, the parameters left whole (not partitioned) after each step, and
-DeepSpeed's collectives per step as "op/group size" -> calls (the
-methods of deepspeed.comm's backend object, wrapped to count only). A rank that raises writes
-<stem>.rank<r>.error.json (type, message, last traceback frames); one that is
+DeepSpeed's collectives per step as "op/group size" -> calls (the methods of
+deepspeed.comm's backend object, wrapped to count only); with NVMe, the files
+under DIR/nvme. A rank that raises writes <stem>.rank<r>.error.json (type, message, last traceback frames); one that is
 still running after --timeout writes the same file as a hang, with where its
 main thread was, and exits. run_two_nodes merges these with the launches'
 return codes and the tail of each failed launch's log (DIR/<stem>.node<i>.log).
+
+What it found (DeepSpeed 0.19.8, torch 2.13.0+cpu, 5 steps): hpz 2 with both
+offloads on cpu trains and matches torch (max diff 4.8e-7, assert_close passes),
+hpZ active (forward all-gathers over the 4 ranks, backward over the node pair,
+secondary partitions twice the primary's size); so do hpz 2 with nvme-optimizer
+and the hpz 1 controls (cpu, nvme). hpz 2 with offload_param on nvme fails in
+deepspeed.initialize on every rank: hpZ's secondary partition is allocated with
+torch.empty(..., device=remote_device) and remote_device is "nvme" (RuntimeError:
+"Expected one of cpu, cuda, ... device type at start of device string: nvme").
 
 Environment set by the launcher only: DS_ACCELERATOR=cpu (no GPU here),
 OMP_NUM_THREADS=1 (4 ranks on 2 cores), PYTHONPATH with benchmarks/.

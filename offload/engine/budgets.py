@@ -167,9 +167,10 @@ def _host_remedy(config: Config) -> str:
     return "; or ".join(remedies) or "the auto plan already puts on NVMe everything it may"
 
 
-def check_needs(need: dict[Tier, dict], config: Config) -> dict[Tier, str]:
+def check_needs(need: dict[Tier, dict], config: Config, pg=None) -> dict[Tier, str]:
     """Raises MemoryError where a tier's needs exceed its budget; else, per budgeted
-    tier, the line saying what was reserved."""
+    tier, the line saying what was reserved. pg: the shard layout, named in the
+    remedy where groups hold copies (Note [hybrid sharding])."""
     budgets = {Tier.DEVICE: config.memory.device_budget, Tier.HOST: config.memory.host_budget}
     notes = {}
     for tier, parts in need.items():
@@ -181,6 +182,10 @@ def check_needs(need: dict[Tier, dict], config: Config) -> dict[Tier, str]:
             change = (_host_remedy(config) if tier is Tier.HOST
                       else "lower zero_optimization.stage3_max_live_parameters (the prefetcher's live limit) "
                            "or stage3_prefetch_bucket_size (0: no prefetch), or offload more")
+            if pg is not None and pg.replicas > 1:
+                change += (f"; or shard over more ranks: each rank holds 1/{pg.world_size} of the state in shard "
+                           f"groups of {pg.world_size} (zero_optimization.shard_group_size), 1/{pg.job_size} with "
+                           "'world', whose gathers cross nodes (Note [hybrid sharding])")
             raise TierBudgetError(
                 f"{tier.value} tier budget exceeded: this configuration needs at least {total} bytes "
                 f"on the {tier.value} tier ({detail}) but memory.{tier.value}_budget is {budget}; "

@@ -386,7 +386,7 @@ def _plan_within_budgets(model, named, planned: list[_Planned], config: Config, 
     configs, staging, need = held.configs, held.staging, held.need
     if first is not None:
         placement = dataclasses.replace(placement, host_limit=first.host)
-    return placement, configs, staging, budgets.check_needs(need, config)
+    return placement, configs, staging, budgets.check_needs(need, config, pg)
 
 
 def _take_over(model, planned: list[_Planned], replacements: dict, plan, config: Config, layer: DeviceLayer,

@@ -78,6 +78,7 @@ def _worker(rank, world, port, nvme_root, device, results):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         results.put((rank, "deepspeed", _deepspeed_surface(rank, world, os.path.join(nvme_root, "ds"))))
+        results.put((rank, "refused", _budget_refusal()))
         for i, case in enumerate(CASES + WINDOW_CASES):
             run = _run_case if i < len(CASES) else _run_window_case
             try:
@@ -175,6 +176,20 @@ def _deepspeed_surface(rank, world, root):
         return traceback.format_exc()
 
 
+def _budget_refusal():
+    """A host budget the group's share does not fit: refused before anything moves, naming
+    the shard group as one way out."""
+    try:
+        cfg = make_config("cpu", "cpu", None, extra={"memory": {"host_budget": 4096}})
+        with pytest.raises(MemoryError, match=r"host tier budget exceeded.*each rank holds 1/2 of the state in "
+                                              r"shard groups of 2 \(zero_optimization.shard_group_size\), 1/4 "
+                                              r"with 'world'"):
+            offload.initialize(build("tiny_gpt"), cfg)
+        return {"ok": True, "figures": None}
+    except BaseException:  # noqa: BLE001 - reported to the parent test
+        return traceback.format_exc()
+
+
 def _run_window_case(rank, world, case, nvme_path):
     layout, param, optim, gas, clip, frozen = case
     model = build("tiny_gpt")
@@ -203,7 +218,7 @@ def test_two_nodes_of_two_ranks_hybrid_against_flat(tmp_path, device):
     every = CASES + WINDOW_CASES
     assert not failures, "\n".join(f"rank {r} case {every[i] if isinstance(i, int) else i}:\n{msg}"
                                     for (r, i), msg in failures.items())
-    assert len(outcome) == WORLD * (len(every) + 1), f"workers reported {sorted(outcome)}"
+    assert len(outcome) == WORLD * (len(every) + 2), f"workers reported {sorted(outcome)}"
     assert [p.exitcode for p in procs] == [0] * WORLD, f"worker exit codes {[p.exitcode for p in procs]}"
     for i, case in enumerate(CASES):  # every rank carried the same bytes on each link
         figures = [outcome[(r, i)]["figures"] for r in range(WORLD)]
