@@ -88,6 +88,8 @@ def run_ours(spec: dict, out: Path, timeout: float) -> dict:
     codes = launch_two_nodes(["offload_bench.hybrid", str(spec_path)], out, timeout)
     ranks = [json.loads((out / f"hybrid_rank{r}.json").read_text()) for r in range(4)
              if (out / f"hybrid_rank{r}.json").exists()]
+    if not spec.get("probe_bytes"):
+        return {"ranks": ranks} if codes == [0, 0] and len(ranks) == 4 else {"error": f"exit codes {codes}"}
     if codes != [0, 0] or len(ranks) != 4:
         tail = {n: (out / f"launch{n}.log").read_text()[-3000:] for n in (0, 1)}
         return {"error": f"launch exit codes {codes}, {len(ranks)} rank results", "log_tail": tail}
@@ -170,16 +172,42 @@ def main(argv=None) -> int:
     return 0 if "error" not in ours else 1
 
 
+DS_RUNS = (("cpu", 2, False), ("nvme", 2, False), ("nvme-optimizer", 2, False), ("cpu", 1, False),
+           ("nvme", 1, False), ("nvme", 1, True))  # offload, hpZ group, zero.Init first
+
+
 def run_deepspeed(out: Path, steps: int, timeout: float) -> dict:
+    """DeepSpeed ZeRO-3 with hpZ and offload, and hpz 1 as the control, on the two launches;
+    then this engine on the same model and batches, hybrid and flat."""
     from offload_bench import deepspeed_hybrid as dsh
 
     runs = {}
-    for offload_to, hpz in (("cpu", 2), ("nvme", 2), ("cpu", 1)):
-        d = out / f"deepspeed-{offload_to}-hpz{hpz}"
+    for offload_to, hpz, zero_init in DS_RUNS:
+        name = f"{offload_to}-hpz{hpz}" + ("-zero.Init" if zero_init else "")
+        d = out / f"deepspeed-{name}"
         d.mkdir(exist_ok=True)
-        runs[f"{offload_to}-hpz{hpz}"] = dsh.run_two_nodes(d, offload=offload_to, hpz=hpz, steps=steps,
-                                                          timeout=timeout)
-    return runs
+        r = dsh.run_two_nodes(d, offload=offload_to, hpz=hpz, steps=steps, timeout=timeout, zero_init=zero_init)
+        runs[name] = {k: r.get(k) for k in ("ok", "losses", "torch_losses", "max_abs_diff", "assert_close",
+                                            "step_times_s", "return_codes", "rank_errors", "hpz_evidence_rank0")}
+    ours = {}
+    for offload_to in ("cpu", "nvme"):
+        d = out / f"ours-deepspeed-model-{offload_to}"
+        d.mkdir(exist_ok=True)
+        spec = {"out": str(d), "seed": 0, "lr": 1e-3, "micro": dsh.MICRO, "seq": dsh.SEQ, "steps": steps - 1,
+                "offload": [offload_to], "deepspeed_data": True,
+                "model": {"vocab": dsh.VOCAB, "hidden": dsh.model_hidden(offload_to), "layers": dsh.LAYERS,
+                          "heads": dsh.HEADS}}
+        got = run_ours(spec, d, timeout)
+        if "error" in got:
+            ours[offload_to] = got
+            continue
+        rank0 = got["ranks"][0]
+        ours[offload_to] = {name: {"losses": run["losses"], "torch_losses": rank0["torch_losses"],
+                                   "max_abs_diff": max(abs(a - b) for a, b in zip(run["losses"],
+                                                                                   rank0["torch_losses"])),
+                                   "median_step_s": run["median_step_s"]}
+                            for name, run in rank0["runs"].items()}
+    return {"deepspeed": runs, "ours_same_work": ours}
 
 
 if __name__ == "__main__":

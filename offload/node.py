@@ -101,7 +101,7 @@ def node_view() -> dict:
     from offload.placement import HOST_SHARE
 
     share, mem = launcher_share(), psutil.virtual_memory()
-    return {"host": share.host, "local_ranks": share.local_ranks, "local_rank": share.local_index,
+    return {"host": share.host, "node": node_name(), "local_ranks": share.local_ranks, "local_rank": share.local_index,
             "cores": _ranges(share.cores), "adam_threads": share.threads,
             "default_host_budget": int(HOST_SHARE * mem.available) // share.local_ranks,
             "default_pinned_input_bound": int(PINNED_INPUTS_SHARE * mem.total) // share.local_ranks}

@@ -2,57 +2,56 @@
 simulated 2 nodes x 2 ranks on one host (gloo, DeepSpeed's CPU accelerator),
 checked step by step against plain PyTorch on the global batch.
 
-    python benchmarks/offload_bench/deepspeed_hybrid.py run --out DIR [--offload cpu|nvme|nvme-optimizer] \\
-        [--hpz 2] [--steps 3] [--timeout 600]
+    python benchmarks/offload_bench/deepspeed_hybrid.py run --out DIR \\
+        [--offload cpu|nvme|nvme-optimizer] [--hpz 2] [--steps 3] [--timeout 600] [--zero-init]
 
-starts two torchrun launches on 127.0.0.1 as two nodes (static rendezvous):
+prints the JSON of two torchrun launches on 127.0.0.1 as two nodes (static rendezvous):
 
-    torchrun --nnodes 2 --nproc-per-node 2 --node-rank {0,1} --master-addr 127.0.0.1 --master-port PORT \\
-        deepspeed_hybrid.py worker --out DIR --offload OFFLOAD --hpz N --steps S
+    torchrun --nnodes 2 --nproc-per-node 2 --node-rank {0,1} --master-addr 127.0.0.1 \\
+        --master-port PORT deepspeed_hybrid.py worker --out DIR --offload O --hpz N --steps S
 
-Each rank builds the same small GPT (build_model: vocab 256, hidden 64, 2 layers,
-seq 32, fp32), deepspeed.initialize's it with ZeRO stage 3, offload_param and
-offload_optimizer on cpu, both on nvme, or (nvme-optimizer) the parameters on
-cpu and the optimizer on nvme; the NVMe path is DIR/nvme/node<node rank>, one
-"disk" per node, zero_hpz_partition_size N and DeepSpeed's Adam (on offload that is
-DeepSpeedCPUAdam with adamw_mode=True; with weight_decay 0 it is torch's AdamW =
-Adam), and trains S steps on its rank's micro-batch of global_batches. The
-losses of all ranks are gathered each step; their mean is the global loss,
-compared with torch_losses (one process, loss = mean of the rank losses).
-stage3_param_persistence_threshold is 0: DeepSpeed's default (1e5 elements)
-would keep every parameter of this small model whole on each rank, and hpZ
-would have nothing to partition. stage3_max_live_parameters 1e4,
-stage3_max_reuse_distance 0 and stage3_prefetch_bucket_size 1e4 (elements, under
-one block's 50k) make ZeRO-3 release each module's parameters after use, as it
-must for a large model: otherwise this model stays gathered from the forward to
-the end of the backward, and the backward never all-gathers from hpZ's
-secondary (intra-node) partition. "gradient_clipping": 0.0 is explicit: in
-DeepSpeed 0.19.8 its default is 1.0 (GRADIENT_CLIPPING_DEFAULT), so a config
-that does not name it clips (here the first step's norm is about 1.12) and the
-losses part from unclipped torch from the third step on (7.7e-5, at any ZeRO
-stage, with or without offload or hpZ).
+Each rank builds the same GPT (build_model: vocab 256, hidden 64, 2 layers, seq
+32, fp32; hidden 1024 with NVMe, see model_hidden) and deepspeed.initialize's it:
+ZeRO stage 3, offload_param and offload_optimizer both on cpu (cpu), both on
+NVMe (nvme), or parameters on cpu and optimizer on NVMe (nvme-optimizer); NVMe
+path DIR/nvme/node<node rank>, one "disk" per node; zero_hpz_partition_size N;
+DeepSpeed's Adam (on offload DeepSpeedCPUAdam, adamw_mode=True: with weight_decay
+0 it is torch's AdamW). --zero-init first converts the model with
+deepspeed.zero.Init(module=model, config_dict_or_path=config). Each rank trains S
+steps on its micro-batch of global_batches; the mean of the ranks' losses is the
+global loss, compared with torch_losses (one process, loss = mean of rank losses).
 
-Rank 0 writes DIR/result_name(offload, hpz) (deepspeed_hpz_<offload>.json for
-hpz 2, deepspeed_hpz<N>_<offload>.json otherwise): losses, torch losses, the
-max abs difference, whether torch.testing.assert_close (defaults) passes, step
-times, and the evidence that hpZ is active: per step, parameters holding a
-ds_secondary_tensor after the forward, the ranks of the secondary (intra-node)
-group, the parameters left whole (not partitioned) after each step, and
-DeepSpeed's collectives per step as "op/group size" -> calls (the methods of
-deepspeed.comm's backend object, wrapped to count only); with NVMe, the files
-under DIR/nvme. A rank that raises writes <stem>.rank<r>.error.json (type, message, last traceback frames); one that is
-still running after --timeout writes the same file as a hang, with where its
-main thread was, and exits. run_two_nodes merges these with the launches'
-return codes and the tail of each failed launch's log (DIR/<stem>.node<i>.log).
+Config choices: stage3_param_persistence_threshold 0 (the default, 1e5 elements,
+keeps every parameter of the small model whole: nothing for hpZ to partition);
+stage3_max_live_parameters 1e4, stage3_max_reuse_distance 0, prefetch bucket 1e4
+(else the small model stays gathered from forward to the end of backward and the
+backward never all-gathers from hpZ's secondary partition); "gradient_clipping":
+0.0 explicit: DeepSpeed 0.19.8's default is 1.0 (GRADIENT_CLIPPING_DEFAULT), which
+clips here (first-step norm 1.12) and parts from torch by 7.7e-5 at step 2, at
+any ZeRO stage, with or without offload or hpZ.
 
-What it found (DeepSpeed 0.19.8, torch 2.13.0+cpu, 5 steps): hpz 2 with both
-offloads on cpu trains and matches torch (max diff 4.8e-7, assert_close passes),
-hpZ active (forward all-gathers over the 4 ranks, backward over the node pair,
-secondary partitions twice the primary's size); so do hpz 2 with nvme-optimizer
-and the hpz 1 controls (cpu, nvme). hpz 2 with offload_param on nvme fails in
-deepspeed.initialize on every rank: hpZ's secondary partition is allocated with
-torch.empty(..., device=remote_device) and remote_device is "nvme" (RuntimeError:
-"Expected one of cpu, cuda, ... device type at start of device string: nvme").
+Rank 0 writes DIR/result_name(...) (deepspeed_hpz_<offload>.json for hpz 2):
+losses, torch losses, max abs difference, torch.testing.assert_close (defaults)
+passed or its message, step times, NVMe files, and hpZ's evidence per step:
+parameters holding a ds_secondary_tensor after the forward, its numel against
+the primary partition's, the intra-node group's ranks, and DeepSpeed's
+collectives as "op/group size" -> calls (deepspeed.comm's backend methods wrapped
+to count only). A rank that raises writes <stem>.rank<r>.error.json (type,
+message, last frames); one still running after --timeout writes it as a Hang
+with its main thread's frames and exits. run_two_nodes merges these with the
+return codes and each failed launch's log tail (log: DIR/<stem>.node<i>.log).
+
+Found (DeepSpeed 0.19.8, torch 2.13.0+cpu, 5 steps): hpz 2 + cpu offload trains
+and matches torch (4.8e-7), hpZ active (backward all-gathers over the node pair,
+forward over all 4, secondary partition twice the primary); so do hpz 2 +
+nvme-optimizer and the hpz 1 controls. hpz 2 + offload_param nvme fails in
+deepspeed.initialize (or zero.Init) on every rank: the secondary partition is
+torch.empty(..., device=remote_device) with remote_device "nvme" ("Expected one
+of cpu, cuda, ... device type at start of device string: nvme"). Also hpz 1 +
+offload_param nvme without --zero-init fails in the first forward ("expected m1
+and m2 to have the same dtype, but got: float != c10::BFloat16"): Init's
+_set_dtype, given dtype=float32 by the engine, picks bf16 on an accelerator
+without fp16 (operator precedence), and the NVMe swapper returns bf16 weights.
 
 Environment set by the launcher only: DS_ACCELERATOR=cpu (no GPU here),
 OMP_NUM_THREADS=1 (4 ranks on 2 cores), PYTHONPATH with benchmarks/.
@@ -63,6 +62,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -80,15 +80,16 @@ if __package__ in (None, ""):  # run as a script (torchrun): benchmarks/ on the 
 from offload_bench.gpt import GPT, GPTConfig  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS, HEADS, SEQ, MICRO = 256, 64, 2, 4, 32, 2
+NVME_HIDDEN = 1024  # nvme runs: MLP and qkv weights whose partitions DeepSpeed swaps (model_hidden)
 NODES, PER_NODE = 2, 2
 OFFLOADS = ("cpu", "nvme", "nvme-optimizer")
 ADAM = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0}
 
 
-def build_model(seed: int = 0) -> torch.nn.Module:
+def build_model(seed: int = 0, hidden: int = HIDDEN) -> torch.nn.Module:
     """The small fp32 GPT every rank and the reference start from (untied head)."""
     torch.manual_seed(seed)
-    return GPT(GPTConfig(vocab_size=VOCAB, hidden=HIDDEN, layers=LAYERS, heads=HEADS, max_seq=SEQ,
+    return GPT(GPTConfig(vocab_size=VOCAB, hidden=hidden, layers=LAYERS, heads=HEADS, max_seq=SEQ,
                          tie_embeddings=False))
 
 
@@ -112,13 +113,12 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def torch_losses(steps: int, world: int, lr: float = 1e-3) -> list[float]:
+def torch_losses(steps: int, world: int, lr: float = 1e-3, hidden: int = HIDDEN) -> list[float]:
     """Plain PyTorch in one process on the global batch: loss = mean over ranks of
     each rank's micro-batch loss; AdamW with weight_decay 0 (DeepSpeedCPUAdam's
     adamw_mode=True arithmetic). The global loss of each step."""
-    model = build_model(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(ADAM["betas"]), eps=ADAM["eps"],
-                            weight_decay=0.0)
+    model = build_model(0, hidden)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(ADAM["betas"]), eps=ADAM["eps"], weight_decay=0.0)
     losses = []
     for batch in global_batches(steps, world):
         loss = torch.stack([lm_loss(model(x), y) for x, y in batch]).mean()
@@ -129,8 +129,15 @@ def torch_losses(steps: int, world: int, lr: float = 1e-3) -> list[float]:
     return losses
 
 
-def result_name(offload: str, hpz: int) -> str:
-    return f"deepspeed_hpz_{offload}.json" if hpz == 2 else f"deepspeed_hpz{hpz}_{offload}.json"
+def model_hidden(offload: str) -> int:
+    """The hidden size a run uses: DeepSpeed swaps to NVMe only tensors of at least
+    1 MiB (swap_tensor/utils.py MIN_AIO_BYTES), which nothing of the hidden-64 model is."""
+    return HIDDEN if offload == "cpu" else NVME_HIDDEN
+
+
+def result_name(offload: str, hpz: int, zero_init: bool = False) -> str:
+    tail = "_zeroinit" if zero_init else ""
+    return f"deepspeed_hpz_{offload}{tail}.json" if hpz == 2 else f"deepspeed_hpz{hpz}_{offload}{tail}.json"
 
 
 def ds_config(offload: str, hpz: int, world: int, nvme_path: str | None = None, micro: int = MICRO) -> dict:
@@ -141,17 +148,15 @@ def ds_config(offload: str, hpz: int, world: int, nvme_path: str | None = None, 
     param = {"device": "nvme" if offload == "nvme" else "cpu"}
     optim = {"device": "cpu" if offload == "cpu" else "nvme"}
     if param["device"] == "nvme":
-        param.update(nvme_path=nvme_path, buffer_count=5, buffer_size=int(1e6), max_in_cpu=0)
+        param.update(nvme_path=nvme_path, buffer_count=8, buffer_size=int(2e6), max_in_cpu=0)
     if optim["device"] == "nvme":
         optim.update(nvme_path=nvme_path, buffer_count=4)
     cfg = {
-        "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
-        "train_batch_size": micro * world,
+        "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "train_batch_size": micro * world,
         "optimizer": {"type": "Adam", "params": dict(ADAM)},
         "fp16": {"enabled": False}, "bf16": {"enabled": False},
         "zero_optimization": {
-            "stage": 3, "offload_param": param, "offload_optimizer": optim,
-            "zero_hpz_partition_size": hpz,
+            "stage": 3, "offload_param": param, "offload_optimizer": optim, "zero_hpz_partition_size": hpz,
             "stage3_param_persistence_threshold": 0,
             "reduce_bucket_size": int(1e6), "stage3_prefetch_bucket_size": int(1e4),
             "stage3_max_live_parameters": int(1e4), "stage3_max_reuse_distance": 0,
@@ -177,12 +182,12 @@ def _write(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def worker(out: str, offload: str, hpz: int, steps: int, timeout: float) -> int:
+def worker(out: str, offload: str, hpz: int, steps: int, timeout: float, zero_init: bool = False) -> int:
     """One rank, under torchrun (RANK, WORLD_SIZE, GROUP_RANK from its environment)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     node = int(os.environ.get("GROUP_RANK", "0"))
     out_dir = Path(out)
-    stem = result_name(offload, hpz).removesuffix(".json")
+    stem = result_name(offload, hpz, zero_init).removesuffix(".json")
     err_path = out_dir / f"{stem}.rank{rank}.error.json"
     state = {"phase": "start", "rank": rank, "node": node, "local_rank": int(os.environ.get("LOCAL_RANK", "0"))}
     main_ident = threading.get_ident()
@@ -228,7 +233,11 @@ def worker(out: str, offload: str, hpz: int, steps: int, timeout: float) -> int:
         if nvme:
             os.makedirs(nvme, exist_ok=True)
         cfg = ds_config(offload, hpz, world, nvme)
-        model = build_model(0)
+        hidden = model_hidden(offload)
+        model = build_model(0, hidden)
+        if zero_init:  # parameters partitioned with the config's dtype, before initialize
+            state["phase"] = "deepspeed.zero.Init(module=model)"
+            deepspeed.zero.Init(module=model, config_dict_or_path=cfg)
         state["phase"] = "deepspeed.initialize"
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         sec_group = groups._get_zero_param_intra_parallel_group()
@@ -268,24 +277,25 @@ def worker(out: str, offload: str, hpz: int, steps: int, timeout: float) -> int:
                 "collectives_by_op_and_group_size": counted})
         state["phase"] = "done"
         if rank == 0:
-            ref = torch_losses(steps, world)
+            ref = torch_losses(steps, world, hidden=hidden)
             a, b = torch.tensor(losses), torch.tensor(ref)
             try:
                 torch.testing.assert_close(a, b)
                 close, why = True, None
             except AssertionError as exc:
                 close, why = False, str(exc)
-            _write(out_dir / result_name(offload, hpz), {
+            _write(out_dir / result_name(offload, hpz, zero_init), {
                 "deepspeed": deepspeed.__version__, "torch": torch.__version__, "offload": offload, "hpz": hpz,
-                "world": world, "nodes": NODES, "steps": steps, "config": cfg, "losses": losses,
+                "zero_init": zero_init, "world": world, "nodes": NODES, "steps": steps, "hidden": hidden,
+                "params": sum(p.ds_numel for p in params), "config": cfg, "losses": losses,
                 "per_rank_losses": per_rank, "torch_losses": ref,
                 "max_abs_diff": max(abs(p - q) for p, q in zip(losses, ref)),
                 "finite": all(math.isfinite(v) for v in losses), "assert_close": close, "assert_close_message": why,
                 "step_times_s": [round(v, 4) for v in times], "hpz_evidence_rank0": hpz_info,
                 "nvme_files": sorted(str(f.relative_to(out_dir)) for f in (out_dir / "nvme").rglob("*")
                                      if f.is_file()) if nvme else None})
-        done.set()
         dist.barrier()
+        done.set()
         return 0
     except BaseException as exc:  # noqa: BLE001 - every failure of a rank is recorded
         done.set()
@@ -300,15 +310,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_nodes(out_dir, offload: str = "cpu", hpz: int = 2, steps: int = 3, timeout: float = 600) -> dict:
+def run_two_nodes(out_dir, offload: str = "cpu", hpz: int = 2, steps: int = 3, timeout: float = 600,
+                  zero_init: bool = False) -> dict:
     """Two torchrun launches (2 nodes x 2 ranks) on this host; waits up to `timeout`
     seconds (then kills both process groups); returns rank 0's JSON merged with the
     ranks' error files, the return codes, and the tail of each failed launch's log."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = result_name(offload, hpz).removesuffix(".json")
-    for old in [out / result_name(offload, hpz), *out.glob(f"{stem}.rank*.error.json")]:
+    name = result_name(offload, hpz, zero_init)
+    stem = name.removesuffix(".json")
+    for old in [out / name, *out.glob(f"{stem}.rank*.error.json")]:
         old.unlink(missing_ok=True)
+    shutil.rmtree(out / "nvme", ignore_errors=True)  # the files listed are this run's
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     bench = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([bench] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -321,6 +334,7 @@ def run_two_nodes(out_dir, offload: str = "cpu", hpz: int = 2, steps: int = 3, t
                           "--master-addr", "127.0.0.1", "--master-port", str(port),
                           str(Path(__file__).resolve()), "worker", "--out", str(out), "--offload", offload,
                           "--hpz", str(hpz), "--steps", str(steps), "--timeout", str(max(30.0, timeout - 60))]
+        cmd += ["--zero-init"] * zero_init
         cmds.append(" ".join(["torchrun"] + cmd[3:]))
         log = open(out / f"{stem}.node{node}.log", "w")
         logs.append(log)
@@ -339,7 +353,7 @@ def run_two_nodes(out_dir, offload: str = "cpu", hpz: int = 2, steps: int = 3, t
                 proc.wait()
     for log in logs:
         log.close()
-    path = out / result_name(offload, hpz)
+    path = out / name
     res = json.loads(path.read_text()) if path.exists() else {"offload": offload, "hpz": hpz, "result": None}
     res.update(return_codes=codes, launcher_timed_out=timed_out, wall_s=round(time.perf_counter() - t0, 1),
                commands=cmds)
@@ -349,12 +363,11 @@ def run_two_nodes(out_dir, offload: str = "cpu", hpz: int = 2, steps: int = 3, t
     if errors:
         res["rank_errors"] = errors
     logs_text = [(out / f"{stem}.node{n}.log").read_text(errors="replace") for n in range(NODES)]
-    res["hpz_log_lines"] = [ln for text in logs_text for ln in text.splitlines() if "hpz" in ln.lower()][:10]
     if timed_out or any(c != 0 for c in codes) or not path.exists():
         res["ok"] = False
         res["log_tails"] = {f"node{n}": text[-4000:] for n, text in enumerate(logs_text)}
         if "torch_losses" not in res:
-            res["torch_losses"] = torch_losses(steps, NODES * PER_NODE)
+            res["torch_losses"] = torch_losses(steps, NODES * PER_NODE, hidden=model_hidden(offload))
     else:
         res["ok"] = bool(res.get("assert_close")) and bool(res.get("finite"))
     return res
@@ -370,10 +383,12 @@ def main(argv=None) -> int:
         s.add_argument("--hpz", type=int, default=2)
         s.add_argument("--steps", type=int, default=3)
         s.add_argument("--timeout", type=float, default=600)
+        s.add_argument("--zero-init", action="store_true", help="deepspeed.zero.Init(module=model, config) first")
     a = p.parse_args(argv)
     if a.cmd == "worker":
-        return worker(a.out, a.offload, a.hpz, a.steps, a.timeout)
-    res = run_two_nodes(a.out or tempfile.mkdtemp(prefix="ds_hpz_"), a.offload, a.hpz, a.steps, a.timeout)
+        return worker(a.out, a.offload, a.hpz, a.steps, a.timeout, a.zero_init)
+    res = run_two_nodes(a.out or tempfile.mkdtemp(prefix="ds_hpz_"), a.offload, a.hpz, a.steps, a.timeout,
+                        a.zero_init)
     print(json.dumps(res, indent=1))
     return 0 if res["ok"] else 1
 

@@ -14,6 +14,8 @@ Each rank:
      collective bytes per link class (Note [link classes]);
   3. rank 0 also trains plain PyTorch on the global batch (the four ranks'
      micro-batches), for the losses.
+With SPEC["deepspeed_data"] it skips the rates and trains offload_bench/deepspeed_hybrid.py's
+model on its batches, against its plain PyTorch reference: the DeepSpeed run's work.
 Rank 0 writes SPEC["out"]/hybrid_rank0.json; the launcher predicts and reports.
 The ranks' nodes come from torchrun's GROUP_RANK (Note [node names] in offload/node.py).
 """
@@ -43,6 +45,10 @@ def build(spec: dict) -> torch.nn.Module:
 
 
 def batches(spec: dict, steps: int, world: int):
+    if spec.get("deepspeed_data"):  # the DeepSpeed run's own batches (offload_bench/deepspeed_hybrid.py)
+        from offload_bench.deepspeed_hybrid import global_batches
+
+        return global_batches(steps, world, spec["micro"], spec["seq"], seed=spec["seed"])
     gen = torch.Generator().manual_seed(spec["seed"] + 1)
     vocab, shape = spec["model"]["vocab"], (spec["micro"], spec["seq"])
     return [[(torch.randint(0, vocab, shape, generator=gen), torch.randint(0, vocab, shape, generator=gen))
@@ -133,6 +139,10 @@ def train(spec: dict, layout: str, offload_to: str, rank: int, world: int) -> di
 
 
 def torch_losses(spec: dict, world: int) -> list[float]:
+    if spec.get("deepspeed_data"):  # the reference the DeepSpeed run is held to
+        from offload_bench import deepspeed_hybrid as dsh
+
+        return dsh.torch_losses(1 + spec["steps"], world, lr=spec["lr"], hidden=spec["model"]["hidden"])
     model, data = build(spec), batches(spec, 1 + spec["steps"], world)
     opt = torch.optim.Adam(model.parameters(), lr=spec["lr"])
     out = []
@@ -156,7 +166,8 @@ def main(argv: list[str]) -> int:
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     result = {"rank": rank, "world": world, "per_node": per_node, "group_rank": os.environ.get("GROUP_RANK")}
     try:
-        result["rates"] = measure_rates(spec, rank, world, per_node)
+        if spec.get("probe_bytes"):
+            result["rates"] = measure_rates(spec, rank, world, per_node)
         result["runs"] = {f"{layout}-{to}": train(spec, layout, to, rank, world)
                           for to in spec["offload"] for layout in ("world", "node")}
         if rank == 0:
