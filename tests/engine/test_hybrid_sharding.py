@@ -232,3 +232,44 @@ def test_two_nodes_of_two_ranks_hybrid_against_flat(tmp_path, device):
         across_flat = sum(k["bytes_sent"] + k["bytes_received"]
                           for k in outcome[(0, flat)]["figures"][-1]["shard"].values())
         assert 3 * across_hybrid < across_flat, (CASES[hybrid], across_hybrid, across_flat)
+
+
+# ---- nodes not in blocks of one size; a group that does not divide the job ----
+
+def _uneven_worker(rank, world, port, root, results):
+    import logging
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OFFLOAD_NODE=["a", "a", "b"][rank])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model, data = build("tiny_gpt"), batches(2, world=world, seed=5)
+        ref_model, ref_losses = run_reference(model, data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01, world=world)
+        warned = []
+        handler = logging.Handler()
+        handler.emit = lambda record: warned.append(record.getMessage())
+        logging.getLogger("offload.transfers.layout").addHandler(handler)
+        with offload.initialize(copy.deepcopy(model), make_config("cpu", "cpu", root)) as engine:
+            assert (engine.pg.world_size, engine.pg.replicas) == (3, 1)  # the default "node": flat here
+            assert engine.pg.links["shard"] == "across_nodes"
+            losses = train_engine(engine, data, rank=rank)
+            weights = {n: v.detach().cpu().clone() for n, v in engine.full_state_dict(master=True).items()}
+        assert any("are not numbered in blocks of one size" in w for w in warned), warned
+        torch.testing.assert_close(losses, ref_losses[:, rank])
+        for name, p in ref_model.named_parameters():
+            torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{name}: {m}")
+        cfg = make_config("cpu", "cpu", root)
+        cfg["zero_optimization"]["shard_group_size"] = 2
+        with pytest.raises(ValueError, match=r"shard_group_size 2: the job's 3 ranks do not divide into groups of 2"):
+            offload.initialize(build("tiny_gpt"), cfg)
+        results.put((rank, "uneven", "ok"))
+    except Exception:  # noqa: BLE001 - reported to the parent test
+        results.put((rank, "uneven", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_uneven_nodes_train_flat_and_say_why_and_a_group_that_does_not_divide_is_refused(tmp_path):
+    outcome, procs = run_ranks(_uneven_worker, (str(tmp_path),), world=3)
+    assert outcome == {(r, "uneven"): "ok" for r in range(3)}, "\n".join(map(str, outcome.values()))
+    assert [p.exitcode for p in procs] == [0, 0, 0]
