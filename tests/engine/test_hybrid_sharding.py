@@ -79,6 +79,7 @@ def _worker(rank, world, port, nvme_root, device, results):
     try:
         results.put((rank, "deepspeed", _deepspeed_surface(rank, world, os.path.join(nvme_root, "ds"))))
         results.put((rank, "refused", _budget_refusal()))
+        results.put((rank, "offload.init", _built_under_init(rank, world, os.path.join(nvme_root, "init"))))
         for i, case in enumerate(CASES + WINDOW_CASES):
             run = _run_case if i < len(CASES) else _run_window_case
             try:
@@ -176,6 +177,30 @@ def _deepspeed_surface(rank, world, root):
         return traceback.format_exc()
 
 
+def _built_under_init(rank, world, root):
+    """A model built under offload.init, straight into the group's partitions (each rank
+    1/2 of every parameter, not 1/4), then trained: equal to plain PyTorch."""
+    try:
+        cfg = make_config("nvme", "nvme", root)
+        plain = build("tiny_gpt")
+        with offload.init(cfg) as builder:
+            model = build("tiny_gpt")
+        assert builder.ctx.pg.replicas == 2
+        assert all(s.part_numel == partition_numel(s.numel, PER_NODE) for s in builder.shards)
+        data = batches(2, world=world, seed=3)
+        ref_model, ref_losses = run_reference(plain, data, gas=1, clip=0.0, lr=1e-2, weight_decay=0.01, world=world)
+        with offload.initialize(model, cfg) as engine:
+            assert engine.pg is builder.ctx.pg  # the builder's groups, not a second set
+            losses = train_engine(engine, data, rank=rank)
+            weights = {n: v.detach().cpu().clone() for n, v in engine.full_state_dict(master=True).items()}
+        torch.testing.assert_close(losses, ref_losses[:, rank])
+        for name, p in ref_model.named_parameters():
+            torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{name}: {m}")
+        return {"ok": True, "figures": None}
+    except BaseException:  # noqa: BLE001 - reported to the parent test
+        return traceback.format_exc()
+
+
 def _budget_refusal():
     """A host budget the group's share does not fit: refused before anything moves, naming
     the shard group as one way out."""
@@ -211,6 +236,7 @@ def _run_window_case(rank, world, case, nvme_path):
     return {"ok": True, "figures": None}
 
 
+@pytest.mark.torch_release  # the collectives and groups on every torch release tested
 @pytest.mark.parametrize("device", ["cpu", "sim"])
 def test_two_nodes_of_two_ranks_hybrid_against_flat(tmp_path, device):
     outcome, procs = run_ranks(_worker, (str(tmp_path), device), world=WORLD, timeout=560)
@@ -218,7 +244,7 @@ def test_two_nodes_of_two_ranks_hybrid_against_flat(tmp_path, device):
     every = CASES + WINDOW_CASES
     assert not failures, "\n".join(f"rank {r} case {every[i] if isinstance(i, int) else i}:\n{msg}"
                                     for (r, i), msg in failures.items())
-    assert len(outcome) == WORLD * (len(every) + 2), f"workers reported {sorted(outcome)}"
+    assert len(outcome) == WORLD * (len(every) + 3), f"workers reported {sorted(outcome)}"
     assert [p.exitcode for p in procs] == [0] * WORLD, f"worker exit codes {[p.exitcode for p in procs]}"
     for i, case in enumerate(CASES):  # every rank carried the same bytes on each link
         figures = [outcome[(r, i)]["figures"] for r in range(WORLD)]
