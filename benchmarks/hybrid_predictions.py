@@ -14,10 +14,11 @@ the JSON beside the figures:
   --adam-rate    a rank's host Adam in the step: 1.06-1.13 Gparam/s measured on a 16-core
                  H200 host (benchmarks/RESULTS.md), taken as each rank's with as many cores
 Two jobs, both bf16 with offload_param and offload_optimizer on the host, a micro batch of
---tokens a rank, no accumulation:
-  full       every parameter trained (70.55B)
-  qlora      a LoRA (r 8 on q_proj and v_proj) on an nf4 base (`frozen.quantize`)
-For each: bytes per rank per tier and the step per layout, the bound named.
+--tokens a rank:
+  full       every parameter trained (70.55B), a window of 1 micro-step and of 8
+  qlora      a LoRA (r 8 on q_proj and v_proj) on an nf4 base (`frozen.quantize`), a window of 1
+For each: bytes per rank per tier and the optimizer step (the window) per layout, the
+bound named.
 Prints JSON; writes hybrid_predictions.json and .png under --out.
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ CONFIG = {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"
 WORLD, NODES = 16, 2
 
 
-def job(kind: str, rates: Rates, tokens: int) -> dict:
+def job(kind: str, rates: Rates, tokens: int, accumulation: int = 1) -> dict:
     model = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **LLAMA3_70B}
     extra = {} if kind == "full" else {"trainable": {"peft_type": "LORA", **LORA}, "frozen_quant": "nf4"}
     out = {}
@@ -52,9 +53,10 @@ def job(kind: str, rates: Rates, tokens: int) -> dict:
         out[layout] = {"group_size": est.group_size, "host_per_rank": est.host, "device_per_rank": est.device,
                        "host_per_node": est.minimum_host}
     work = Work(params=est.num_params, trainable=est.trainable_params, param_bytes=est.param_bytes,
-                tokens=tokens, world=WORLD, nodes=NODES, group=est.group_size)
+                tokens=tokens, world=WORLD, nodes=NODES, group=est.group_size, accumulation=accumulation)
     predictions = compare_layouts(work, rates)
     return {"params": est.num_params, "trainable": est.trainable_params, "param_bytes": est.param_bytes,
+            "accumulation": accumulation,
             "memory": {"flat": out["world"], "hybrid": out["node"]},
             "step": {k: p.to_dict() for k, p in predictions.items()},
             "hybrid_over_flat": predictions["hybrid"].step / predictions["flat"].step}
@@ -74,7 +76,8 @@ def main(argv=None) -> int:
                   bus=parse_bytes(args.bus), flops=args.tflops * 1e12, adam=args.adam_rate, overlap=True)
     result = {"what": "predictions, not measurements", "rates_assumed": rates.__dict__, "tokens_per_rank": args.tokens,
               "ranks": WORLD, "nodes": NODES, "config": CONFIG,
-              "jobs": {kind: job(kind, rates, args.tokens) for kind in ("full", "qlora")}}
+              "jobs": {f"{kind}, window of {a}": job(kind, rates, args.tokens, a)
+                       for kind, a in (("full", 1), ("full", 8), ("qlora", 1))}}
     print(json.dumps(result, indent=1))
     if args.out:
         write_json(result, args.out, "hybrid_predictions.json")
@@ -86,7 +89,7 @@ def plot(result: dict, out) -> None:
     plt = pyplot("hybrid_predictions.png")
     if plt is None:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     for ax, (kind, r) in zip(axes, result["jobs"].items()):
         layouts = list(r["step"])
         terms = sorted({t for p in r["step"].values() for t in p["terms"]})

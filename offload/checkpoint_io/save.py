@@ -153,6 +153,8 @@ class SaveJob:
     def __init__(self, view, save_dir, tag: str | None, client_state, async_save: bool,
                  save_latest: bool = True, exclude_frozen: bool = False):
         view.step.refuse_save_mid_step()  # Note [saving inside an accumulation window]
+        for s in view.shards if view.pg.replicas > 1 else ():  # what group 0 saves is the sum across
+            s.gradient.sum_share_across()  # the groups (Note [gradients across groups once a window])
         self.pg = view.pg
         self.save_latest = save_latest
         self.root = Path(save_dir)

@@ -40,6 +40,9 @@ class EngineHooks:
     def brings_master(self, shard) -> bool:
         return self._get().step_runner.brings_master(shard)
 
+    def at_boundary(self) -> bool:
+        return self._get().step_runner.is_boundary()
+
     # ---- UpdateDriver (the optimizer's side) ---------------------------------
     def update(self) -> None:
         self._get()._update()

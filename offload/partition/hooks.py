@@ -28,6 +28,10 @@ class StepHooks(Protocol):
     def edited(self, shard, master: torch.Tensor) -> None:
         """A partition edited outside training (offload.gathered): its fp32 value for the master."""
 
+    def at_boundary(self) -> bool:
+        """Whether this backward ends the accumulation window (Note [gradients across
+        groups once a window] in transfers/grad_buckets.py)."""
+
     def brings_master(self, shard) -> bool:
         """Whether the parameter's partition goes down with its gradient (Note [masters
         down with their gradients] in transfers/device_copies.py)."""

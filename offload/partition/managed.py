@@ -179,6 +179,11 @@ def _grad_access(kind: str, args):
                 return real
             if not shard.gradient.pending or shard.gradient.part is None:
                 return None
+            if shard.gradient.group_share:  # Note [gradients across groups once a window]
+                raise RuntimeError(
+                    f"{shard.name}.grad: inside the accumulation window each shard group holds only its "
+                    "share of the gradient, summed across groups at the window's last backward; read it "
+                    "after that backward, or read the norm with engine.get_global_grad_norm()")
             if shard.ctx.pg.world_size > 1:
                 raise RuntimeError(
                     f"{shard.name}.grad: with {shard.ctx.pg.world_size} ranks each holds a partition of the "

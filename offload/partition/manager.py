@@ -117,8 +117,7 @@ class ParameterManager:
             on_grad = self._route_grad  # a reduced partition goes down as well
         self.grad_buckets: GradientBuckets | None = None  # one rank: gradients go straight to take_grad
         if ctx is not None and ctx.pg.job_size > 1:
-            largest = max(s.padded_numel for s in shards)
-            self.grad_buckets = GradientBuckets(ctx.pg, reduce_bucket_elems or largest, on_grad)
+            self.grad_buckets = GradientBuckets.for_shards(ctx.pg, shards, reduce_bucket_elems, on_grad, hooks)
         self.prefetch = prefetch or PrefetchScheduler(bucket_elems=0, max_live_elems=0,
                                                       reuse_distance=-1, enabled=False)
         self.timeline = timeline or Timeline(enabled=False)

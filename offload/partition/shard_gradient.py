@@ -41,6 +41,9 @@ class GradientPartition:
         # Whether any gradient arrived since the last optimizer step: like
         # torch.optim, a parameter whose .grad stayed None is not stepped.
         self.pending = False
+        # Whether `part` holds this shard group's share only, not yet summed across the
+        # groups (Note [gradients across groups once a window] in transfers/grad_buckets.py).
+        self.group_share = False
 
     @property
     def name(self) -> str:
@@ -101,6 +104,39 @@ class GradientPartition:
                 self.part = mine.to(self.device, torch.float32, copy=True)
         self.pending = True
 
+    # Note [gradients across groups once a window] (transfers/grad_buckets.py): the three
+    # moves of a partition between its group's share and the sum across the groups.
+    def fold_into(self, into: torch.Tensor) -> None:
+        """Adds the window's sum so far into `into` (this rank's partition of a bucket about
+        to be summed across the groups): a group's share from every group, a sum already
+        across them from group 0 alone. The result replaces the partition when it comes."""
+        if self._in_flight.update is not None:  # the last window's update still reading it
+            self._in_flight.update.result()
+        if self.pending and (self.group_share or self.ctx.pg.replica == 0):
+            into.add_(self.part.to(into.device, torch.float32))
+        self.pending = self.group_share = False
+
+    def to_group_share(self) -> None:
+        """Before a gradient joins without a sum across the groups: a sum already across
+        them stays in group 0's partition only, so that the groups' shares still add up."""
+        if self._in_flight.update is not None:
+            self._in_flight.update.result()
+        if self.pending and not self.group_share and self.ctx.pg.replica > 0:
+            self.part.zero_()
+        self.group_share = True
+
+    def sum_share_across(self) -> None:
+        """The group's share summed across the groups now, in place (a collective: every
+        rank calls it for the same shards): before an update, a save, or a read of p.grad
+        that the window's last backward did not precede."""
+        if not (self.pending and self.group_share):
+            return
+        on = self.part if self.part.device == self.ctx.device else self.part.to(self.ctx.device)
+        self.ctx.pg.sum_across_groups(on)
+        if on is not self.part:
+            self.part.copy_(on)
+        self.group_share = False
+
     def lend(self, staged: torch.Tensor):
         """For one update from the staging buffer (Note [updates from the staging buffer]
         in step/gradients.py): `staged` is the pending gradient, not charged nor kept;
@@ -128,4 +164,4 @@ class GradientPartition:
                 self.ctx.account.credit(self.tier, self.part_numel * 4)
                 self._charged = False
             self.part = None
-        self.pending = False  # the next gradient replaces the partition
+        self.pending = self.group_share = False  # the next gradient replaces the partition

@@ -119,7 +119,11 @@ def _step_time(args: argparse.Namespace, est):
         rates = Rates(within_node=rate["--link-within"], across_nodes=rate["--link-across"], bus=rate["--bus"],
                       disk=rate["--disk"], flops=args.tflops * 1e12, adam=args.adam_rate,
                       overlap=not args.no_overlap)
+        from offload.config import Config
+
+        cfg = Config() if args.config is None else Config.load(args.config)
         work = Work(params=est.num_params, trainable=est.trainable_params, param_bytes=est.param_bytes,
+                    accumulation=cfg.gradient_accumulation_steps or 1,
                     tokens=args.tokens, world=est.world_size, nodes=est.num_nodes, group=est.group_size,
                     params_offloaded=est._side("param") != "none", params_on_nvme=est.breakdown["nvme"] != {}
                     and est._side("param") in (nvme, "auto"), state_on_nvme=est._side("optimizer") == nvme)

@@ -1,32 +1,35 @@
 """A step's time, predicted per layout from its bytes and the machine's rates.
 
 Note [step-time model]
-Per rank and step, for N parameters (T of them trained) of c * N bytes as
+Per rank and optimizer step (a window of A micro-steps), for N parameters (T of them trained) of c * N bytes as
 gathered (c the itemsize; a quantized base's packed bytes instead), W
 ranks on n nodes of L = W / n ranks, shard groups of G ranks and R = W / G
 groups (Note [hybrid sharding] in offload/transfers/layout.py), and K
-gathers of each parameter a step (2 when offloaded: forward, and backward
-again), each term in seconds:
-  compute      (4N + 2T) * tokens / flops: forward 2N, backward 2N for the
-               activations' gradients and 2T for the trained weights'
+gathers of each parameter a micro-step (2 when offloaded: forward, and
+backward again), each term in seconds:
+  compute      A * (4N + 2T) * tokens / flops: forward 2N, backward 2N for
+               the activations' gradients and 2T for the trained weights'
   shard links  a ring over the group carries (G-1)/G of each tensor over each
-               of its links: (G-1)/G * (K * c * N + 4 * T) bytes (gathers,
-               then the fp32 gradients' reduce-scatter); at the within-node
-               rate where the group is within a node, else at the node's
-               link across nodes (the ring's slowest edge)
-  replica      hybrid only: each rank all_reduces its fp32 gradient
-               partitions with its R - 1 replicas, a ring on other nodes:
+               of its links: A * (G-1)/G * (K * c * N + 4 * T) bytes
+               (gathers, then the fp32 gradients' reduce-scatter); at the
+               within-node rate where the group is within a node, else at
+               the node's link across nodes (the ring's slowest edge)
+  replica      hybrid only, once a window (Note [gradients across groups
+               once a window] in transfers/grad_buckets.py): each rank
+               all_reduces its fp32 gradient partitions with its R - 1
+               replicas, a ring on other nodes:
                2 (R-1)/R * 4T/G bytes a rank, the node's L ranks at once on
                its link (2 (R-1)/R * 4T where G = L)
-  bus          a separate device (a GPU): each gather brings the rank's
-               partition up (K * c * N / G where the homes are off the
-               device) and the fp32 gradient partitions go down (4T/G
-               where the optimizer state is on the host or NVMe)
-  disk         NVMe homes read K * c * N / G a rank, NVMe optimizer state is
-               read and written (2 * 12 * T / G: fp32 master, exp_avg,
-               exp_avg_sq), the node's L ranks on one disk
-  host Adam    T / G parameters a rank at its measured rate (state off
-               the device)
+  bus          a separate device (a GPU), each micro-step: each gather brings
+               the rank's partition up (K * c * N / G where the homes are
+               off the device) and the fp32 gradient partitions go down
+               (4T/G where the optimizer state is on the host or NVMe)
+  disk         NVMe homes read K * c * N / G a rank each micro-step, NVMe
+               optimizer state is read and written once (2 * 12 * T / G:
+               fp32 master, exp_avg, exp_avg_sq), the node's L ranks on one
+               disk
+  host Adam    T / G parameters a rank at its measured rate, once (state
+               off the device)
 The step is the largest term where transfers overlap compute (a device with
 copy streams: the prefetch scheduler's gathers ahead, updates in backward)
 and the sum where they do not (the cpu layer, where one core does all of it
@@ -72,11 +75,14 @@ class Work:
     world: int
     nodes: int
     group: int  # the shard group (world: flat)
+    accumulation: int = 1  # micro-steps a window (A): the prediction is the window's
     params_offloaded: bool = True  # homes off the device: gathered each use, K = 2
     params_on_nvme: bool = False
     state_on_nvme: bool = False
 
     def __post_init__(self):
+        if self.accumulation < 1:
+            raise ValueError(f"step-time work: accumulation {self.accumulation} is not a number of micro-steps")
         if self.world % self.nodes or self.world % self.group:
             raise ValueError(f"step-time work: {self.world} ranks must divide into {self.nodes} nodes and "
                              f"groups of {self.group}")
@@ -98,10 +104,10 @@ def predict(work: Work, rates: Rates) -> Prediction:
     n, t, cn = work.params, work.trainable, work.param_bytes
     per_node, g = work.world // work.nodes, work.group
     replicas = work.world // g
-    gathers = 2 if work.params_offloaded else 0
-    shard_bytes = (g - 1) / g * (gathers * cn + 4 * t)
+    gathers, a = (2 if work.params_offloaded else 0), work.accumulation
+    shard_bytes = a * (g - 1) / g * (gathers * cn + 4 * t)
     group_within = g <= per_node and per_node % g == 0
-    terms = {"compute": (4 * n + 2 * t) * work.tokens / rates.flops}
+    terms = {"compute": a * (4 * n + 2 * t) * work.tokens / rates.flops}
     within = across = 0.0
     if group_within:
         within = shard_bytes
@@ -119,8 +125,8 @@ def predict(work: Work, rates: Rates) -> Prediction:
             within += replica_rank
             terms["within node"] = terms.get("within node", 0.0) + replica_rank / rates.within_node
     if rates.bus is not None:
-        terms["bus"] = (gathers * cn / g + 4 * t / g) / rates.bus
-    disk = (gathers * cn / g if work.params_on_nvme else 0) + (24 * t / g if work.state_on_nvme else 0)
+        terms["bus"] = a * (gathers * cn / g + 4 * t / g) / rates.bus
+    disk = (a * gathers * cn / g if work.params_on_nvme else 0) + (24 * t / g if work.state_on_nvme else 0)
     if disk:
         if rates.disk is None:
             raise ValueError("step-time: NVMe homes or state need the disk's rate")

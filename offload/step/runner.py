@@ -314,6 +314,8 @@ class StepRunner:
             self.phases.to_ready(StepPhase.UPDATING_IN_BACKWARD)
             self._finish_update()
             return
+        for s in self.shards if self.pg.replicas > 1 else ():  # a loop that steps the optimizer itself
+            s.gradient.sum_share_across()  # (Note [gradients across groups once a window])
         c = self.counters
         if self.loss_scaler is not None:
             unscaled = self.manager.backward_passes - c.passes_at_update - c.scaled_passes

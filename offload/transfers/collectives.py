@@ -52,9 +52,11 @@ class CollectiveCounter:
       all_reduce      a few scalars, never a gradient
     (tests/engine/test_collective_bytes.py checks this against the counter).
     With a hybrid layout (Note [hybrid sharding] in transfers/layout.py) W
-    above is the shard group's size, and each rank also all_reduces its fp32
-    gradient partitions with its replicas: 4 * P / W sent and received, one
-    call per bucket. Every count is kept per link class (Note [link classes]).
+    above is the shard group's size, and at the accumulation window's last
+    backward each rank also all_reduces its fp32 gradient partitions with its
+    replicas: 4 * P / W sent and received, one call per bucket (Note
+    [gradients across groups once a window] in grad_buckets.py). Every count
+    is kept per link class (Note [link classes]).
     Checkpoint saves and loads agree over ranks with torch's object
     collectives (all_gather_object, broadcast_object_list, barrier), which
     do not go through ProcessGroupInfo and are not counted."""
@@ -236,11 +238,12 @@ class ProcessGroupInfo:
         self._count("all_gather", part, out_flat)
         return work
 
-    def reduce_scatter_mean(self, mine: torch.Tensor, stacked: torch.Tensor) -> None:
+    def reduce_scatter_mean(self, mine: torch.Tensor, stacked: torch.Tensor, *, across: bool = True) -> None:
         """mine (n) <- the mean over the job's ranks of row `rank` of every rank's stacked
-        (world, n). Summed over the shard group, then (hybrid: Note [hybrid sharding]) over
-        the replicas, then divided by the job's size, as an all_reduce average is (SUM and
-        a division rather than ReduceOp.AVG: the same arithmetic as before buckets)."""
+        (world, n): summed over the shard group, divided by the job's size (SUM and a
+        division rather than ReduceOp.AVG: the same arithmetic as before buckets), then,
+        with several groups and `across`, summed over the replicas (Note [hybrid
+        sharding]); without `across`, this group's share of that mean."""
         if self.job_size == 1:
             mine.copy_(stacked.reshape(-1))
             return
@@ -253,10 +256,16 @@ class ProcessGroupInfo:
             reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
             reduce_scatter(mine, stacked.view(-1), group=self.group)
             self._count("reduce_scatter", stacked, mine)
+        mine.div_(self.job_size)
+        if across:
+            self.sum_across_groups(mine)
+
+    def sum_across_groups(self, mine: torch.Tensor) -> None:
+        """mine <- its sum over the replicas: the ranks of the other groups holding the same
+        partition (Note [hybrid sharding]); nothing with one group."""
         if self.replicas > 1:
             dist.all_reduce(mine, group=self._handle.replica_group)
             self._count("all_reduce", mine, mine, over="replica")
-        mine.div_(self.job_size)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """tensor <- job rank src's tensor, in place, on every rank of the job."""

@@ -26,6 +26,24 @@ same (tests/engine/test_reduce_scatter.py).
 
 With one rank there are no buckets: the gradient reaches the shard directly
 (Note [gradient partitions] in partition/shard.py), no copy made.
+
+Note [gradients across groups once a window]
+With several shard groups (Note [hybrid sharding] in transfers/layout.py) a
+bucket is reduce-scattered within the group at every backward, but summed
+across the groups only at the accumulation window's last backward (the
+step's `at_boundary`). Before it, each partition accumulates its group's
+share of the mean (GradientPartition.group_share). At it, the bucket takes
+in each partition's sum so far (`fold`), the one all_reduce across the groups
+runs, and its result replaces the partitions. The slow link then carries the
+gradients once an optimizer step, not once a micro-step; the sum is the same,
+in another order. A partition may also hold a sum already across the groups
+(a loop that accumulates over several windows of one, a checkpoint loaded
+inside a window): group 0 alone brings that into a fold, and before a share
+joins it the other groups zero their copy (`share`), so the shares always
+add up to the whole. Where a share is still pending when it is needed, it is
+summed across the groups there: before an update that no window's end
+preceded (a loop stepping the optimizer itself) and before a checkpoint saves
+it (group 0 saves the whole); p.grad refuses it.
 """
 from __future__ import annotations
 
@@ -44,19 +62,35 @@ class _Partitioned(Protocol):
 
 class GradientBuckets:
     def __init__(self, pg: ProcessGroupInfo, bucket_elems: int,
-                 deliver: Callable[[_Partitioned, torch.Tensor], None]):
+                 deliver: Callable[[_Partitioned, torch.Tensor], None], *,
+                 window_ends: Callable[[], bool] = lambda: True,
+                 fold: Callable[[_Partitioned, torch.Tensor], None] | None = None,
+                 share: Callable[[_Partitioned], None] | None = None):
         """bucket_elems: padded full-gradient elements per bucket (at least 1).
         deliver(shard, part): this rank's averaged fp32 partition of the shard's
-        gradient (a view into the bucket's output, valid during the call)."""
+        gradient (a view into the bucket's output, valid during the call).
+        window_ends(): whether this backward ends the accumulation window; fold(shard,
+        into): adds the shard's pending sum into `into` and lets the next gradient
+        replace it; share(shard): the next gradient is its group's share only (Note
+        [gradients across groups once a window])."""
         if pg.job_size < 2:
             raise ValueError("gradient buckets are for several ranks; with one the gradient goes "
                              "straight to its shard (Note [gradient buckets])")
         self.pg = pg
         self.bucket_elems = max(1, int(bucket_elems))
         self._deliver = deliver
+        self._window_ends, self._fold, self._share = window_ends, fold, share
         self._pending: list[tuple[_Partitioned, torch.Tensor]] = []
         self._pending_elems = 0
         self.buckets_sent = 0
+
+    @classmethod
+    def for_shards(cls, pg: ProcessGroupInfo, shards: list, bucket_elems: int | None, deliver, hooks):
+        """The buckets of a manager's shards: bucket_elems None, the largest padded parameter."""
+        largest = max(s.padded_numel for s in shards)
+        return cls(pg, bucket_elems or largest, deliver, window_ends=hooks.at_boundary,
+                   fold=lambda shard, into: shard.gradient.fold_into(into),
+                   share=lambda shard: shard.gradient.to_group_share())
 
     def add(self, shard: _Partitioned, grad: torch.Tensor) -> None:
         """Packs one full gradient; sends the bucket when it fills."""
@@ -83,8 +117,19 @@ class GradientBuckets:
         shards = [shard for shard, _ in pending]
         del pending, grad  # autograd's gradients are free once packed
         mine = torch.empty(per_rank, dtype=torch.float32, device=device)
-        self.pg.reduce_scatter_mean(mine, bucket)
+        across = self.pg.replicas == 1 or self._window_ends()
+        self.pg.reduce_scatter_mean(mine, bucket, across=False)
         del bucket
+        if self.pg.replicas > 1:  # Note [gradients across groups once a window]
+            start = 0
+            for shard in shards:
+                if across and self._fold is not None:
+                    self._fold(shard, mine[start:start + shard.part_numel])
+                elif not across and self._share is not None:
+                    self._share(shard)
+                start += shard.part_numel
+            if across:
+                self.pg.sum_across_groups(mine)
         self.buckets_sent += 1
         start = 0
         for shard in shards:

@@ -14,14 +14,17 @@ each group holds a whole copy of the partitions, planned and offloaded on
 its ranks as the flat layout plans one rank (a rank's share is 1/G):
   - gathers run within the group: none crosses a node;
   - a gradient is reduce-scattered within the group (its sum over the
-    group's ranks, partition by partition), then all_reduced across the
-    groups between the ranks holding the same partition (the replica group:
-    job ranks i, G + i, 2G + i ...), then divided by W: every rank then holds
-    the mean over the job of its partition, the same values in every group,
+    group's ranks, partition by partition) and divided by W; at the
+    accumulation window's last backward the window's sums are all_reduced
+    across the groups between the ranks holding the same partition (the
+    replica group: job ranks i, G + i, 2G + i ...; Note [gradients across
+    groups once a window] in grad_buckets.py): every rank then holds the
+    mean over the job of its partition, the same values in every group,
     and every group's Adam takes the same step on the same partition, so
     the copies stay equal without ever being sent;
-  - across groups only that all_reduce runs: 4 * P / G bytes sent a step per
-    rank for P padded trained elements (Note [collective bytes]).
+  - across groups only that all_reduce runs: 4 * P / G bytes sent an
+    optimizer step per rank for P padded trained elements, whatever the
+    window's length (Note [collective bytes]).
 This is MiCS's layout, and FSDP's HSDP; DeepSpeed's hpZ instead keeps the
 master and the optimizer state partitioned over every rank and a second
 copy of the parameters within each node, refreshed across nodes after each

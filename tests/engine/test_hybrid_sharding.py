@@ -36,7 +36,8 @@ import offload
 from tests.engine.collective_counts import Gathers, arrival_order, expected_buckets, expected_gathers, \
     saved_for_backward
 from tests.engine.ranks import run_ranks
-from tests.support.harness import batches, build, make_config, run_reference, run_reference_mixed, train_engine
+from tests.support.harness import (batches, build, lm_loss, make_config, run_reference, run_reference_mixed,
+                                  train_engine)
 
 pytestmark = pytest.mark.slow  # spawns four ranks
 
@@ -80,6 +81,7 @@ def _worker(rank, world, port, nvme_root, device, results):
         results.put((rank, "deepspeed", _deepspeed_surface(rank, world, os.path.join(nvme_root, "ds"))))
         results.put((rank, "refused", _budget_refusal()))
         results.put((rank, "offload.init", _built_under_init(rank, world, os.path.join(nvme_root, "init"))))
+        results.put((rank, "once a window", _once_a_window(rank, world, os.path.join(nvme_root, "window"))))
         for i, case in enumerate(CASES + WINDOW_CASES):
             run = _run_case if i < len(CASES) else _run_window_case
             try:
@@ -201,6 +203,70 @@ def _built_under_init(rank, world, root):
         return traceback.format_exc()
 
 
+def _once_a_window(rank, world, root):
+    """Note [gradients across groups once a window] (offload/transfers/grad_buckets.py):
+    across the nodes the gradients go once a window, at its last backward (4P/G bytes
+    sent, nothing at the others); equal to torch whichever way the window is driven:
+    engine.step(), a loop stepping the optimizer itself with the config's window or with
+    its own, and through a checkpoint saved inside the window and resumed."""
+    try:
+        model = build("tiny_gpt")
+        data = batches(4, world=world, seed=13)
+        ref_model, ref_losses = run_reference(model, data, gas=2, clip=0.0, lr=1e-2, weight_decay=0.01, world=world)
+        grad_bytes = FP32 * sum(PER_NODE * partition_numel(p.numel(), PER_NODE) for p in model.parameters())
+
+        def check(weights, what):
+            for name, p in ref_model.named_parameters():
+                torch.testing.assert_close(weights[name], p.detach(), msg=lambda m: f"{what} {name}: {m}")
+
+        def full(engine):
+            return {n: v.detach().cpu().clone() for n, v in engine.full_state_dict(master=True).items()}
+
+        # engine.step() drives the window: bytes across only at its end; p.grad refused inside it
+        cfg = make_config("cpu", "cpu", root, gas=2)
+        with offload.initialize(copy.deepcopy(model), cfg) as engine:
+            across, losses = [], []
+            for i, step in enumerate(data):
+                engine.pg.reset_collective_counts()
+                losses.append(train_engine(engine, [step], rank=rank))
+                across.append(engine.pg.collective_counts("across_nodes")["all_reduce"]["bytes_sent"])
+                if i % 2 == 0:
+                    with pytest.raises(RuntimeError, match=r"holds only its share of the gradient"):
+                        next(engine.module.parameters()).grad
+            weights = full(engine)
+        assert across == [0, grad_bytes // PER_NODE] * 2, (across, grad_bytes)
+        torch.testing.assert_close(torch.cat(losses), ref_losses[:, rank])
+        check(weights, "engine.step()")
+
+        # a loop of its own: backward twice, then optimizer.step(), no engine.step()
+        for gas in (2, 1):  # the config's window of 2 (never ended by engine.step()), or of 1
+            with offload.initialize(copy.deepcopy(model), make_config("cpu", "cpu", root, gas=gas)) as engine:
+                for i, per_rank in enumerate(data):
+                    x, y = per_rank[rank]
+                    (lm_loss(engine(x), y) / 2).backward()
+                    if i % 2 == 1:
+                        engine.optimizer.step()
+                        engine.optimizer.zero_grad()
+                check(full(engine), f"own loop, config window {gas}")
+
+        # saved inside the window (after its first micro-step), resumed in a fresh engine
+        with offload.initialize(copy.deepcopy(model), cfg) as engine:
+            train_engine(engine, data[:1], rank=rank)
+            engine.save_checkpoint(os.path.join(root, "ck"), tag="inside")
+            train_engine(engine, data[1:], rank=rank)
+            uninterrupted = full(engine)
+        check(uninterrupted, "saved inside the window")
+        with offload.initialize(build("tiny_gpt", seed=9), cfg) as engine:
+            engine.load_checkpoint(os.path.join(root, "ck"), tag="inside")
+            train_engine(engine, data[1:], rank=rank)
+            resumed = full(engine)
+        for name, value in uninterrupted.items():
+            torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=lambda m: f"resumed {name}: {m}")
+        return {"ok": True, "figures": None}
+    except BaseException:  # noqa: BLE001 - reported to the parent test
+        return traceback.format_exc()
+
+
 def _budget_refusal():
     """A host budget the group's share does not fit: refused before anything moves, naming
     the shard group as one way out."""
@@ -244,7 +310,7 @@ def test_two_nodes_of_two_ranks_hybrid_against_flat(tmp_path, device):
     every = CASES + WINDOW_CASES
     assert not failures, "\n".join(f"rank {r} case {every[i] if isinstance(i, int) else i}:\n{msg}"
                                     for (r, i), msg in failures.items())
-    assert len(outcome) == WORLD * (len(every) + 3), f"workers reported {sorted(outcome)}"
+    assert len(outcome) == WORLD * (len(every) + 4), f"workers reported {sorted(outcome)}"
     assert [p.exitcode for p in procs] == [0] * WORLD, f"worker exit codes {[p.exitcode for p in procs]}"
     for i, case in enumerate(CASES):  # every rank carried the same bytes on each link
         figures = [outcome[(r, i)]["figures"] for r in range(WORLD)]

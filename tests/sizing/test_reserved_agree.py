@@ -30,9 +30,9 @@ def _initialize_needs(config) -> tuple[dict, object]:
     seen = {}
     check = budgets.check_needs
 
-    def spy(need, cfg):
+    def spy(need, cfg, pg=None):
         seen.update({t.value: dict(parts) for t, parts in need.items()})
-        return check(need, cfg)
+        return check(need, cfg, pg)
 
     budgets.check_needs = spy
     try:

@@ -48,6 +48,19 @@ def test_nvme_reads_are_the_nodes_ranks_together():
         predict(work(params_on_nvme=True), Rates(**{**RATES.__dict__, "disk": None}))
 
 
+def test_a_window_sums_its_gradients_across_nodes_once():
+    one, eight = predict(work(), RATES), predict(work(accumulation=8), RATES)
+    for term in ("compute", "within node", "bus"):
+        assert eight.terms[term] == pytest.approx(8 * one.terms[term]), term
+    assert eight.terms["across nodes"] == one.terms["across nodes"]  # Note [gradients across groups once a window]
+    assert eight.terms["host Adam"] == one.terms["host Adam"]
+    flat = predict(work(group=8, accumulation=8), RATES)  # the flat layout's gathers cross every micro-step
+    assert flat.terms["across nodes"] == pytest.approx(8 * predict(work(group=8), RATES).terms["across nodes"])
+    assert eight.bound == "compute" and flat.bound == "across nodes"
+    with pytest.raises(ValueError, match="accumulation 0 is not a number of micro-steps"):
+        work(accumulation=0)
+
+
 def test_a_lora_pays_its_base_only_in_gathers():
     lora = compare_layouts(work(trainable=N // 1000, param_bytes=N // 2), RATES)  # a 4-bit base
     assert lora["hybrid"].terms["across nodes"] < lora["flat"].terms["across nodes"] / 100

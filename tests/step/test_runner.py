@@ -69,7 +69,7 @@ class Optimizer:
 
 
 class ProcessGroup:
-    world_size, rank = 1, 0
+    world_size, rank, replicas, job_size, job_rank = 1, 0, 1, 1, 0  # ProcessGroupInfo: one process
 
     def any_flag(self, flag, device):
         return flag
