@@ -20,8 +20,11 @@ bf16:
     one group spans both nodes: everything it carries crosses them, nothing stays
     within a node.
 Gradient accumulation, clipping by the global norm and frozen parameters, hybrid
-against plain PyTorch too (WINDOW_CASES: losses and weights; their bytes are not
-counted). Resuming a hybrid checkpoint at one node of two ranks and at two nodes of one rank
+against plain PyTorch too (WINDOW_CASES: losses and weights). With a window of 2
+the gradients cross the nodes once, at its last backward (Note [gradients across
+groups once a window] in offload/transfers/grad_buckets.py), whether engine.step(),
+a loop of the user's own or a checkpoint saved inside the window drives it
+(_once_a_window). Resuming a hybrid checkpoint at one node of two ranks and at two nodes of one rank
 each: tests/checkpoint_io/test_resume_world_size.py."""
 import copy
 import os
