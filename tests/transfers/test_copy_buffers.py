@@ -19,9 +19,9 @@ def _needs(monkeypatch) -> dict:
     seen = {}
     check = budgets.check_needs
 
-    def spy(need, cfg):
+    def spy(need, cfg, pg=None):
         seen.update({t.value: dict(parts) for t, parts in need.items()})
-        return check(need, cfg)
+        return check(need, cfg, pg)
 
     monkeypatch.setattr(budgets, "check_needs", spy)
     return seen
