@@ -238,12 +238,12 @@ class ProcessGroupInfo:
         self._count("all_gather", part, out_flat)
         return work
 
-    def reduce_scatter_mean(self, mine: torch.Tensor, stacked: torch.Tensor, *, across: bool = True) -> None:
-        """mine (n) <- the mean over the job's ranks of row `rank` of every rank's stacked
-        (world, n): summed over the shard group, divided by the job's size (SUM and a
-        division rather than ReduceOp.AVG: the same arithmetic as before buckets), then,
-        with several groups and `across`, summed over the replicas (Note [hybrid
-        sharding]); without `across`, this group's share of that mean."""
+    def reduce_scatter_mean(self, mine: torch.Tensor, stacked: torch.Tensor) -> None:
+        """mine (n) <- this shard group's share of the mean over the job's ranks of row
+        `rank` of every rank's stacked (world, n): summed over the group, divided by the
+        job's size (SUM and a division rather than ReduceOp.AVG: the same arithmetic as
+        before buckets). With one group that is the mean; with several, sum_across_groups
+        completes it (Note [gradients across groups once a window] in grad_buckets.py)."""
         if self.job_size == 1:
             mine.copy_(stacked.reshape(-1))
             return
@@ -257,8 +257,6 @@ class ProcessGroupInfo:
             reduce_scatter(mine, stacked.view(-1), group=self.group)
             self._count("reduce_scatter", stacked, mine)
         mine.div_(self.job_size)
-        if across:
-            self.sum_across_groups(mine)
 
     def sum_across_groups(self, mine: torch.Tensor) -> None:
         """mine <- its sum over the replicas: the ranks of the other groups holding the same

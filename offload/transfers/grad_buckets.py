@@ -118,7 +118,7 @@ class GradientBuckets:
         del pending, grad  # autograd's gradients are free once packed
         mine = torch.empty(per_rank, dtype=torch.float32, device=device)
         across = self.pg.replicas == 1 or self._window_ends()
-        self.pg.reduce_scatter_mean(mine, bucket, across=False)
+        self.pg.reduce_scatter_mean(mine, bucket)
         del bucket
         if self.pg.replicas > 1:  # Note [gradients across groups once a window]
             start = 0
